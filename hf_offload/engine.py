@@ -1,0 +1,561 @@
+"""The saved-tensor hooks that move activations to host memory and back.
+
+Streams, per device:
+  * the compute stream: whatever stream the forward (or, in backward, autograd) runs the model's kernels on.
+    It is read from `current_stream()` at each pack and unpack, *before* any `with stream(...)` block: inside
+    one, `current_stream()` answers the side stream, and a wait on it would silently order nothing.
+  * a device-to-host (D2H) stream for the forward copies, and a host-to-device (H2D) stream for the reloads,
+    so that both directions can run at once (the link is full duplex) and neither queues behind compute.
+
+Lifetimes:
+  * Each offloaded storage span is a `_HostCopy`, owned by the `_SavedTensor` handles that autograd keeps in
+    its graph. The graph's lifetime is the copy's lifetime: when backward frees a node (or the whole graph is
+    dropped because backward never ran), the copy dies and returns its pinned block to the pool. The engine
+    holds only weak references to copies, so nothing outlives the graph that saved it.
+  * The GPU original stays referenced until its D2H copy has finished (the *forward window*); the allocator
+    could otherwise hand its memory to a new tensor while the copy still reads it. Finished copies are
+    released by polling their events; the compute stream waits only when the window (bytes, and optionally
+    a tensor count) is full.
+  * Reloads go into memory allocated on the compute stream, so once the compute stream has waited on the
+    reload's event the buffer follows ordinary compute-stream lifetime rules (no `record_stream`). Because
+    that memory may have just been freed by compute-stream kernels still queued, the H2D stream first waits
+    for the compute stream.
+  * Pinned blocks are reused only by D2H copies; at the start of each step the D2H stream waits for the H2D
+    stream, so a block is never overwritten while an earlier reload still reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.hooks import RemovableHandle
+
+from .host_memory import HostBlock, PinnedHostPool, host_memory_cap
+from .policy import TailPlanner, kept_reason, parameter_storages, storage_span
+from .stats import StatsRecorder
+
+logger = logging.getLogger(__name__)
+
+_MIB = 2**20
+
+_IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
+
+
+class NoOpManager(saved_tensors_hooks):
+    """Suspends offloading inside its region.
+
+    Only the innermost `saved_tensors_hooks` context sees a saved tensor, so identity hooks pushed inside an
+    offloading context keep that region's tensors where they are.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @staticmethod
+    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+class _ExemptRegion(NoOpManager):
+    """A NoOp region that tells its engine what it kept, so the statistics account for every tensor."""
+
+    def __init__(self, stats: StatsRecorder) -> None:
+        self._stats = stats
+        super().__init__()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._stats.kept("exempt", tensor.numel() * tensor.element_size())
+        return tensor
+
+
+class _Lane:
+    """Per-device copy machinery: side streams and the windows of copies in flight."""
+
+    def __init__(self, device: torch.device, device_module: Any, use_streams: bool) -> None:
+        self.device = device
+        self.device_module = device_module
+        streamed = use_streams and device.type != "cpu"
+        self.d2h = device_module.Stream(device=device) if streamed else None
+        self.h2d = device_module.Stream(device=device) if streamed else None
+        self.inflight: deque[_HostCopy] = deque()  # forward copies whose GPU original is still held
+        self.inflight_bytes = 0
+        self.prefetched_bytes = 0  # reloaded ahead of need and not yet unpacked
+
+    def compute_stream(self) -> Any:
+        return self.device_module.current_stream(self.device)
+
+
+class _HostCopy:
+    """One storage span copied to the host, shared by every saved tensor that lies inside it."""
+
+    __slots__ = (
+        "lane", "pool", "block", "dtype", "start", "numel", "nbytes", "position", "step",
+        "source", "d2h_done", "reloaded", "reload_done", "prefetched", "consumed", "users", "unpacks_left",
+        "__weakref__",
+    )  # fmt: skip
+
+    def __init__(self, lane: _Lane, pool: PinnedHostPool, block: HostBlock, tensor: torch.Tensor,
+                 start: int, numel: int, position: int, step: _Step) -> None:  # fmt: skip
+        self.lane = lane
+        self.pool = pool
+        self.block = block
+        self.dtype = tensor.dtype
+        self.start = start  # first element of the span in the original storage
+        self.numel = numel
+        self.nbytes = numel * tensor.element_size()
+        self.position = position  # index among the step's offload candidates (the tail planner's numbering)
+        self.step = step
+        self.source: torch.Tensor | None = None  # the GPU span, held while its copy may still read it
+        self.d2h_done: Any = None
+        self.reloaded: torch.Tensor | None = None  # the span back on the GPU
+        self.reload_done: Any = None
+        self.prefetched = False  # reloaded ahead of need: counts against the prefetch window until unpacked
+        self.consumed = False  # every user has unpacked in the current backward
+        self.users = 0
+        self.unpacks_left = 0
+
+    def host_view(self) -> torch.Tensor:
+        return self.block.view(self.dtype, self.numel)
+
+    def __del__(self) -> None:
+        # A reload nobody consumed may still be writing into its compute-stream buffer: keep the allocator from
+        # reusing that memory until the H2D stream is past it.
+        if self.reloaded is not None and self.reload_done is not None and not self.reload_done.query():
+            self.reloaded.record_stream(self.lane.h2d)
+        self.pool.free(self.block)
+
+
+class _SavedTensor:
+    """What autograd stores in place of an offloaded tensor: its copy and its geometry within the copy."""
+
+    __slots__ = ("copy", "size", "stride", "offset")
+
+    def __init__(self, copy: _HostCopy, tensor: torch.Tensor) -> None:
+        self.copy = copy
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset() - copy.start
+
+
+class _Step:
+    """One forward pass's offloaded copies, in pack order, and the backward's prefetch cursor over them."""
+
+    __slots__ = ("copies", "cursor", "backward_started", "__weakref__")
+
+    def __init__(self) -> None:
+        self.copies: list[weakref.ref[_HostCopy]] = []
+        self.cursor = -1  # next copy (walking down) that backward may prefetch
+        self.backward_started = False
+
+
+def _require(condition: bool, option: str, allowed: str, value: Any) -> None:
+    if not condition:
+        raise ValueError(f"{option} must be {allowed}, got {value!r}")
+
+
+class OffloadActivations(saved_tensors_hooks):
+    """Context manager under which tensors saved for backward move to (pinned) host memory and come back.
+
+    Compatible with TRL's `OffloadActivations`: its four positional options mean the same thing. In the forward,
+    each eligible saved tensor (on the accelerator, at least `min_offload_size` bytes, not a parameter, not
+    saved already this step, not in the learned tail) is copied to a slice of a pinned host pool on a side
+    stream; its GPU memory is released once the copy is done. In the backward, tensors come back on another
+    side stream, prefetched in reverse pack order, so the copy for layer i-1 runs while layer i computes.
+
+    The context may span only the forward (as when wrapping a Trainer's `compute_loss`) or forward and
+    backward: everything is tied to autograd's saved tensors, not to the `with` block.
+
+    Args:
+        use_pin_memory: keep offloaded tensors in pinned (page-locked) host memory. Pageable memory copies at a
+            quarter of the speed and cannot overlap with compute.
+        use_streams: overlap copies with compute on side streams. False copies on the compute stream (no
+            overlap, the same results).
+        min_offload_size: bytes below which a tensor is not worth moving.
+        max_fwd_stash_size: if set (at least 1), also bound the forward copies in flight by count, as TRL does.
+            By default only `forward_window_bytes` bounds them.
+        forward_window_bytes: GPU bytes of forward copies in flight; past it the compute stream waits for the
+            oldest copy.
+        prefetch_window_bytes: bytes that backward reloads ahead of need; 0 reloads on demand only.
+        keep_tail: learn, from the first step, the end of the forward that backward needs first, and keep it on
+            the GPU (at most `forward_window_bytes` of it).
+        max_pinned_memory_fraction: cap on the pinned pool, as a fraction of the host memory available when it
+            is first used, shared by the ranks on the host (`LOCAL_WORLD_SIZE`). Past the cap tensors stay on
+            the GPU, with one warning.
+        max_pinned_bytes: an explicit cap in bytes; overrides the fraction.
+        device_type: the device type whose tensors are offloaded; by default the current accelerator. With no
+            accelerator offloading is inactive (one warning). "cpu" moves CPU tensors to a separate host buffer:
+            it exists to test the bookkeeping without a GPU.
+    """
+
+    def __init__(
+        self,
+        use_pin_memory: bool = True,
+        use_streams: bool = True,
+        min_offload_size: int = 1024,
+        max_fwd_stash_size: int | None = None,
+        *,
+        forward_window_bytes: int = 512 * _MIB,
+        prefetch_window_bytes: int = 512 * _MIB,
+        keep_tail: bool = True,
+        max_pinned_memory_fraction: float = 0.5,
+        max_pinned_bytes: int | None = None,
+        device_type: str | None = None,
+    ) -> None:
+        for name, value in (("use_pin_memory", use_pin_memory), ("use_streams", use_streams), ("keep_tail", keep_tail)):
+            _require(isinstance(value, bool), name, "True or False", value)
+        _require(_is_int(min_offload_size) and min_offload_size >= 0, "min_offload_size", "an int >= 0", min_offload_size)
+        _require(max_fwd_stash_size is None or (_is_int(max_fwd_stash_size) and max_fwd_stash_size >= 1),
+                 "max_fwd_stash_size", "None or an int >= 1", max_fwd_stash_size)  # fmt: skip
+        _require(_is_int(forward_window_bytes) and forward_window_bytes >= 1,
+                 "forward_window_bytes", "an int >= 1", forward_window_bytes)  # fmt: skip
+        _require(_is_int(prefetch_window_bytes) and prefetch_window_bytes >= 0,
+                 "prefetch_window_bytes", "an int >= 0", prefetch_window_bytes)  # fmt: skip
+        _require(isinstance(max_pinned_memory_fraction, (int, float)) and 0 < max_pinned_memory_fraction <= 0.9,
+                 "max_pinned_memory_fraction", "a number in (0, 0.9]", max_pinned_memory_fraction)  # fmt: skip
+        _require(max_pinned_bytes is None or (_is_int(max_pinned_bytes) and max_pinned_bytes >= 0),
+                 "max_pinned_bytes", "None or an int >= 0", max_pinned_bytes)  # fmt: skip
+        self.device_type = _resolve_device_type(device_type)
+        self.use_pin_memory = use_pin_memory and self.device_type not in (None, "cpu")
+        self.use_streams = use_streams
+        self.min_offload_size = min_offload_size
+        self.max_fwd_stash_size = max_fwd_stash_size
+        self.forward_window_bytes = forward_window_bytes
+        self.prefetch_window_bytes = prefetch_window_bytes
+        self.max_pinned_memory_fraction = max_pinned_memory_fraction
+        self.max_pinned_bytes = max_pinned_bytes
+
+        self._device_module = torch.get_device_module(self.device_type) if self.device_type else None
+        self._lanes: dict[torch.device, _Lane] = {}
+        self._pool: PinnedHostPool | None = None  # created at first use: the cap reads the memory available then
+        self._planner = TailPlanner(keep_tail, max_tail_bytes=forward_window_bytes)
+        self._stats = StatsRecorder()
+        self._parameter_pointers: set[int] = set()
+        self._model_ref: weakref.ref[torch.nn.Module] | None = None
+        self._module_hooks: list[RemovableHandle] = []
+        self._phase = _IDLE
+        self._step = _Step()
+        self._dedup: dict[int, tuple[weakref.ref, weakref.ref[_HostCopy]]] = {}  # storage ptr -> (storage, copy)
+        self._warned: set[str] = set()
+        # pack runs on the forward's thread, unpack on autograd's device threads: one lock keeps the per-step
+        # tables consistent if a user overlaps them.
+        self._lock = threading.RLock()
+        if self.device_type is None:
+            self._warn_once("inactive", "activation offloading is inactive: no accelerator is available, so "
+                            "saved tensors stay where they are and training proceeds without it")  # fmt: skip
+        super().__init__(self._pack, self._unpack)
+
+    # ------------------------------------------------------------------ public helpers
+
+    @property
+    def active(self) -> bool:
+        return self.device_type is not None
+
+    def update_model_params(self, model: torch.nn.Module) -> None:
+        """Never offload the storages of this model's parameters and buffers (re-read at every step, so that
+        FSDP's re-gathered parameters and a model moved between devices are recognised)."""
+        self._model_ref = weakref.ref(model)
+        self._refresh_parameter_pointers()
+
+    def exempt(self) -> NoOpManager:
+        """A region (a new context object each call, so regions can nest) whose tensors stay in place and are
+        counted as kept "exempt"."""
+        return _ExemptRegion(self._stats)
+
+    def track_hook(self, handle: RemovableHandle) -> None:
+        self._module_hooks.append(handle)
+
+    def remove_hooks(self) -> None:
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks.clear()
+
+    def get_stats(self) -> dict[str, int | float]:
+        """Counters of the most recent step (its forward and, once run, its backward)."""
+        return self._stats.step.as_dict(self._pinned_bytes())
+
+    def consume_stats(self) -> dict[str, int | float]:
+        """Counters summed over the steps since the last call; resets them."""
+        return self._stats.consume_total(self._pinned_bytes())
+
+    def __enter__(self) -> OffloadActivations:
+        self._phase = _IDLE  # the next pack starts a new step
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for lane in self._lanes.values():
+            self._release_finished(lane)
+        super().__exit__(*exc_info)
+
+    # ------------------------------------------------------------------ forward
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if self.device_type is None:
+            return tensor
+        with self._lock:
+            in_backward = torch._C._current_graph_task_id() != -1
+            if not in_backward and self._phase != _FORWARD:
+                self._begin_step()
+            reason = kept_reason(
+                tensor,
+                device_type=self.device_type,
+                min_offload_size=self.min_offload_size,
+                parameter_pointers=self._parameter_pointers,
+                in_backward=in_backward,
+            )
+            if reason is None:
+                return self._offload(tensor)
+            if reason == "not_on_accelerator":
+                self._warn_once(reason, f"tensors saved on {tensor.device.type} are not offloaded (offloading "
+                                f"moves {self.device_type} tensors): is the model on the CPU?")  # fmt: skip
+            self._stats.kept(reason, tensor.numel() * tensor.element_size())
+            return tensor
+
+    def _begin_step(self) -> None:
+        """A forward begins: forget the previous step (its copies live on through their own graph)."""
+        self._phase = _FORWARD
+        self._step = _Step()
+        self._dedup.clear()
+        self._stats.begin_step()
+        self._planner.begin_step()
+        self._refresh_parameter_pointers()
+        for lane in self._lanes.values():
+            self._drain_inflight(lane)
+            if lane.d2h is not None:
+                lane.d2h.wait_stream(lane.h2d)  # pinned blocks freed by the last backward may be reused now
+
+    def _offload(self, tensor: torch.Tensor) -> Any:
+        start, numel = storage_span(tensor)
+        nbytes = numel * tensor.element_size()
+        storage = tensor.untyped_storage()
+        shared = self._dedup.get(storage.data_ptr())
+        if shared is not None:
+            shared_storage, shared_copy = shared[0](), shared[1]()
+            if (shared_storage is storage and shared_copy is not None and shared_copy.dtype == tensor.dtype
+                    and shared_copy.start <= start and start + numel <= shared_copy.start + shared_copy.numel):  # fmt: skip
+                self._stats.kept("duplicate", nbytes)
+                return self._saved(shared_copy, tensor)
+        position = self._planner.candidates_seen
+        if self._planner.next_candidate(tensor.dtype, tensor.dim(), nbytes):
+            self._stats.kept("tail", nbytes)
+            return tensor
+        block = self._host_pool().allocate(nbytes)
+        if block is None:
+            self._warn_once("over_host_cap", f"the pinned host pool reached its cap ({self._pool.cap_bytes / 2**30:.1f} "
+                            "GiB): further activations stay on the GPU. Raise max_pinned_memory_fraction or "
+                            "max_pinned_bytes if the host has room.")  # fmt: skip
+            self._stats.kept("over_host_cap", nbytes)
+            return tensor
+        lane = self._lane(tensor.device)
+        copy = _HostCopy(lane, self._pool, block, tensor, start, numel, position, self._step)
+        self._copy_out(lane, copy, tensor.as_strided((numel,), (1,), start))
+        self._step.copies.append(weakref.ref(copy))
+        self._dedup[storage.data_ptr()] = (weakref.ref(storage), weakref.ref(copy))
+        self._stats.offloaded(nbytes)
+        return self._saved(copy, tensor)
+
+    def _copy_out(self, lane: _Lane, copy: _HostCopy, span: torch.Tensor) -> None:
+        compute = lane.compute_stream()  # before any stream switch: see the module docstring
+        if lane.d2h is None:
+            copy.host_view().copy_(span, non_blocking=True)  # ordered on the compute stream: span may go now
+            return
+        self._make_room(lane, copy.nbytes, compute)
+        lane.d2h.wait_stream(compute)  # the span's producer kernels first
+        with self._device_module.stream(lane.d2h):
+            copy.host_view().copy_(span, non_blocking=True)
+            copy.d2h_done = lane.d2h.record_event()
+        copy.source = span
+        lane.inflight.append(copy)
+        lane.inflight_bytes += copy.nbytes
+
+    def _make_room(self, lane: _Lane, nbytes: int, compute: Any) -> None:
+        """Releases finished copies; if the window is still full, makes compute wait for the oldest ones."""
+        self._release_finished(lane)
+        while lane.inflight and (
+            lane.inflight_bytes + nbytes > self.forward_window_bytes
+            or (self.max_fwd_stash_size is not None and len(lane.inflight) >= self.max_fwd_stash_size)
+        ):
+            oldest = lane.inflight.popleft()
+            self._wait(compute, oldest.d2h_done)  # later compute-stream reuse of the memory is ordered after
+            self._release(lane, oldest)
+
+    def _release_finished(self, lane: _Lane) -> None:
+        # One D2H stream per lane finishes its copies in order, so only the front can be done.
+        while lane.inflight and lane.inflight[0].d2h_done.query():
+            self._release(lane, lane.inflight.popleft())
+
+    def _drain_inflight(self, lane: _Lane) -> None:
+        compute = lane.compute_stream()
+        while lane.inflight:
+            oldest = lane.inflight.popleft()
+            self._wait(compute, oldest.d2h_done)
+            self._release(lane, oldest)
+
+    @staticmethod
+    def _release(lane: _Lane, copy: _HostCopy) -> None:
+        """Drops a GPU original whose copy is done, or that the compute stream already waits for."""
+        lane.inflight_bytes -= copy.nbytes
+        copy.source = None
+
+    @staticmethod
+    def _drop_source(copy: _HostCopy) -> None:
+        """Drops a GPU original kept past backward's start; its copy may still be reading it, and the host copy
+        must stay intact for a second backward (retain_graph)."""
+        if copy.source is not None and not copy.d2h_done.query():
+            copy.source.record_stream(copy.lane.d2h)
+        copy.source = None
+
+    # ------------------------------------------------------------------ backward
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _SavedTensor):
+            return saved
+        with self._lock:
+            copy = saved.copy
+            if not copy.step.backward_started:
+                self._begin_backward(copy.step)
+            lane = copy.lane
+            compute = lane.compute_stream() if lane.h2d is not None else None
+            if copy.source is not None:
+                span = copy.source  # its copy never finished before backward: it never left the GPU
+                self._stats.reload("inflight_hits")
+            elif copy.reloaded is not None:
+                span = copy.reloaded
+                self._wait(compute, copy.reload_done)
+                self._stats.reload("prefetch_hits")
+            else:
+                self._reload(copy, compute)
+                span = copy.reloaded
+                self._wait(compute, copy.reload_done)
+                self._stats.reload("prefetch_misses")
+            if copy.prefetched:
+                copy.prefetched = False
+                lane.prefetched_bytes -= copy.nbytes
+            copy.unpacks_left -= 1
+            if copy.unpacks_left <= 0:  # every saved tensor in this span has been handed to autograd
+                copy.consumed = True
+                self._drop_source(copy)
+                copy.reloaded = None
+                copy.unpacks_left = copy.users  # a second backward (retain_graph) unpacks all of them again
+            self._prefetch(copy.step)
+            # as_strided's offset counts from the start of the storage: the source span starts at `copy.start`
+            # of the original storage, a reloaded buffer at 0.
+            return torch.as_strided(span, saved.size, saved.stride, span.storage_offset() + saved.offset)
+
+    def _begin_backward(self, step: _Step) -> None:
+        """The first unpack of a step: learn the tail, keep unfinished copies' originals, start prefetching."""
+        step.backward_started = True
+        self._phase = _BACKWARD
+        first_unfinished = None
+        for lane in self._lanes.values():
+            self._release_finished(lane)
+            # Copies still in flight keep their GPU original until it is unpacked: reloading it later would
+            # only cost, and the memory is held at this point anyway.
+            for copy in lane.inflight:
+                lane.inflight_bytes -= copy.nbytes
+                if copy.step is step:
+                    position = copy.position
+                    first_unfinished = position if first_unfinished is None else min(first_unfinished, position)
+            lane.inflight.clear()
+            lane.prefetched_bytes = 0
+        if step is self._step:
+            self._planner.end_forward(first_unfinished)
+        step.cursor = len(step.copies) - 1
+        self._prefetch(step)
+
+    def _prefetch(self, step: _Step) -> None:
+        """Reloads the next copies backward will need (descending pack order), up to the prefetch window."""
+        while step.cursor >= 0:
+            copy = step.copies[step.cursor]()
+            if copy is None or copy.source is not None or copy.reloaded is not None or copy.consumed:
+                step.cursor -= 1
+                continue
+            lane = copy.lane
+            if lane.d2h is None or lane.prefetched_bytes + copy.nbytes > self.prefetch_window_bytes:
+                return
+            self._reload(copy, lane.compute_stream())
+            copy.prefetched = True
+            lane.prefetched_bytes += copy.nbytes
+            step.cursor -= 1
+
+    def _reload(self, copy: _HostCopy, compute: Any) -> None:
+        lane = copy.lane
+        buffer = torch.empty(copy.numel, dtype=copy.dtype, device=lane.device)  # on the compute stream
+        if lane.h2d is None:
+            buffer.copy_(copy.host_view(), non_blocking=True)
+        else:
+            lane.h2d.wait_stream(compute)  # the buffer's memory may still be in use by queued compute kernels
+            lane.h2d.wait_event(copy.d2h_done)
+            with self._device_module.stream(lane.h2d):
+                buffer.copy_(copy.host_view(), non_blocking=True)
+                copy.reload_done = lane.h2d.record_event()
+        copy.reloaded = buffer
+
+    # ------------------------------------------------------------------ shared
+
+    def _saved(self, copy: _HostCopy, tensor: torch.Tensor) -> _SavedTensor:
+        copy.users += 1
+        copy.unpacks_left += 1
+        return _SavedTensor(copy, tensor)
+
+    def _wait(self, compute: Any, event: Any) -> None:
+        """Makes the compute stream wait for a copy, timing the stall if the copy is not done yet."""
+        if event is None or event.query():
+            return
+        start = self._device_module.Event(enable_timing=True)
+        end = self._device_module.Event(enable_timing=True)
+        start.record(compute)
+        compute.wait_event(event)
+        end.record(compute)
+        self._stats.wait(start, end)
+
+    def _lane(self, device: torch.device) -> _Lane:
+        lane = self._lanes.get(device)
+        if lane is None:
+            lane = self._lanes[device] = _Lane(device, self._device_module, self.use_streams)
+        return lane
+
+    def _host_pool(self) -> PinnedHostPool:
+        if self._pool is None:
+            cap = host_memory_cap(self.max_pinned_memory_fraction, self.max_pinned_bytes)
+            self._pool = PinnedHostPool(cap, pin_memory=self.use_pin_memory)
+        return self._pool
+
+    def _pinned_bytes(self) -> int:
+        return 0 if self._pool is None else self._pool.capacity
+
+    def _refresh_parameter_pointers(self) -> None:
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None:
+            self._parameter_pointers = parameter_storages([*model.parameters(), *model.buffers()])
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _resolve_device_type(device_type: str | None) -> str | None:
+    """The device type to offload from, or None when there is none (offloading inactive)."""
+    if device_type is None:
+        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        return None if accelerator is None else accelerator.type
+    _require(isinstance(device_type, str), "device_type", "None or a device type string", device_type)
+    if device_type != "cpu":
+        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        _require(accelerator is not None and accelerator.type == device_type, "device_type",
+                 "None, 'cpu' or the available accelerator's type", device_type)  # fmt: skip
+    return device_type

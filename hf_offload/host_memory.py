@@ -1,0 +1,125 @@
+"""The pinned host pool that offloaded activations live in.
+
+Allocating pinned memory (cudaHostAlloc) costs about 0.4 s per GB and synchronises the device, so it must never
+happen per tensor per step. The pool grows in large chunks during the first step, to what that step needs, and
+every later step carves its tensors out of the same chunks: each step frees what the previous one used (the
+backward releases it), so the same sequence of requests fits again.
+
+The pool is capped. By default the cap is a fraction of the host memory available when the pool is created,
+divided by the number of local ranks (`LOCAL_WORLD_SIZE`), since every process on the host runs its own pool.
+A request past the cap returns None and the engine keeps that tensor on the GPU: the host is never driven out
+of memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import psutil
+import torch
+
+_ALIGNMENT = 512  # bytes; keeps every block aligned for any dtype and for fast DMA
+_DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
+
+
+def local_world_size() -> int:
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+
+
+def host_memory_cap(max_pinned_memory_fraction: float, max_pinned_bytes: int | None) -> int:
+    """Bytes this process's pool may hold: an explicit cap, or its share of the available host memory."""
+    if max_pinned_bytes is not None:
+        return max_pinned_bytes
+    available = psutil.virtual_memory().available
+    return int(available * max_pinned_memory_fraction) // local_world_size()
+
+
+class HostBlock:
+    """A byte range of one pool chunk, owned by one offloaded copy until it is freed."""
+
+    __slots__ = ("chunk", "offset", "nbytes")
+
+    def __init__(self, chunk: torch.Tensor, offset: int, nbytes: int) -> None:
+        self.chunk = chunk
+        self.offset = offset
+        self.nbytes = nbytes
+
+    def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The block's first `numel` elements as a flat tensor of `dtype` (a view: no allocation)."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.chunk[self.offset : self.offset + nbytes].view(dtype)
+
+
+class PinnedHostPool:
+    """First-fit allocator over a few large host chunks, with free-block coalescing.
+
+    Blocks are freed from autograd's backward thread and from garbage collection, so every operation holds a
+    lock. Reuse of a freed block by a later device copy is ordered by the engine (the device-to-host stream waits
+    for the host-to-device stream at the start of each step), not here.
+    """
+
+    def __init__(self, cap_bytes: int, pin_memory: bool, chunk_bytes: int = _DEFAULT_CHUNK_BYTES) -> None:
+        self.cap_bytes = cap_bytes
+        self.pin_memory = pin_memory
+        self.chunk_bytes = chunk_bytes
+        self._chunks: list[torch.Tensor] = []
+        self._free: list[list[tuple[int, int]]] = []  # per chunk: sorted (offset, nbytes) free ranges
+        self._lock = threading.Lock()
+        self.allocations = 0  # chunk allocations so far: flat after the first step
+
+    @property
+    def capacity(self) -> int:
+        """Host bytes the pool holds (allocated chunks, used or free)."""
+        return sum(chunk.numel() for chunk in self._chunks)
+
+    def allocate(self, nbytes: int) -> HostBlock | None:
+        """A block of at least `nbytes`, or None if that would take the pool past its cap."""
+        size = _align(nbytes)
+        with self._lock:
+            for index, free_ranges in enumerate(self._free):
+                for position, (offset, length) in enumerate(free_ranges):
+                    if length >= size:
+                        if length == size:
+                            del free_ranges[position]
+                        else:
+                            free_ranges[position] = (offset + size, length - size)
+                        return HostBlock(self._chunks[index], offset, size)
+            return self._grow(size)
+
+    def _grow(self, size: int) -> HostBlock | None:
+        # PyTorch's pinned allocator rounds every allocation up to a power of two; asking for exactly that keeps
+        # the pool's accounting (and so its cap) equal to the pinned memory really held.
+        chunk_size = max(size, self.chunk_bytes)
+        if self.pin_memory:
+            chunk_size = 1 << (chunk_size - 1).bit_length()
+        if chunk_size > self.cap_bytes - self.capacity:
+            return None
+        chunk = torch.empty(chunk_size, dtype=torch.uint8, pin_memory=self.pin_memory)
+        self.allocations += 1
+        self._chunks.append(chunk)
+        self._free.append([(size, chunk_size - size)] if chunk_size > size else [])
+        return HostBlock(chunk, 0, size)
+
+    def free(self, block: HostBlock) -> None:
+        with self._lock:
+            index = next(i for i, chunk in enumerate(self._chunks) if chunk is block.chunk)
+            ranges = self._free[index]
+            ranges.append((block.offset, block.nbytes))
+            ranges.sort()
+            merged = [ranges[0]]
+            for offset, length in ranges[1:]:
+                last_offset, last_length = merged[-1]
+                if last_offset + last_length == offset:
+                    merged[-1] = (last_offset, last_length + length)
+                else:
+                    merged.append((offset, length))
+            self._free[index] = merged
+
+    def bytes_in_use(self) -> int:
+        with self._lock:
+            return self.capacity - sum(length for ranges in self._free for _, length in ranges)
