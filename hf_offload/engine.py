@@ -68,12 +68,12 @@ class NoOpManager(saved_tensors_hooks):
 class _ExemptRegion(NoOpManager):
     """A NoOp region that tells its engine what it kept, so the statistics account for every tensor."""
 
-    def __init__(self, stats: StatsRecorder) -> None:
-        self._stats = stats
+    def __init__(self, engine: OffloadActivations) -> None:
+        self._engine = engine
         super().__init__()
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._stats.kept("exempt", tensor.numel() * tensor.element_size())
+        self._engine._keep(tensor, "exempt")
         return tensor
 
 
@@ -268,7 +268,7 @@ class OffloadActivations(saved_tensors_hooks):
     def exempt(self) -> NoOpManager:
         """A region (a new context object each call, so regions can nest) whose tensors stay in place and are
         counted as kept "exempt"."""
-        return _ExemptRegion(self._stats)
+        return _ExemptRegion(self)
 
     def track_hook(self, handle: RemovableHandle) -> None:
         self._module_hooks.append(handle)
@@ -302,9 +302,7 @@ class OffloadActivations(saved_tensors_hooks):
         if self.device_type is None:
             return tensor
         with self._lock:
-            in_backward = torch._C._current_graph_task_id() != -1
-            if not in_backward and self._phase != _FORWARD:
-                self._begin_step()
+            in_backward = self._note_pack()
             reason = kept_reason(
                 tensor,
                 device_type=self.device_type,
@@ -319,6 +317,19 @@ class OffloadActivations(saved_tensors_hooks):
                                 f"moves {self.device_type} tensors): is the model on the CPU?")  # fmt: skip
             self._stats.kept(reason, tensor.numel() * tensor.element_size())
             return tensor
+
+    def _keep(self, tensor: torch.Tensor, reason: str) -> None:
+        """Counts a tensor that a region of this engine kept without asking it (an exempt module)."""
+        with self._lock:
+            self._note_pack()
+            self._stats.kept(reason, tensor.numel() * tensor.element_size())
+
+    def _note_pack(self) -> bool:
+        """Starts a new step if this pack opens a forward; True if it happens inside a backward pass."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        if not in_backward and self._phase != _FORWARD:
+            self._begin_step()
+        return in_backward
 
     def _begin_step(self) -> None:
         """A forward begins: forget the previous step (its copies live on through their own graph)."""
@@ -350,8 +361,8 @@ class OffloadActivations(saved_tensors_hooks):
             return tensor
         block = self._host_pool().allocate(nbytes)
         if block is None:
-            self._warn_once("over_host_cap", f"the pinned host pool reached its cap ({self._pool.cap_bytes / 2**30:.1f} "
-                            "GiB): further activations stay on the GPU. Raise max_pinned_memory_fraction or "
+            self._warn_once("over_host_cap", f"the pinned host pool reached its cap ({self._pool.cap_bytes / _MIB:.0f} "
+                            "MiB): further activations stay on the GPU. Raise max_pinned_memory_fraction or "
                             "max_pinned_bytes if the host has room.")  # fmt: skip
             self._stats.kept("over_host_cap", nbytes)
             return tensor

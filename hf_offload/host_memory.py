@@ -94,10 +94,13 @@ class PinnedHostPool:
     def _grow(self, size: int) -> HostBlock | None:
         # PyTorch's pinned allocator rounds every allocation up to a power of two; asking for exactly that keeps
         # the pool's accounting (and so its cap) equal to the pinned memory really held.
-        chunk_size = max(size, self.chunk_bytes)
+        room = self.cap_bytes - self.capacity
+        chunk_size = max(size, min(self.chunk_bytes, room))
         if self.pin_memory:
             chunk_size = 1 << (chunk_size - 1).bit_length()
-        if chunk_size > self.cap_bytes - self.capacity:
+            if chunk_size > room:
+                chunk_size >>= 1  # the largest power of two that still fits under the cap
+        if not size <= chunk_size <= room:
             return None
         chunk = torch.empty(chunk_size, dtype=torch.uint8, pin_memory=self.pin_memory)
         self.allocations += 1

@@ -1,0 +1,418 @@
+"""Everything hf-offload knows about models.
+
+This module answers three questions for the engine, which itself knows nothing about models:
+
+1. *Which module is the model?*  Trainers hand us models wrapped by DDP, FSDP, DeepSpeed, ``torch.compile`` and
+   PEFT; the head lives on the innermost one (:func:`unwrap_model`).
+2. *What is the tail of the forward?*  The output head and the final norm run last in the forward, so their saved
+   tensors are the first ones backward needs: moving them to the host and straight back only costs bandwidth, and
+   the head's input/logits are often the largest tensors of the step (:func:`find_output_head`).
+3. *What must never be offloaded?*  The tail above, and every Liger kernel module (:func:`find_liger_modules`).
+
+:func:`get_act_offloading_ctx_manager` puts these together: it builds the engine and installs, on every exempt
+module, a pair of forward hooks that suspend offloading while that module runs.
+
+Only ``torch`` is imported at module level: wrappers from optional libraries (PEFT, DeepSpeed, accelerate, dynamo)
+are recognised by class name, so importing hf-offload never imports them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .engine import OffloadActivations
+
+__all__ = [
+    "unwrap_model",
+    "find_output_head",
+    "find_liger_modules",
+    "get_act_offloading_ctx_manager",
+]
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------------------------------
+# Unwrapping
+# --------------------------------------------------------------------------------------------------------------------
+
+# Wrappers that keep the real model in `.module`. Matched by class name anywhere in the MRO, so subclasses and
+# wrappers from libraries we do not import (DeepSpeed, apex, fairscale, torch_xla) are recognised. Never unwrap an
+# arbitrary `.module`: some transformers layers store a child there (e.g. LeViT's residual block `self.module`).
+_DOT_MODULE_WRAPPERS = frozenset(
+    {
+        "DistributedDataParallel",  # torch DDP, apex DDP
+        "DataParallel",
+        "FullyShardedDataParallel",  # FSDP1 (FSDP2's fully_shard changes the module in place: nothing to unwrap)
+        "XlaFullyShardedDataParallel",
+        "ShardedDataParallel",  # fairscale
+        "DeepSpeedEngine",  # also PipelineEngine, DeepSpeedHybridEngine (subclasses)
+    }
+)
+
+
+def _class_names(obj: object, module_prefix: str | None = None) -> set[str]:
+    """Names of the classes in ``type(obj)``'s MRO, optionally only those defined under ``module_prefix``."""
+    return {
+        cls.__name__
+        for cls in type(obj).__mro__
+        if module_prefix is None or (cls.__module__ or "").startswith(module_prefix)
+    }
+
+
+def _child(obj: object, attr: str) -> nn.Module | None:
+    """``obj.<attr>`` when it is an ``nn.Module``, else None."""
+    value = getattr(obj, attr, None)
+    return value if isinstance(value, nn.Module) else None
+
+
+def _unwrap_once(model: nn.Module) -> nn.Module | None:
+    """One level of unwrapping, or None when ``model`` is not a wrapper we know."""
+    if _class_names(model) & _DOT_MODULE_WRAPPERS:
+        return _child(model, "module")
+    if "OptimizedModule" in _class_names(model, "torch."):  # torch.compile(model)
+        return _child(model, "_orig_mod")
+    peft_classes = _class_names(model, "peft")
+    if peft_classes & {"PeftModel", "PeftMixedModel"}:
+        # PeftModel.base_model is the tuner (LoraModel, ...) or, for prompt learning, the transformers model.
+        return _child(model, "base_model")
+    if "BaseTuner" in peft_classes:  # LoraModel, IA3Model, MixedModel, ...
+        return _child(model, "model")
+    return None
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Return the innermost model: the one whose attributes name the head and the final norm.
+
+    Peels, until nothing changes, the wrappers a training stack puts around a model: DDP / DataParallel / FSDP1 /
+    DeepSpeed engines (``.module``), ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``) and PEFT
+    (``PeftModel -> base_model (LoraModel ...) -> model``). Wrappers nest in any order (DDP around a compiled PEFT
+    model), hence the loop. Anything else is returned unchanged; in particular a plain module that merely has an
+    attribute called ``module`` is not a wrapper.
+    """
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = _unwrap_once(model)
+        if inner is None:
+            break
+        model = inner
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Finding the tail of the forward
+# --------------------------------------------------------------------------------------------------------------------
+
+# Output heads, most specific first; paths are relative to the unwrapped model. Only the first one found is used:
+# a model has one head, and exempting something that is not the tail keeps memory on the GPU for nothing.
+_HEAD_PATHS: tuple[str, ...] = (
+    "lm_head",  # causal / seq2seq / masked LMs (Llama, Qwen, GPT-2, T5, BART, RoBERTa)
+    "output",  # torchtune-style models
+    "output.linear",  # ... whose `output` is not a module itself
+    "decoder.lm_head",
+    "decoder.output",
+    "head",  # timm-style and custom models
+    "classifier",  # BERT/RoBERTa/ViT sequence and token classification
+    "score",  # Llama/Qwen/GPT-2 sequence classification, reward models
+    "qa_outputs",  # extractive question answering
+    "cls",  # BertForMaskedLM / BertForPreTraining (`cls.predictions.decoder`)
+)
+
+# Final norms: the last module of a decoder stack, run right before the head.
+_FINAL_NORM_NAMES: tuple[str, ...] = ("final_layer_norm", "final_layernorm", "final_norm", "ln_f", "norm_f", "norm")
+# A few decoders (MBart, Whisper, Marian) call their final norm `layer_norm`; only trusted inside a `decoder`.
+_DECODER_FINAL_NORM_NAMES: tuple[str, ...] = ("layer_norm",)
+
+# Children that lead from a task model down its text/decoder trunk (`base_model_prefix` is added per model).
+# Encoders and vision towers are deliberately absent: their norms are not at the tail of the forward.
+_TRUNK_CHILDREN: tuple[str, ...] = ("model", "transformer", "language_model", "decoder", "backbone")
+_MAX_TRUNK_DEPTH = 3
+
+
+def _get_path(model: nn.Module, path: str) -> nn.Module | None:
+    """The module at dotted ``path`` under ``model``, or None when some step is missing or not an ``nn.Module``."""
+    obj: Any = model
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+        # Intermediate steps may be plain objects (a torchtune `output` holding `.linear`); the target must be a module.
+        if i == len(parts) - 1 and not isinstance(obj, nn.Module):
+            return None
+    return obj
+
+
+def _find_head(model: nn.Module) -> tuple[str, nn.Module] | None:
+    for path in _HEAD_PATHS:
+        module = _get_path(model, path)
+        if module is not None and module is not model:
+            return path, module
+    return None
+
+
+def _trunk(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """``(path, module, is_decoder)`` for the model and its trunk containers, breadth first, root first."""
+    prefix = getattr(model, "base_model_prefix", None)
+    children = ((prefix,) if isinstance(prefix, str) and prefix else ()) + _TRUNK_CHILDREN
+    found: list[tuple[str, nn.Module, bool]] = []
+    seen: set[int] = set()
+    frontier: list[tuple[str, nn.Module, bool]] = [("", model, False)]
+    for _ in range(_MAX_TRUNK_DEPTH + 1):
+        next_frontier = []
+        for path, module, is_decoder in frontier:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            found.append((path, module, is_decoder))
+            # `_modules`, not getattr: properties (e.g. `language_model` aliases in transformers v5) are skipped.
+            for name in children:
+                child = module._modules.get(name)
+                if child is not None:
+                    child_path = f"{path}.{name}" if path else name
+                    next_frontier.append((child_path, child, is_decoder or name == "decoder"))
+        frontier = next_frontier
+    return found
+
+
+def _find_final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
+    for path, container, is_decoder in _trunk(model):
+        names = _FINAL_NORM_NAMES + (_DECODER_FINAL_NORM_NAMES if is_decoder else ())
+        for name in names:
+            norm = container._modules.get(name)
+            if norm is not None:
+                return (f"{path}.{name}" if path else name), norm
+    return None
+
+
+def find_output_head(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Return the tail of the forward to keep on the device: ``[(name, module)]``, head first, then final norm.
+
+    The head is the first of ``lm_head``, ``output`` / ``output.linear``, ``decoder.lm_head`` / ``decoder.output``,
+    ``head``, ``classifier``, ``score``, ``qa_outputs``, ``cls`` found on the unwrapped model. The final norm
+    (``final_layer_norm``, ``final_layernorm``, ``final_norm``, ``ln_f``, ``norm_f``, ``norm``; ``layer_norm`` in a
+    decoder) is searched on the model and down its trunk (``base_model_prefix``, ``model``, ``transformer``,
+    ``language_model``, ``decoder``, ``backbone``) but never in an encoder: T5's ``encoder.final_layer_norm`` runs
+    early, its ``decoder.final_layer_norm`` runs last.
+
+    Names are relative to :func:`unwrap_model` of ``model``. Empty when nothing matched.
+    """
+    model = unwrap_model(model)
+    found: list[tuple[str, nn.Module]] = []
+    for match in (_find_head(model), _find_final_norm(model)):
+        if match is not None and all(match[1] is not module for _, module in found):
+            found.append(match)
+    return found
+
+
+def _is_liger(name: str, module: nn.Module) -> bool:
+    if "liger" in name.lower():
+        return True
+    return any((cls.__module__ or "").startswith("liger_kernel") for cls in type(module).__mro__)
+
+
+def find_liger_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every Liger module of the unwrapped model: its class (or a base class) is defined under ``liger_kernel``, or
+    its qualified name in the model contains ``liger`` (case-insensitive).
+
+    Liger kernels are fused Triton autograd functions that manage their own saved tensors (some compute gradients in
+    the forward and store them in place); they are kept out of offloading, as TRL does. The model itself is never
+    matched: exempting the root would switch offloading off for the whole model.
+    """
+    model = unwrap_model(model)
+    return [(name, module) for name, module in model.named_modules() if name and _is_liger(name, module)]
+
+
+def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop duplicates and modules nested in another entry: the outer region already covers them."""
+    kept: list[tuple[str, nn.Module]] = []
+    for name, module in sorted(named, key=lambda item: (item[0].count("."), item[0])):
+        if any(module is m or p == "" or name.startswith(p + ".") for p, m in kept):
+            continue
+        kept.append((name, module))
+    return kept
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Exemption hooks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _top_saved_tensors_pack_hook() -> Any:
+    """The pack hook on top of this thread's saved-tensor hooks stack, None when empty, ``...`` when unknown."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # older torch: cannot tell
+        return ...
+    try:
+        hooks = top(True)
+    except TypeError:  # signature without `ignore_is_tracing`
+        hooks = top()
+    return hooks[0] if hooks else None
+
+
+def _engine_is_innermost(engine: OffloadActivations) -> bool:
+    """Whether tensors saved right now would reach ``engine``'s pack hook.
+
+    Only then is there anything to suspend. When another saved-tensor hook sits on top (non-reentrant activation
+    checkpointing inside a decoder layer, or another exempt region), pushing a NoOp region would *bypass* that hook:
+    under checkpointing it would make autograd keep the very activations checkpointing drops.
+    """
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    if enabled is not None and not enabled():
+        return False  # entering any saved_tensors_hooks would raise here
+    top = _top_saved_tensors_pack_hook()
+    return top is ... or (top is not None and top == engine.pack_hook)
+
+
+class _ExemptHooks:
+    """The forward pre-hook / forward hook pair that suspends offloading while one module runs.
+
+    One instance per module registration, with a per-thread stack of entered regions, so the same module may run
+    re-entrantly or in DataParallel replicas, and modules nested in exempt modules behave. The forward hook is
+    registered with ``always_call=True``, so an exception in the module still exits its region.
+    """
+
+    def __init__(self, engine: OffloadActivations) -> None:
+        self.engine = engine
+        self._local = threading.local()
+
+    def _stack(self) -> list[Any]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        region = self.engine.exempt() if _engine_is_innermost(self.engine) else None
+        if region is not None:
+            region.__enter__()
+        self._stack().append(region)
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack()
+        if stack:
+            region = stack.pop()
+            if region is not None:
+                region.__exit__(None, None, None)
+
+    def __deepcopy__(self, memo: dict) -> _ExemptHooks:
+        # `copy.deepcopy(model)` (e.g. a DPO reference model) copies hook dicts; share the hook like a plain function
+        # would be shared instead of deep-copying the engine, its pinned pool and its streams.
+        return self
+
+
+def _install_exempt_hooks(engine: OffloadActivations, module: nn.Module) -> None:
+    region = _ExemptHooks(engine)
+    engine.track_hook(module.register_forward_pre_hook(region.enter))
+    engine.track_hook(module.register_forward_hook(region.exit, always_call=True))
+
+
+def _remove_stale_exempt_hooks(model: nn.Module) -> None:
+    """Remove exempt hooks of ours that no live installation record covers (a deep copy of a hooked model)."""
+    for module in model.modules():
+        for dict_name in ("_forward_pre_hooks", "_forward_hooks"):
+            hooks = getattr(module, dict_name, None)
+            if not hooks:
+                continue
+            for hook_id, hook in list(hooks.items()):
+                if isinstance(getattr(hook, "__self__", None), _ExemptHooks):
+                    del hooks[hook_id]
+                    for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                                  "_forward_hooks_always_called"):
+                        getattr(module, extra, {}).pop(hook_id, None)
+
+
+@dataclass(frozen=True)
+class _Installation:
+    """What :func:`get_act_offloading_ctx_manager` left on a model, stored as ``model._hf_offload_engine``.
+
+    Weak references: the record must keep neither the engine (and its pinned host memory) alive after the user drops
+    it, nor the model; a deep copy of the model keeps pointing at the *original* owner, which tells us not to remove
+    the original model's hooks when the copy is hooked.
+    """
+
+    engine: weakref.ReferenceType
+    owner: weakref.ReferenceType
+
+
+_INSTALLATION_ATTR = "_hf_offload_engine"
+
+
+def _remove_previous_installation(model: nn.Module) -> None:
+    record = model.__dict__.get(_INSTALLATION_ATTR)
+    if isinstance(record, _Installation) and record.owner() is model:
+        engine = record.engine()
+        if engine is not None:
+            engine.remove_hooks()
+    _remove_stale_exempt_hooks(model)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------------------------------
+
+_no_head_warned = False  # once per process: trainers build a context per run, notebooks re-run cells
+
+
+def _warn_no_head_once(model: nn.Module) -> None:
+    global _no_head_warned
+    if _no_head_warned:
+        return
+    _no_head_warned = True
+    warnings.warn(
+        f"hf_offload: no output head found on {type(model).__name__} (looked for "
+        f"{', '.join(_HEAD_PATHS)}). If the model has one, its activations will be offloaded and brought straight "
+        "back, which usually slows training (the logits are large). Pass warn_if_no_head=False to silence this.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def get_act_offloading_ctx_manager(
+    model: nn.Module,
+    use_pin_memory: bool = True,
+    use_streams: bool = True,
+    min_offload_size: int = 1024,
+    max_fwd_stash_size: int | None = None,
+    warn_if_no_head: bool = True,
+    **engine_options: Any,
+) -> OffloadActivations:
+    """Build the activation offloading context for ``model``: a drop-in for TRL's function of the same name.
+
+    The engine is told the parameter storages of ``model`` (the outermost wrapper: FSDP1 keeps the root's flat
+    parameter there, not on the inner model), and the tail of the forward (:func:`find_output_head`) plus every Liger
+    module (:func:`find_liger_modules`) get hooks that suspend offloading while they run. Warns once per process
+    when no head is found (unless ``warn_if_no_head=False``).
+
+    Calling it again on the same model replaces the previous context's hooks instead of stacking them.
+    ``engine.remove_hooks()`` takes every hook off again. ``engine_options`` are the engine's keyword-only options.
+    """
+    engine = OffloadActivations(
+        use_pin_memory=use_pin_memory,
+        use_streams=use_streams,
+        min_offload_size=min_offload_size,
+        max_fwd_stash_size=max_fwd_stash_size,
+        **engine_options,
+    )
+    unwrapped = unwrap_model(model)
+    _remove_previous_installation(unwrapped)
+    engine.update_model_params(model)
+
+    tail = find_output_head(unwrapped)
+    if warn_if_no_head and _find_head(unwrapped) is None:  # a final norm alone does not spare the head
+        _warn_no_head_once(unwrapped)
+
+    exempt = _outermost(tail + find_liger_modules(unwrapped))
+    for _, module in exempt:
+        _install_exempt_hooks(engine, module)
+    unwrapped.__dict__[_INSTALLATION_ATTR] = _Installation(weakref.ref(engine), weakref.ref(unwrapped))
+    logger.info("hf_offload: kept on the device (not offloaded): %s", ", ".join(n or "<model>" for n, _ in exempt))
+    return engine

@@ -1,0 +1,351 @@
+"""The engine's bookkeeping on CPU tensors (device_type="cpu" moves them to a separate host buffer).
+
+Every test drives real autograd through the real hooks; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+import torch.utils.checkpoint as checkpoint
+
+from hf_offload import NoOpManager, OffloadActivations
+
+
+def cpu_engine(**options) -> OffloadActivations:
+    options.setdefault("min_offload_size", 0)
+    return OffloadActivations(device_type="cpu", **options)
+
+
+class SaveProbe(torch.autograd.Function):
+    """Saves `probe` for backward and hands back, in `captured`, the tensor autograd restores."""
+
+    captured: list[torch.Tensor] = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(probe)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        SaveProbe.captured.append(ctx.saved_tensors[0])
+        return grad, None
+
+
+def round_trip(engine: OffloadActivations, *probes: torch.Tensor) -> list[torch.Tensor]:
+    SaveProbe.captured = []
+    x = torch.ones(2, requires_grad=True)
+    with engine:
+        y = x
+        for probe in probes:
+            y = SaveProbe.apply(y, probe)
+    y.sum().backward()
+    return SaveProbe.captured[::-1]  # backward runs in reverse order
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda base: base,
+        lambda base: base.t(),  # non-contiguous
+        lambda base: base[3:7, 2:],  # storage offset, non-contiguous rows
+        lambda base: base[:, :1].expand(10, 12),  # stride-0 broadcast
+        lambda base: base.view(-1)[5:50:3],  # strided 1-D slice
+        lambda base: base.unsqueeze(1).expand(10, 4, 12),  # broadcast in the middle
+    ],
+    ids=["plain", "transposed", "offset", "broadcast", "strided", "broadcast-middle"],
+)
+def test_restores_values_and_geometry_exactly(make) -> None:
+    base = torch.randn(10, 12)
+    probe = make(base)
+    (restored,) = round_trip(cpu_engine(), probe)
+    assert torch.equal(restored, probe)
+    assert restored.shape == probe.shape and restored.stride() == probe.stride()
+    assert restored.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()  # really a copy
+
+
+def test_broadcast_copies_only_the_underlying_span() -> None:
+    engine = cpu_engine()
+    small = torch.randn(16, 1)
+    round_trip(engine, small.expand(16, 4096))
+    assert engine.get_stats()["bytes_offloaded"] == 16 * 4
+
+
+def test_views_of_one_storage_are_offloaded_once() -> None:
+    engine = cpu_engine()
+    base = torch.randn(8, 8)
+    restored = round_trip(engine, base, base[2:5], base.t(), base)
+    for got, want in zip(restored, [base, base[2:5], base.t(), base]):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+    stats = engine.get_stats()
+    assert stats["tensors_offloaded"] == 1 and stats["bytes_offloaded"] == 8 * 8 * 4
+    assert stats["tensors_kept_duplicate"] == 3
+
+
+def test_view_outside_the_offloaded_span_gets_its_own_copy() -> None:
+    engine = cpu_engine()
+    base = torch.randn(8, 8)
+    restored = round_trip(engine, base[:2], base[4:])
+    assert torch.equal(restored[0], base[:2]) and torch.equal(restored[1], base[4:])
+    assert engine.get_stats()["tensors_offloaded"] == 2
+
+
+def test_recycled_storage_address_is_not_mistaken_for_a_duplicate() -> None:
+    """A storage freed during the forward may be reallocated at the same address: dedup must check identity."""
+    engine = cpu_engine()
+    SaveProbe.captured = []
+    x = torch.ones(2, requires_grad=True)
+    expected = []
+    with engine:
+        y = x
+        for _ in range(6):
+            probe = torch.randn(64, 64)
+            expected.append(probe.clone())
+            y = SaveProbe.apply(y, probe)
+            del probe  # its only owner is now the offloaded copy: the allocator may reuse the address
+    y.sum().backward()
+    for got, want in zip(SaveProbe.captured[::-1], expected):
+        assert torch.equal(got, want)
+    assert engine.get_stats()["tensors_kept_duplicate"] == 0
+
+
+def test_size_floor_and_parameters_are_kept() -> None:
+    engine = cpu_engine(min_offload_size=1024)
+    layer = torch.nn.Linear(64, 64)
+    engine.update_model_params(layer)
+    round_trip(engine, torch.randn(4), layer.weight.detach(), layer.weight.detach().t(), torch.randn(64, 64))
+    stats = engine.get_stats()
+    assert stats["tensors_kept_too_small"] == 1
+    assert stats["tensors_kept_parameter"] == 2  # by storage: detached views of the weight too
+    assert stats["tensors_offloaded"] == 1
+
+
+def test_parameter_instances_are_kept_without_registration() -> None:
+    engine = cpu_engine()
+    layer = torch.nn.Linear(16, 16)
+    round_trip(engine, layer.weight)
+    assert engine.get_stats()["tensors_kept_parameter"] == 1
+
+
+def test_unsupported_tensor_types_are_kept() -> None:
+    engine = cpu_engine()
+    sparse = torch.eye(32).to_sparse()
+    (restored,) = round_trip(engine, sparse)
+    assert restored is sparse
+    assert engine.get_stats()["tensors_kept_unsupported_type"] == 1
+
+
+def tiny_mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.SiLU(), torch.nn.Linear(64, 8)
+    )
+
+
+def grads_of(model: torch.nn.Module, engine: OffloadActivations | None, *, checkpointing: str = "off",
+             backward_inside: bool = False, seed: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        if checkpointing == "off":
+            return model(x).pow(2).mean()
+        reentrant = checkpointing == "reentrant"
+        return checkpoint.checkpoint(model, x, use_reentrant=reentrant).pow(2).mean()
+
+    if engine is None:
+        loss = forward()
+        loss.backward()
+    else:
+        with engine:
+            loss = forward()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def assert_bitwise_equal(a, b) -> None:
+    assert torch.equal(a[0], b[0])
+    assert len(a[1]) == len(b[1])
+    for got, want in zip(a[1], b[1]):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["forward-only-ctx", "forward-backward-ctx"])
+@pytest.mark.parametrize("use_streams", [True, False])
+def test_gradients_bitwise_equal(checkpointing: str, backward_inside: bool, use_streams: bool) -> None:
+    model = tiny_mlp()
+    reference = grads_of(model, None, checkpointing=checkpointing)
+    engine = cpu_engine(use_streams=use_streams)
+    engine.update_model_params(model)
+    for _ in range(3):  # later steps run with the learned plan and the reused pool
+        assert_bitwise_equal(grads_of(model, engine, checkpointing=checkpointing, backward_inside=backward_inside),
+                             reference)  # fmt: skip
+        assert engine.get_stats()["bytes_offloaded"] > 0
+
+
+def test_reentrant_recompute_inside_the_context_is_kept() -> None:
+    model = tiny_mlp()
+    engine = cpu_engine()
+    grads_of(model, engine, checkpointing="reentrant", backward_inside=True)
+    assert engine.get_stats()["tensors_kept_in_backward"] > 0
+
+
+def test_pool_is_reused_and_nothing_outlives_the_graph() -> None:
+    model = tiny_mlp()
+    engine = cpu_engine()
+    grads_of(model, engine)
+    pool = engine._pool
+    allocations, capacity = pool.allocations, pool.capacity
+    for _ in range(5):
+        grads_of(model, engine)
+        assert pool.bytes_in_use() == 0
+    assert (pool.allocations, pool.capacity) == (allocations, capacity)
+    assert engine.get_stats()["pinned_bytes"] == capacity
+
+
+def test_forward_without_backward_leaves_nothing_behind() -> None:
+    model = tiny_mlp()
+    engine = cpu_engine()
+    reference = grads_of(model, None)
+    with engine:
+        loss = model(torch.randn(16, 32)).sum()  # evaluation with grad: no backward
+    assert engine._pool.bytes_in_use() > 0
+    del loss
+    gc.collect()
+    assert engine._pool.bytes_in_use() == 0
+    assert_bitwise_equal(grads_of(model, engine), reference)
+
+
+def test_exception_in_forward_leaves_nothing_behind() -> None:
+    model = tiny_mlp()
+    engine = cpu_engine()
+    reference = grads_of(model, None)
+    with pytest.raises(RuntimeError, match="boom"):
+        with engine:
+            hidden = model(torch.randn(16, 32))
+            raise RuntimeError("boom")
+    del hidden
+    gc.collect()
+    assert engine._pool.bytes_in_use() == 0
+    assert_bitwise_equal(grads_of(model, engine), reference)
+
+
+def test_retain_graph_and_autograd_grad() -> None:
+    model = tiny_mlp()
+    torch.manual_seed(3)
+    x = torch.randn(16, 32)
+    loss_ref = model(x).pow(2).mean()
+    expected = torch.autograd.grad(loss_ref, list(model.parameters()))
+    engine = cpu_engine()
+    with engine:
+        loss = model(x).pow(2).mean()
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    second = torch.autograd.grad(loss, list(model.parameters()))
+    for a, b, c in zip(first, second, expected):
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+
+def test_gradient_accumulation_over_micro_batches() -> None:
+    model = tiny_mlp()
+
+    def accumulate(engine):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        for _ in range(3):
+            x = torch.randn(16, 32)
+            if engine is None:
+                model(x).pow(2).mean().backward()
+            else:
+                with engine:
+                    loss = model(x).pow(2).mean()
+                loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = accumulate(None)
+    engine = cpu_engine()
+    for got, want in zip(accumulate(engine), expected):
+        assert torch.equal(got, want)
+    assert engine.consume_stats()["steps"] == 3
+
+
+def test_host_cap_keeps_tensors_on_device_with_one_warning(caplog) -> None:
+    model = tiny_mlp()
+    reference = grads_of(model, None)
+    engine = cpu_engine(max_pinned_bytes=8192)
+    with caplog.at_level(logging.WARNING, logger="hf_offload.engine"):
+        for _ in range(2):
+            assert_bitwise_equal(grads_of(model, engine), reference)
+    stats = engine.get_stats()
+    assert stats["tensors_kept_over_host_cap"] > 0 and stats["tensors_offloaded"] > 0
+    assert stats["pinned_bytes"] <= 8192
+    assert sum("cap" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_noop_manager_and_exempt_regions() -> None:
+    engine = cpu_engine()
+    x = torch.randn(8, 8, requires_grad=True)
+    with engine:
+        with NoOpManager():
+            a = x.sin()
+        with engine.exempt():
+            b = a.cos()
+        c = b.exp()
+    c.sum().backward()
+    stats = engine.get_stats()
+    assert stats["tensors_kept_exempt"] == 1  # cos saved its input inside the exempt region
+    assert stats["tensors_offloaded"] == 1  # exp saves its output; sin's input was hidden by NoOpManager
+
+
+def test_stats_accumulate_until_consumed() -> None:
+    model = tiny_mlp()
+    engine = cpu_engine()
+    for _ in range(4):
+        grads_of(model, engine)
+    per_step = engine.get_stats()
+    total = engine.consume_stats()
+    assert total["steps"] == 4 and per_step["steps"] == 1
+    assert total["bytes_offloaded"] == 4 * per_step["bytes_offloaded"]
+    assert engine.consume_stats()["steps"] == 0
+
+
+def test_inactive_without_accelerator(caplog) -> None:
+    if torch.accelerator.current_accelerator() is not None:
+        pytest.skip("an accelerator is present")
+    with caplog.at_level(logging.WARNING, logger="hf_offload.engine"):
+        engine = OffloadActivations()
+    assert not engine.active
+    assert any("inactive" in record.getMessage() for record in caplog.records)
+    model = tiny_mlp()
+    assert_bitwise_equal(grads_of(model, engine), grads_of(model, None))
+    assert engine.get_stats()["tensors_offloaded"] == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"use_pin_memory": "yes"}, "use_pin_memory"),
+        ({"use_streams": 1}, "use_streams"),
+        ({"keep_tail": None}, "keep_tail"),
+        ({"min_offload_size": -1}, "min_offload_size"),
+        ({"min_offload_size": 1.5}, "min_offload_size"),
+        ({"max_fwd_stash_size": 0}, "max_fwd_stash_size"),
+        ({"forward_window_bytes": 0}, "forward_window_bytes"),
+        ({"prefetch_window_bytes": -1}, "prefetch_window_bytes"),
+        ({"max_pinned_memory_fraction": 0}, "max_pinned_memory_fraction"),
+        ({"max_pinned_memory_fraction": 0.95}, "max_pinned_memory_fraction"),
+        ({"max_pinned_bytes": -5}, "max_pinned_bytes"),
+        ({"device_type": "tpu"}, "device_type"),
+    ],
+)
+def test_invalid_options_name_the_option(options: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        OffloadActivations(**options)

@@ -1,0 +1,129 @@
+"""Eligibility rules, the tail planner and the pinned pool: pure bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_offload.host_memory import PinnedHostPool, host_memory_cap
+from hf_offload.policy import TailPlanner, kept_reason, parameter_storages, storage_span
+
+
+def reason(tensor: torch.Tensor, **overrides) -> str | None:
+    options = {"device_type": "cpu", "min_offload_size": 16, "parameter_pointers": set(), "in_backward": False}
+    options.update(overrides)
+    return kept_reason(tensor, **options)
+
+
+def test_storage_span() -> None:
+    base = torch.zeros(6, 8)
+    assert storage_span(base) == (0, 48)
+    assert storage_span(base.t()) == (0, 48)
+    assert storage_span(base[2:4, 1:3]) == (17, 10)
+    assert storage_span(base[:, :1].expand(6, 100)) == (0, 41)
+    assert storage_span(torch.zeros(0, 3)) == (0, 0)
+
+
+def test_kept_reasons_in_order() -> None:
+    weight = torch.nn.Parameter(torch.zeros(8, 8))
+    assert reason(weight) == "parameter"
+    assert reason(torch.zeros(8, 8), device_type="cuda") == "not_on_accelerator"
+    assert reason(torch.zeros(8, 8), in_backward=True) == "in_backward"
+    assert reason(torch.zeros(2)) == "too_small"
+    assert reason(torch.zeros(0)) == "too_small"
+    assert reason(torch.eye(4).to_sparse()) == "unsupported_type"
+    pointers = parameter_storages([weight])
+    assert reason(weight.detach()[1:], parameter_pointers=pointers) == "parameter"
+    assert reason(torch.zeros(8, 8)) is None
+    # The size floor applies to the bytes copied (the span), not to the broadcast view.
+    assert reason(torch.zeros(2, 1).expand(2, 1000)) == "too_small"
+
+
+def follow(planner: TailPlanner, sizes: list[int], dtype=torch.float32) -> list[bool]:
+    planner.begin_step()
+    return [planner.next_candidate(dtype, 2, size) for size in sizes]
+
+
+def test_tail_learned_from_unfinished_copies_and_only_grows() -> None:
+    planner = TailPlanner(enabled=True, max_tail_bytes=10_000)
+    sizes = [100] * 10
+    assert follow(planner, sizes) == [False] * 10  # no plan yet
+    planner.end_forward(first_unfinished=7)
+    assert follow(planner, sizes) == [False] * 7 + [True] * 3
+    planner.end_forward(first_unfinished=None)  # everything finished: keep the plan
+    assert planner.tail_start == 7
+    follow(planner, sizes)
+    planner.end_forward(first_unfinished=5)  # copies before the tail lagged: grow it
+    assert planner.tail_start == 5
+
+
+def test_tail_is_capped_in_bytes() -> None:
+    planner = TailPlanner(enabled=True, max_tail_bytes=250)
+    follow(planner, [100] * 10)
+    planner.end_forward(first_unfinished=0)
+    assert planner.tail_start == 8  # only the last 200 bytes fit under 250
+
+
+def test_tail_replanned_when_the_sequence_changes() -> None:
+    planner = TailPlanner(enabled=True, max_tail_bytes=10_000)
+    follow(planner, [100] * 10)
+    planner.end_forward(first_unfinished=8)
+    # A different path (another dtype in the middle): the rest of this step is offloaded as usual.
+    planner.begin_step()
+    decisions = [planner.next_candidate(torch.float32, 2, 100) for _ in range(4)]
+    decisions += [planner.next_candidate(torch.bfloat16, 2, 100) for _ in range(6)]
+    assert decisions == [False] * 10
+    planner.end_forward(first_unfinished=None)
+    assert planner.tail_start is None
+    # A longer sequence length keeps the structure (dtype, rank) and therefore the plan.
+    planner2 = TailPlanner(enabled=True, max_tail_bytes=10_000)
+    follow(planner2, [100] * 4)
+    planner2.end_forward(first_unfinished=3)
+    assert follow(planner2, [150] * 4) == [False, False, False, True]
+
+
+def test_tail_disabled() -> None:
+    planner = TailPlanner(enabled=False, max_tail_bytes=10_000)
+    follow(planner, [100] * 4)
+    planner.end_forward(first_unfinished=0)
+    assert follow(planner, [100] * 4) == [False] * 4
+
+
+def test_pool_first_fit_coalesces_and_caps() -> None:
+    pool = PinnedHostPool(cap_bytes=4096, pin_memory=False, chunk_bytes=2048)
+    blocks = [pool.allocate(500) for _ in range(4)]  # 512 each after alignment
+    assert [b.offset for b in blocks] == [0, 512, 1024, 1536] and pool.allocations == 1
+    for block in blocks[1:3]:
+        pool.free(block)
+    merged = pool.allocate(1000)  # fits only in the coalesced hole
+    assert merged.offset == 512 and pool.allocations == 1
+    big = pool.allocate(2048)
+    assert big is not None and pool.allocations == 2 and pool.capacity == 4096
+    assert pool.allocate(1) is None  # past the cap
+    for block in (blocks[0], blocks[3], merged, big):
+        pool.free(block)
+    assert pool.bytes_in_use() == 0
+
+
+def test_pool_block_views_share_the_chunk() -> None:
+    pool = PinnedHostPool(cap_bytes=1 << 20, pin_memory=False, chunk_bytes=4096)
+    block = pool.allocate(64)
+    view = block.view(torch.float32, 16)
+    view.fill_(3.0)
+    assert view.shape == (16,) and block.chunk[:64].view(torch.float32).eq(3.0).all()
+
+
+def test_host_cap_is_shared_by_local_ranks(monkeypatch) -> None:
+    assert host_memory_cap(0.5, max_pinned_bytes=123) == 123
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    one = host_memory_cap(0.5, None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    four = host_memory_cap(0.5, None)
+    assert 0 < four <= one / 4 * 1.05  # available memory moves a little between the two reads
+
+
+@pytest.mark.parametrize("size", [1, 511, 512, 513])
+def test_pool_alignment(size: int) -> None:
+    pool = PinnedHostPool(cap_bytes=1 << 20, pin_memory=False, chunk_bytes=4096)
+    first, second = pool.allocate(size), pool.allocate(size)
+    assert second.offset % 512 == 0 and second.offset >= size
