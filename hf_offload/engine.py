@@ -186,7 +186,8 @@ class OffloadActivations(saved_tensors_hooks):
             oldest copy.
         prefetch_window_bytes: bytes that backward reloads ahead of need; 0 reloads on demand only.
         keep_tail: learn, from the first step, the end of the forward that backward needs first, and keep it on
-            the GPU (at most `forward_window_bytes` of it).
+            the GPU: the copies that step could not finish before backward began (they were on the GPU at that
+            point anyway), or up to `forward_window_bytes` of it as later steps show copies lagging.
         max_pinned_memory_fraction: cap on the pinned pool, as a fraction of the host memory available when it
             is first used, shared by the ranks on the host (`LOCAL_WORLD_SIZE`). Past the cap tensors stay on
             the GPU, with one warning.
@@ -319,10 +320,16 @@ class OffloadActivations(saved_tensors_hooks):
             return tensor
 
     def _keep(self, tensor: torch.Tensor, reason: str) -> None:
-        """Counts a tensor that a region of this engine kept without asking it (an exempt module)."""
+        """Counts a tensor that a region of this engine kept without asking it (an exempt module).
+
+        Exempt regions are the end of the forward (head, loss), where memory peaks and no further pack would
+        otherwise release the originals of copies that finished meanwhile: release them here.
+        """
         with self._lock:
             self._note_pack()
             self._stats.kept(reason, tensor.numel() * tensor.element_size())
+            for lane in self._lanes.values():
+                self._release_finished(lane)
 
     def _note_pack(self) -> bool:
         """Starts a new step if this pack opens a forward; True if it happens inside a backward pass."""

@@ -366,7 +366,6 @@ def _warn_no_head_once(model: nn.Module) -> None:
     global _no_head_warned
     if _no_head_warned:
         return
-    _no_head_warned = True
     warnings.warn(
         f"hf_offload: no output head found on {type(model).__name__} (looked for "
         f"{', '.join(_HEAD_PATHS)}). If the model has one, its activations will be offloaded and brought straight "

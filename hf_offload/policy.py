@@ -78,10 +78,14 @@ class TailPlanner:
     Backward needs the last tensors of the forward first. A copy that has not even finished leaving the GPU when
     backward starts is pure cost: the GPU copy is still alive, so keeping it costs no extra memory and saves both
     transfers. The planner watches one step: the position of the first candidate whose copy was unfinished when
-    backward began becomes the start of the tail for the next steps. The tail only grows (it never oscillates),
-    never holds more than `max_tail_bytes`, and is re-learned when the sequence of candidates changes (a
-    different model path, a different number of layers), which is recognised by each candidate's dtype and rank
-    so that a new sequence length alone does not discard the plan.
+    backward began becomes the start of the tail for the next steps (copies finish in pack order, so every
+    later candidate was unfinished too). The tail only grows (it never oscillates) and is re-learned when the
+    sequence of candidates changes (a different model path, a different number of layers), which is recognised
+    by each candidate's dtype and rank so that a new sequence length alone does not discard the plan.
+
+    Memory: the tail may hold what the planning step held unfinished at backward start (those bytes were on
+    the GPU then anyway), or `max_tail_bytes` if that is more. Later growth stays under that bound, so a
+    bandwidth-bound model whose copies always lag does not drift towards keeping everything.
     """
 
     def __init__(self, enabled: bool, max_tail_bytes: int) -> None:
@@ -90,6 +94,7 @@ class TailPlanner:
         self._plan_signature: list[tuple[torch.dtype, int]] | None = None
         self._plan_sizes: list[int] = []
         self._tail_start: int | None = None
+        self._tail_cap = max_tail_bytes
         # The step being packed.
         self._signature: list[tuple[torch.dtype, int]] = []
         self._sizes: list[int] = []
@@ -129,16 +134,19 @@ class TailPlanner:
             return
         same_sequence = self._follows_plan and len(self._signature) == len(self._plan_signature)
         start = self._tail_start if same_sequence else None
-        if first_unfinished is not None:
-            start = first_unfinished if start is None else min(start, first_unfinished)
         self._plan_signature = self._signature
         self._plan_sizes = self._sizes
+        if not same_sequence:  # a new plan: its budget is what this step held unfinished
+            unfinished = 0 if first_unfinished is None else sum(self._sizes[first_unfinished:])
+            self._tail_cap = max(self.max_tail_bytes, unfinished)
+        if first_unfinished is not None:
+            start = first_unfinished if start is None else min(start, first_unfinished)
         self._tail_start = None if start is None else self._cap(start)
 
     def _cap(self, start: int) -> int:
-        """Moves the tail start later until the tail holds at most `max_tail_bytes`."""
+        """Moves the tail start later until the tail fits its budget."""
         tail_bytes = sum(self._plan_sizes[start:])
-        while start < len(self._plan_sizes) and tail_bytes > self.max_tail_bytes:
+        while start < len(self._plan_sizes) and tail_bytes > self._tail_cap:
             tail_bytes -= self._plan_sizes[start]
             start += 1
         return start

@@ -57,11 +57,22 @@ def test_tail_learned_from_unfinished_copies_and_only_grows() -> None:
     assert planner.tail_start == 5
 
 
-def test_tail_is_capped_in_bytes() -> None:
+def test_tail_budget_is_what_the_planning_step_held() -> None:
     planner = TailPlanner(enabled=True, max_tail_bytes=250)
-    follow(planner, [100] * 10)
-    planner.end_forward(first_unfinished=0)
-    assert planner.tail_start == 8  # only the last 200 bytes fit under 250
+    sizes = [100] * 10
+    follow(planner, sizes)
+    planner.end_forward(first_unfinished=6)  # 400 bytes were still on the GPU at backward start: keep them
+    assert planner.tail_start == 6
+    follow(planner, sizes)
+    planner.end_forward(first_unfinished=2)  # copies keep lagging: the tail may not grow past 400 bytes
+    assert planner.tail_start == 6
+    # With a small observation the configured bound applies.
+    small = TailPlanner(enabled=True, max_tail_bytes=250)
+    follow(small, sizes)
+    small.end_forward(first_unfinished=9)
+    follow(small, sizes)
+    small.end_forward(first_unfinished=0)
+    assert small.tail_start == 8  # only the last 200 bytes fit under 250
 
 
 def test_tail_replanned_when_the_sequence_changes() -> None:
