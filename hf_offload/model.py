@@ -310,9 +310,59 @@ class _ExemptHooks:
 
 
 def _install_exempt_hooks(engine: OffloadActivations, module: nn.Module) -> None:
-    region = _ExemptHooks(engine)
-    engine.track_hook(module.register_forward_pre_hook(region.enter))
-    engine.track_hook(module.register_forward_hook(region.exit, always_call=True))
+    hooks = _ExemptHooks(engine)
+    engine.track_hook(module.register_forward_pre_hook(hooks.enter))
+    engine.track_hook(module.register_forward_hook(hooks.exit, always_call=True))
+
+
+class _TailHooks(_ExemptHooks):
+    """Suspends offloading from the first tail module (final norm or head) to the end of the model's forward.
+
+    What runs after the head inside the model's forward is the loss (HF models compute it from the logits), or,
+    with Liger's fused linear cross-entropy, the head itself: that kernel reads ``lm_head.weight`` and never
+    calls ``lm_head.forward``, but the final norm still runs first. All of it is needed first by backward, so
+    the region stays open until the model's forward returns. A tail module called outside the model's forward
+    gets an ordinary per-module region.
+    """
+
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
+    def root_enter(self, module: nn.Module, args: Any) -> None:
+        self._local.depth = self._depth() + 1
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        stack = self._stack()
+        if stack and stack[-1][1] == self._depth() and self._depth() > 0:
+            return  # the region opened by an earlier tail module of this forward is still open
+        region = self.engine.exempt() if _engine_is_innermost(self.engine) else None
+        if region is not None:
+            region.__enter__()
+        stack.append((region, self._depth()))
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._depth() == 0:
+            self._close(0)
+
+    def root_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._close(self._depth())
+        self._local.depth = self._depth() - 1
+
+    def _close(self, depth: int) -> None:
+        stack = self._stack()
+        if stack and stack[-1][1] == depth:
+            region, _ = stack.pop()
+            if region is not None:
+                region.__exit__(None, None, None)
+
+
+def _install_tail_hooks(engine: OffloadActivations, model: nn.Module, tail: list[nn.Module]) -> None:
+    hooks = _TailHooks(engine)
+    engine.track_hook(model.register_forward_pre_hook(hooks.root_enter))
+    engine.track_hook(model.register_forward_hook(hooks.root_exit, always_call=True))
+    for module in tail:
+        engine.track_hook(module.register_forward_pre_hook(hooks.enter))
+        engine.track_hook(module.register_forward_hook(hooks.exit, always_call=True))
 
 
 def _remove_stale_exempt_hooks(model: nn.Module) -> None:
@@ -366,6 +416,7 @@ def _warn_no_head_once(model: nn.Module) -> None:
     global _no_head_warned
     if _no_head_warned:
         return
+    _no_head_warned = True
     warnings.warn(
         f"hf_offload: no output head found on {type(model).__name__} (looked for "
         f"{', '.join(_HEAD_PATHS)}). If the model has one, its activations will be offloaded and brought straight "
@@ -409,9 +460,11 @@ def get_act_offloading_ctx_manager(
     if warn_if_no_head and _find_head(unwrapped) is None:  # a final norm alone does not spare the head
         _warn_no_head_once(unwrapped)
 
-    exempt = _outermost(tail + find_liger_modules(unwrapped))
+    _install_tail_hooks(engine, unwrapped, [module for _, module in tail])
+    exempt = _outermost(find_liger_modules(unwrapped))
     for _, module in exempt:
         _install_exempt_hooks(engine, module)
     unwrapped.__dict__[_INSTALLATION_ATTR] = _Installation(weakref.ref(engine), weakref.ref(unwrapped))
-    logger.info("hf_offload: kept on the device (not offloaded): %s", ", ".join(n or "<model>" for n, _ in exempt))
+    logger.info("hf_offload: tail of the forward kept from %s; Liger modules exempt: %s",
+                ", ".join(name for name, _ in tail) or "nowhere", ", ".join(name for name, _ in exempt) or "none")
     return engine
