@@ -98,13 +98,14 @@ class _HostCopy:
     """One storage span copied to the host, shared by every saved tensor that lies inside it."""
 
     __slots__ = (
-        "lane", "pool", "block", "dtype", "start", "numel", "nbytes", "position", "step",
+        "engine", "lane", "pool", "block", "dtype", "start", "numel", "nbytes", "position", "step",
         "source", "d2h_done", "reloaded", "reload_done", "prefetched", "consumed", "users", "unpacks_left",
         "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, lane: _Lane, pool: PinnedHostPool, block: HostBlock, tensor: torch.Tensor,
-                 start: int, numel: int, position: int, step: _Step) -> None:  # fmt: skip
+    def __init__(self, engine: OffloadActivations, lane: _Lane, pool: PinnedHostPool, block: HostBlock,
+                 tensor: torch.Tensor, start: int, numel: int, position: int, step: _Step) -> None:  # fmt: skip
+        self.engine = engine  # a graph that still holds copies keeps its engine alive for the backward
         self.lane = lane
         self.pool = pool
         self.block = block
@@ -204,8 +205,8 @@ class OffloadActivations(saved_tensors_hooks):
         min_offload_size: int = 1024,
         max_fwd_stash_size: int | None = None,
         *,
-        forward_window_bytes: int = 512 * _MIB,
-        prefetch_window_bytes: int = 512 * _MIB,
+        forward_window_bytes: int = 128 * _MIB,
+        prefetch_window_bytes: int = 128 * _MIB,
         keep_tail: bool = True,
         max_pinned_memory_fraction: float = 0.5,
         max_pinned_bytes: int | None = None,
@@ -252,7 +253,16 @@ class OffloadActivations(saved_tensors_hooks):
         if self.device_type is None:
             self._warn_once("inactive", "activation offloading is inactive: no accelerator is available, so "
                             "saved tensors stay where they are and training proceeds without it")  # fmt: skip
-        super().__init__(self._pack, self._unpack)
+        # Hooks that referenced `self` would form a cycle (self -> pack_hook -> self) that keeps the pinned pool
+        # alive until a full garbage collection after the user drops the context. The pack hook refers to the
+        # engine weakly; the unpack hook needs no engine at all: each copy holds its own.
+        engine_ref = weakref.ref(self)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            engine = engine_ref()
+            return tensor if engine is None else engine._pack(tensor)
+
+        super().__init__(pack, _unpack)
 
     # ------------------------------------------------------------------ public helpers
 
@@ -374,7 +384,7 @@ class OffloadActivations(saved_tensors_hooks):
             self._stats.kept("over_host_cap", nbytes)
             return tensor
         lane = self._lane(tensor.device)
-        copy = _HostCopy(lane, self._pool, block, tensor, start, numel, position, self._step)
+        copy = _HostCopy(self, lane, self._pool, block, tensor, start, numel, position, self._step)
         self._copy_out(lane, copy, tensor.as_strided((numel,), (1,), start))
         self._step.copies.append(weakref.ref(copy))
         self._dedup[storage.data_ptr()] = (weakref.ref(storage), weakref.ref(copy))
@@ -434,9 +444,7 @@ class OffloadActivations(saved_tensors_hooks):
 
     # ------------------------------------------------------------------ backward
 
-    def _unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _SavedTensor):
-            return saved
+    def _unpack(self, saved: _SavedTensor) -> torch.Tensor:
         with self._lock:
             copy = saved.copy
             if not copy.step.backward_started:
@@ -498,8 +506,10 @@ class OffloadActivations(saved_tensors_hooks):
                 step.cursor -= 1
                 continue
             lane = copy.lane
-            if lane.d2h is None or lane.prefetched_bytes + copy.nbytes > self.prefetch_window_bytes:
+            if lane.d2h is None or self.prefetch_window_bytes == 0:
                 return
+            if lane.prefetched_bytes and lane.prefetched_bytes + copy.nbytes > self.prefetch_window_bytes:
+                return  # full; a copy larger than the window still goes alone
             self._reload(copy, lane.compute_stream())
             copy.prefetched = True
             lane.prefetched_bytes += copy.nbytes
@@ -560,6 +570,13 @@ class OffloadActivations(saved_tensors_hooks):
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message)
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    """The unpack hook: kept tensors were saved as themselves; offloaded ones know their engine."""
+    if isinstance(saved, _SavedTensor):
+        return saved.copy.engine._unpack(saved)
+    return saved
 
 
 def _is_int(value: Any) -> bool:

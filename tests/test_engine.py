@@ -349,3 +349,32 @@ def test_inactive_without_accelerator(caplog) -> None:
 def test_invalid_options_name_the_option(options: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         OffloadActivations(**options)
+
+
+def test_dropped_context_frees_its_pool_without_a_garbage_collection() -> None:
+    import weakref
+
+    model = tiny_mlp()
+    engine = cpu_engine()
+    grads_of(model, engine)
+    pool = weakref.ref(engine._pool)
+    gc.disable()
+    try:
+        del engine
+        assert pool() is None  # no reference cycle holds the engine (and its host memory)
+    finally:
+        gc.enable()
+
+
+def test_context_dropped_between_forward_and_backward_still_restores() -> None:
+    model = tiny_mlp()
+    reference = grads_of(model, None)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    x = torch.randn(16, 32, requires_grad=True)
+    engine = cpu_engine()
+    with engine:
+        loss = model(x).pow(2).mean()
+    del engine  # the graph's copies keep what backward needs
+    loss.backward()
+    assert_bitwise_equal((loss.detach(), [p.grad for p in model.parameters()] + [x.grad]), reference)
