@@ -43,22 +43,38 @@ from .stats import StatsRecorder
 logger = logging.getLogger(__name__)
 
 _MIB = 2**20
+# Enough for a copy stream never to idle; small, because when copies lag the window is on top of peak memory.
+DEFAULT_WINDOW_BYTES = 128 * _MIB
+# Copies reloaded ahead of need: the next one or two are all the H2D stream needs to stay busy, and every buffer
+# brought back early sits on top of the backward's memory.
+_PREFETCH_DEPTH = 2
 
 _IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """What a pack hook returns for a tensor that stays in place.
+
+    Not the tensor itself: for a saved *output*, that tensor's grad_fn is the very node that saves it, and a
+    hook's return value is held strongly, so node -> saved tensor -> grad_fn -> node would be a cycle that
+    leaks the whole graph whenever its backward never runs. A detached alias shares storage and version
+    counter, and autograd re-attaches the graph on unpack.
+    """
+    return tensor.detach()
 
 
 class NoOpManager(saved_tensors_hooks):
     """Suspends offloading inside its region.
 
-    Only the innermost `saved_tensors_hooks` context sees a saved tensor, so identity hooks pushed inside an
-    offloading context keep that region's tensors where they are.
+    Only the innermost `saved_tensors_hooks` context sees a saved tensor, so hooks that keep tensors in place,
+    pushed inside an offloading context, keep that region's tensors where they are.
     """
 
     def __init__(self) -> None:
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+        return _kept(tensor)
 
     @staticmethod
     def _unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,7 +90,7 @@ class _ExemptRegion(NoOpManager):
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._engine._keep(tensor, "exempt")
-        return tensor
+        return _kept(tensor)
 
 
 class _Lane:
@@ -89,6 +105,7 @@ class _Lane:
         self.inflight: deque[_HostCopy] = deque()  # forward copies whose GPU original is still held
         self.inflight_bytes = 0
         self.prefetched_bytes = 0  # reloaded ahead of need and not yet unpacked
+        self.prefetched_copies = 0
 
     def compute_stream(self) -> Any:
         return self.device_module.current_stream(self.device)
@@ -185,7 +202,8 @@ class OffloadActivations(saved_tensors_hooks):
             By default only `forward_window_bytes` bounds them.
         forward_window_bytes: GPU bytes of forward copies in flight; past it the compute stream waits for the
             oldest copy.
-        prefetch_window_bytes: bytes that backward reloads ahead of need; 0 reloads on demand only.
+        prefetch_window_bytes: bytes that backward reloads ahead of need (at most two copies ahead; a copy larger
+            than the window goes alone); 0 reloads on demand only.
         keep_tail: learn, from the first step, the end of the forward that backward needs first, and keep it on
             the GPU: the copies that step could not finish before backward began (they were on the GPU at that
             point anyway), or up to `forward_window_bytes` of it as later steps show copies lagging.
@@ -205,8 +223,8 @@ class OffloadActivations(saved_tensors_hooks):
         min_offload_size: int = 1024,
         max_fwd_stash_size: int | None = None,
         *,
-        forward_window_bytes: int = 128 * _MIB,
-        prefetch_window_bytes: int = 128 * _MIB,
+        forward_window_bytes: int = DEFAULT_WINDOW_BYTES,
+        prefetch_window_bytes: int = DEFAULT_WINDOW_BYTES,
         keep_tail: bool = True,
         max_pinned_memory_fraction: float = 0.5,
         max_pinned_bytes: int | None = None,
@@ -260,7 +278,7 @@ class OffloadActivations(saved_tensors_hooks):
 
         def pack(tensor: torch.Tensor) -> Any:
             engine = engine_ref()
-            return tensor if engine is None else engine._pack(tensor)
+            return _kept(tensor) if engine is None else engine._pack(tensor)
 
         super().__init__(pack, _unpack)
 
@@ -311,7 +329,7 @@ class OffloadActivations(saved_tensors_hooks):
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self.device_type is None:
-            return tensor
+            return _kept(tensor)
         with self._lock:
             in_backward = self._note_pack()
             reason = kept_reason(
@@ -327,7 +345,7 @@ class OffloadActivations(saved_tensors_hooks):
                 self._warn_once(reason, f"tensors saved on {tensor.device.type} are not offloaded (offloading "
                                 f"moves {self.device_type} tensors): is the model on the CPU?")  # fmt: skip
             self._stats.kept(reason, tensor.numel() * tensor.element_size())
-            return tensor
+            return _kept(tensor)
 
     def _keep(self, tensor: torch.Tensor, reason: str) -> None:
         """Counts a tensor that a region of this engine kept without asking it (an exempt module).
@@ -375,17 +393,18 @@ class OffloadActivations(saved_tensors_hooks):
         position = self._planner.candidates_seen
         if self._planner.next_candidate(tensor.dtype, tensor.dim(), nbytes):
             self._stats.kept("tail", nbytes)
-            return tensor
+            return _kept(tensor)
         block = self._host_pool().allocate(nbytes)
         if block is None:
             self._warn_once("over_host_cap", f"the pinned host pool reached its cap ({self._pool.cap_bytes / _MIB:.0f} "
                             "MiB): further activations stay on the GPU. Raise max_pinned_memory_fraction or "
                             "max_pinned_bytes if the host has room.")  # fmt: skip
             self._stats.kept("over_host_cap", nbytes)
-            return tensor
+            return _kept(tensor)
         lane = self._lane(tensor.device)
         copy = _HostCopy(self, lane, self._pool, block, tensor, start, numel, position, self._step)
-        self._copy_out(lane, copy, tensor.as_strided((numel,), (1,), start))
+        # Detached: a differentiable view would tie the graph to the copy (see `_kept`).
+        self._copy_out(lane, copy, tensor.detach().as_strided((numel,), (1,), start))
         self._step.copies.append(weakref.ref(copy))
         self._dedup[storage.data_ptr()] = (weakref.ref(storage), weakref.ref(copy))
         self._stats.offloaded(nbytes)
@@ -466,6 +485,7 @@ class OffloadActivations(saved_tensors_hooks):
             if copy.prefetched:
                 copy.prefetched = False
                 lane.prefetched_bytes -= copy.nbytes
+                lane.prefetched_copies -= 1
             copy.unpacks_left -= 1
             if copy.unpacks_left <= 0:  # every saved tensor in this span has been handed to autograd
                 copy.consumed = True
@@ -492,27 +512,29 @@ class OffloadActivations(saved_tensors_hooks):
                     position = copy.position
                     first_unfinished = position if first_unfinished is None else min(first_unfinished, position)
             lane.inflight.clear()
-            lane.prefetched_bytes = 0
+            lane.prefetched_bytes = lane.prefetched_copies = 0
         if step is self._step:
             self._planner.end_forward(first_unfinished)
         step.cursor = len(step.copies) - 1
         self._prefetch(step)
 
     def _prefetch(self, step: _Step) -> None:
-        """Reloads the next copies backward will need (descending pack order), up to the prefetch window."""
+        """Reloads the next copies backward will need (descending pack order), up to the prefetch window and
+        `_PREFETCH_DEPTH` copies ahead."""
         while step.cursor >= 0:
             copy = step.copies[step.cursor]()
             if copy is None or copy.source is not None or copy.reloaded is not None or copy.consumed:
                 step.cursor -= 1
                 continue
             lane = copy.lane
-            if lane.d2h is None or self.prefetch_window_bytes == 0:
+            if lane.d2h is None or self.prefetch_window_bytes == 0 or lane.prefetched_copies >= _PREFETCH_DEPTH:
                 return
             if lane.prefetched_bytes and lane.prefetched_bytes + copy.nbytes > self.prefetch_window_bytes:
                 return  # full; a copy larger than the window still goes alone
             self._reload(copy, lane.compute_stream())
             copy.prefetched = True
             lane.prefetched_bytes += copy.nbytes
+            lane.prefetched_copies += 1
             step.cursor -= 1
 
     def _reload(self, copy: _HostCopy, compute: Any) -> None:

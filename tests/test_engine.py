@@ -135,7 +135,8 @@ def test_unsupported_tensor_types_are_kept() -> None:
     engine = cpu_engine()
     sparse = torch.eye(32).to_sparse()
     (restored,) = round_trip(engine, sparse)
-    assert restored is sparse
+    assert restored.is_sparse and torch.equal(restored.to_dense(), sparse.to_dense())
+    assert restored._values().data_ptr() == sparse._values().data_ptr()  # the same memory: never copied
     assert engine.get_stats()["tensors_kept_unsupported_type"] == 1
 
 
@@ -378,3 +379,23 @@ def test_context_dropped_between_forward_and_backward_still_restores() -> None:
     del engine  # the graph's copies keep what backward needs
     loss.backward()
     assert_bitwise_equal((loss.detach(), [p.grad for p in model.parameters()] + [x.grad]), reference)
+
+
+@pytest.mark.parametrize("min_offload_size", [0, 1 << 30], ids=["offloaded", "kept"])
+def test_abandoned_forward_releases_its_graph(min_offload_size: int) -> None:
+    """Saved outputs (sigmoid, exp) must not keep their own graph alive when backward never runs."""
+    import weakref
+
+    engine = cpu_engine(min_offload_size=min_offload_size)
+    x = torch.randn(64, 64, requires_grad=True)
+    with engine:
+        hidden = (x * 2).sigmoid().exp()
+        with engine.exempt():
+            out = hidden.tanh()
+    probe = weakref.ref(hidden)
+    del hidden, out
+    gc.disable()
+    try:
+        assert probe() is None
+    finally:
+        gc.enable()

@@ -321,7 +321,7 @@ class FakeLigerRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         squared = x * x  # saved by the next multiply: large enough to be offloaded
-        self.seen.append(weakref.ref(squared))
+        self.seen.append(weakref.ref(squared.untyped_storage()))  # storage: saved aliases share it
         return x * torch.rsqrt((squared * squared).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
