@@ -1,0 +1,438 @@
+"""Shared helpers of the GPU test suite: tiny models from configs, batches, one training step, comparison.
+
+Everything here takes an explicit ``device`` so that a case body can also be run on CPU against the
+engine's ``device_type="cpu"`` test mode while developing; the tests themselves always pass "cuda".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections import Counter
+from typing import Any, Iterable
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ARCHS = ("llama", "qwen2", "gpt2", "t5", "bart")
+ENCODER_DECODER = ("t5", "bart")
+CKPT_MODES = ("off", "nonreentrant", "reentrant")
+
+VOCAB = 1000
+TINY = dict(hidden=128, layers=3, seq=128, batch=2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------------
+def model_config(arch: str, *, hidden: int, layers: int, seq: int, vocab: int = VOCAB, attn: str = "eager",
+                 intermediate: int | None = None, heads: int | None = None, kv_heads: int | None = None):
+    """A transformers config for a small random-weight model of ``arch`` (no download)."""
+    import transformers as tf
+
+    heads = heads or max(2, hidden // 32)
+    kv_heads = kv_heads or max(1, heads // 2)
+    inter = intermediate or 2 * hidden
+    common = dict(vocab_size=vocab, attn_implementation=attn, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        return tf.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                              num_attention_heads=heads, num_key_value_heads=kv_heads,
+                              max_position_embeddings=max(seq, 256), **common)
+    if arch == "qwen2":
+        return tf.Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                              num_attention_heads=heads, num_key_value_heads=kv_heads,
+                              max_position_embeddings=max(seq, 256), **common)
+    if arch == "gpt2":
+        return tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inter,
+                             n_positions=max(seq, 256), **common)
+    if arch == "t5":
+        return tf.T5Config(d_model=hidden, d_kv=hidden // heads, d_ff=inter, num_layers=max(1, layers - 1),
+                           num_decoder_layers=max(1, layers - 1), num_heads=heads, decoder_start_token_id=0,
+                           **common)
+    if arch == "bart":
+        return tf.BartConfig(d_model=hidden, encoder_layers=max(1, layers - 1), decoder_layers=max(1, layers - 1),
+                             encoder_attention_heads=heads, decoder_attention_heads=heads,
+                             encoder_ffn_dim=inter, decoder_ffn_dim=inter, max_position_embeddings=max(seq, 256),
+                             decoder_start_token_id=2, forced_eos_token_id=None, **common)
+    raise ValueError(f"unknown arch {arch!r}")
+
+
+def model_class(arch: str):
+    import transformers as tf
+
+    return {
+        "llama": tf.LlamaForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "gpt2": tf.GPT2LMHeadModel,
+        "t5": tf.T5ForConditionalGeneration,
+        "bart": tf.BartForConditionalGeneration,
+    }[arch]
+
+
+def enable_checkpointing(model, mode: str) -> None:
+    """mode in CKPT_MODES. Uses ``activation_checkpointing_enable`` (transformers >= 5.x) when it exists,
+    else the older ``gradient_checkpointing_enable``."""
+    if mode == "off":
+        name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+            else "is_gradient_checkpointing"
+        if getattr(model, name, False):
+            _call_ckpt_api(model, enable=False)
+        return
+    if mode not in ("nonreentrant", "reentrant"):
+        raise ValueError(f"unknown checkpointing mode {mode!r}")
+    _call_ckpt_api(model, enable=True, kwargs={"use_reentrant": mode == "reentrant"})
+
+
+def _call_ckpt_api(model, *, enable: bool, kwargs: dict | None = None) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if enable:
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            if hasattr(model, "activation_checkpointing_disable"):
+                model.activation_checkpointing_disable()
+            else:
+                model.gradient_checkpointing_disable()
+
+
+def apply_lora(model, seed: int = 1):
+    """PEFT LoRA r=8 on every linear layer but the head. ``init_lora_weights=False`` makes B random too, so
+    that both A and B get non-zero gradients (with B=0, A's gradient is exactly zero and compares trivially)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(model, cfg)
+
+
+def build_model(arch: str, *, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cuda",
+                ckpt: str = "off", lora: bool = False, seed: int = 0, attn: str = "eager", **size) -> torch.nn.Module:
+    """A deterministic random-weight model: the same arguments always give bitwise the same weights."""
+    size = {**TINY, **size}
+    cfg = model_config(arch, hidden=size["hidden"], layers=size["layers"], seq=size["seq"], attn=attn,
+                       vocab=size.get("vocab", VOCAB), intermediate=size.get("intermediate"),
+                       heads=size.get("heads"), kv_heads=size.get("kv_heads"))
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = model_class(arch)(cfg)
+    model.to(dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype)
+    enable_checkpointing(model, ckpt)
+    if lora:
+        model = apply_lora(model, seed=seed + 1)
+    model.to(device)
+    model.train()
+    return model
+
+
+def make_batch(arch: str, *, batch: int = TINY["batch"], seq: int = TINY["seq"], vocab: int = VOCAB,
+               device="cuda", seed: int = 1234) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[:, :4] = -100  # some ignored positions, as with a prompt mask
+    out = {"input_ids": ids, "labels": labels}
+    if arch in ENCODER_DECODER:
+        out["attention_mask"] = torch.ones_like(ids)
+        out["labels"] = torch.randint(3, vocab, (batch, max(8, seq // 2)), generator=g)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    bad = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not bad, f"models built from the same seed differ in {bad[:5]}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Context construction and auditing
+# --------------------------------------------------------------------------------------------------------------
+def make_ctx(model, **options):
+    """The context under test, built through the public entry point."""
+    import hf_offload
+
+    return hf_offload.get_act_offloading_ctx_manager(model, **options)
+
+
+def dispose(ctx) -> None:
+    """Removes the context's module hooks and breaks the reference cycle through its hook attributes (bound
+    methods of itself), so that its pinned pool returns to PyTorch's host allocator cache now rather than at
+    the next full garbage collection (hundreds of cases each build a context)."""
+    ctx.remove_hooks()
+    ctx.pack_hook = ctx.unpack_hook = None
+
+
+class HookAudit:
+    """Wraps the pack/unpack hooks of a ``saved_tensors_hooks`` object to check, for every tensor the context
+    packs, that unpack returns a tensor on the same device with the same dtype, shape and strides."""
+
+    def __init__(self, ctx):
+        self.packed = Counter()      # device -> count
+        self.unpacked = Counter()
+        self.errors: list[str] = []
+        orig_pack, orig_unpack = ctx.pack_hook, ctx.unpack_hook
+
+        def pack(t):
+            meta = (t.device, t.dtype, tuple(t.shape), tuple(t.stride()) if t.layout == torch.strided else None)
+            self.packed[str(t.device)] += 1
+            return (meta, orig_pack(t))
+
+        def unpack(p):
+            meta, inner = p
+            out = orig_unpack(inner)
+            self.unpacked[str(out.device)] += 1
+            got = (out.device, out.dtype, tuple(out.shape),
+                   tuple(out.stride()) if out.layout == torch.strided else None)
+            if got != meta and len(self.errors) < 20:
+                self.errors.append(f"packed {meta} but unpacked {got}")
+            return out
+
+        ctx.pack_hook, ctx.unpack_hook = pack, unpack
+
+    def check(self) -> None:
+        assert sum(self.packed.values()) > 0, (
+            "the audit saw no pack call: the context does not push ctx.pack_hook/unpack_hook in __enter__ "
+            "(update HookAudit to the engine's hook attributes)")
+        assert not self.errors, "unpacked tensors differ from what was packed:\n" + "\n".join(self.errors)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Running steps
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RunResult:
+    losses: list[torch.Tensor]
+    grads: list[dict[str, torch.Tensor | None]]
+    final_params: dict[str, torch.Tensor]
+    stats: list[dict[str, Any]]
+    mem_after_step: list[int]
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+
+
+def run_steps(model, batch: dict, *, steps: int = 2, ctx=None, span: str = "fwd", lr: float = 1e-3,
+              seed: int = 4321, keep: bool = True, device="cuda", optimizer: str = "adamw") -> RunResult:
+    """``steps`` training steps (zero_grad, forward, backward, optimizer step) on the same batch.
+
+    span="fwd": only the forward runs inside ``with ctx`` (Trainer.compute_loss style); span="fwd_bwd": the
+    backward too (training_step style). ``ctx=None`` is the reference run. Each step reseeds the RNG so that
+    dropout draws the same masks in the reference and the offloaded run."""
+    if span not in ("fwd", "fwd_bwd"):
+        raise ValueError(span)
+    params = [p for _, p in trainable(model)]
+    opt = (torch.optim.AdamW(params, lr=lr) if optimizer == "adamw" else torch.optim.SGD(params, lr=lr))
+    use = ctx if ctx is not None else contextlib.nullcontext()
+    res = RunResult([], [], {}, [], [])
+    for step in range(steps):
+        torch.manual_seed(seed + step)
+        opt.zero_grad(set_to_none=True)
+        if span == "fwd":
+            with use:
+                loss = model(**batch, use_cache=False).loss
+            loss.backward()
+        else:
+            with use:
+                loss = model(**batch, use_cache=False).loss
+                loss.backward()
+        _sync(device)
+        if ctx is not None:
+            res.stats.append(dict(ctx.get_stats()))
+        if keep:
+            res.losses.append(loss.detach().clone())
+            res.grads.append({n: (None if p.grad is None else p.grad.detach().clone()) for n, p in trainable(model)})
+        del loss
+        opt.step()
+        _sync(device)
+        if torch.device(device).type == "cuda":
+            res.mem_after_step.append(torch.cuda.memory_allocated(device))
+    if keep:
+        res.final_params = {n: p.detach().clone() for n, p in trainable(model)}
+    opt.zero_grad(set_to_none=True)
+    del opt
+    return res
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+    d = (a.float() - b.float()).abs()
+    return f"max|diff|={d.max().item():.3e}, {int((d != 0).sum())}/{d.numel()} elements differ"
+
+
+def assert_bitwise_equal(ref: RunResult, got: RunResult, what: str = "") -> None:
+    """Per step: the loss, then every gradient (None in both runs counts as equal); then the parameters after
+    the last optimizer step. Fails at the first step that differs, naming up to 10 tensors."""
+    assert len(ref.losses) == len(got.losses) == len(ref.grads) == len(got.grads)
+    n_with_grad = 0
+    for step in range(len(ref.losses)):
+        lr_, lg = ref.losses[step], got.losses[step]
+        gr, gg = ref.grads[step], got.grads[step]
+        bad = [] if torch.equal(lr_, lg) else [f"loss: {lr_.item()!r} != {lg.item()!r}"]
+        assert gr.keys() == gg.keys()
+        for name in gr:
+            a, b = gr[name], gg[name]
+            if a is None or b is None:
+                if (a is None) != (b is None):
+                    bad.append(f"{name}: grad None in one run only")
+                continue
+            n_with_grad += 1
+            if not torch.equal(a, b):
+                bad.append(f"{name}: {_diff(a, b)}")
+        assert not bad, f"{what} step {step + 1}: {len(bad)} of loss+gradients differ:\n  " + "\n  ".join(bad[:10])
+    assert n_with_grad > 0, f"{what}: no parameter received a gradient"
+    bad = [f"{n}: {_diff(ref.final_params[n], got.final_params[n])}" for n in ref.final_params
+           if not torch.equal(ref.final_params[n], got.final_params[n])]
+    assert not bad, f"{what}: parameters after the optimizer steps differ:\n  " + "\n  ".join(bad[:10])
+
+
+def assert_offloaded(stats: Iterable[dict], what: str = "") -> None:
+    for step, s in enumerate(stats):
+        assert s.get("bytes_offloaded", 0) > 0 and s.get("tensors_offloaded", 0) > 0, (
+            f"{what} step {step + 1}: nothing was offloaded, stats={_short(s)}")
+
+
+def _short(s: dict) -> dict:
+    return {k: v for k, v in s.items() if v}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One comparison case: the body shared by the bitwise tests
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Case:
+    arch: str
+    dtype: str = "bf16"
+    ckpt: str = "off"
+    lora: bool = False
+    use_streams: bool = True
+    span: str = "fwd"
+    steps: int = 2
+    attn: str = "eager"
+    options: tuple = ()          # extra engine options, as ((name, value), ...)
+
+    @property
+    def id(self) -> str:
+        parts = [self.arch, self.dtype, f"ckpt-{self.ckpt}", "lora" if self.lora else "full",
+                 "streams" if self.use_streams else "nostreams", f"span-{self.span}"]
+        if self.attn != "eager":
+            parts.append(self.attn)
+        parts += [f"{k}={v}" for k, v in self.options]
+        return "-".join(parts)
+
+
+def run_case(case: Case, device="cuda", **ctx_overrides) -> dict:
+    """Reference run vs offloaded run of ``case``; asserts bitwise equality, that real bytes were offloaded
+    in every step, and that every unpacked tensor matches what was packed. Returns numbers to report."""
+    kw = dict(dtype=case.dtype, device=device, ckpt=case.ckpt, lora=case.lora, attn=case.attn)
+    ref_model = build_model(case.arch, **kw)
+    off_model = build_model(case.arch, **kw)
+    assert_same_weights(ref_model, off_model)
+    batch = make_batch(case.arch, device=device)
+
+    ref = run_steps(ref_model, batch, steps=case.steps, span=case.span, device=device)
+    del ref_model
+
+    options = dict(use_streams=case.use_streams, min_offload_size=1024, **dict(case.options), **ctx_overrides)
+    ctx = make_ctx(off_model, **options)
+    audit = HookAudit(ctx)
+    got = run_steps(off_model, batch, steps=case.steps, ctx=ctx, span=case.span, device=device)
+    try:
+        assert_bitwise_equal(ref, got, case.id)
+        assert_offloaded(got.stats, case.id)
+        audit.check()
+    finally:
+        dispose(ctx)
+    return {
+        "bytes_offloaded": [s.get("bytes_offloaded", 0) for s in got.stats],
+        "tensors_offloaded": [s.get("tensors_offloaded", 0) for s in got.stats],
+        "bytes_kept_tail": [s.get("bytes_kept_tail", 0) for s in got.stats],
+        "pinned_bytes": [s.get("pinned_bytes", 0) for s in got.stats],
+        "packed_by_device": dict(audit.packed),
+    }
+
+
+def reference_is_reproducible(case: Case, device="cuda") -> bool:
+    """True when two reference runs of ``case`` are bitwise equal (used to skip kernels that are
+    nondeterministic on this device, e.g. some SDPA backward kernels)."""
+    kw = dict(dtype=case.dtype, device=device, ckpt=case.ckpt, lora=case.lora, attn=case.attn)
+    batch = make_batch(case.arch, device=device)
+    a = run_steps(build_model(case.arch, **kw), batch, steps=case.steps, span=case.span, device=device)
+    b = run_steps(build_model(case.arch, **kw), batch, steps=case.steps, span=case.span, device=device)
+    try:
+        assert_bitwise_equal(a, b)
+        return True
+    except AssertionError:
+        return False
+
+
+def peak_step_memory(model, batch, *, ctx=None, span="fwd", warmup: int = 1, device="cuda") -> dict:
+    """Peak memory of one training step (forward + backward, no optimizer) after ``warmup`` steps."""
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        use = ctx if ctx is not None else contextlib.nullcontext()
+        with use:
+            loss = model(**batch, use_cache=False).loss
+            if span == "fwd_bwd":
+                loss.backward()
+        if span == "fwd":
+            loss.backward()
+
+    for _ in range(warmup):
+        step()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    out = {"peak_bytes": peak, "resident_bytes": before, "step_peak_over_resident": peak - before}
+    if ctx is not None:
+        st = ctx.get_stats()
+        out.update({k: st.get(k) for k in ("bytes_offloaded", "tensors_offloaded", "bytes_kept_tail",
+                                           "pinned_bytes", "compute_wait_s")})
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def move_to(obj, device):
+    """Moves every tensor inside nested tuples/lists/dicts to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        t = [move_to(o, device) for o in obj]
+        return type(obj)(t) if not hasattr(obj, "_fields") else type(obj)(*t)
+    if isinstance(obj, dict):
+        return {k: move_to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def split_across_devices(model, devices: list[str]) -> None:
+    """Splits a decoder-only HF model by hand: embeddings and the first half of the layers on devices[0], the
+    rest of the layers, the final norm and the head on devices[1]. Forward pre-hooks move each moved
+    module's inputs to its device (what accelerate's dispatch does for device_map='auto')."""
+    base = model.model
+    layers = base.layers
+    half = len(layers) // 2
+    second = [*layers[half:], base.norm, model.lm_head]
+    model.to(devices[0])
+    for m in second:
+        m.to(devices[1])
+        m.register_forward_pre_hook(
+            lambda mod, args, kwargs, _d=devices[1]: (move_to(args, _d), move_to(kwargs, _d)), with_kwargs=True)
+

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Runs the GPU suite and the 1B peak-memory report on the GPU machine, in one call, from the repository root:
+#
+#     bash tests/gpu/run_all.sh
+#
+# - installs the package (not editable) into /tmp/hf_offload_site, so that hf_offload.callbacks maps from
+#   callbacks/ as it does for users, and runs Python with PYTHONSAFEPATH=1 so that the repository root's
+#   hf_offload/ folder never shadows the installed copy (the test header prints which one was imported);
+#   falls back to the source tree on PYTHONPATH if the install fails;
+# - pytest log, junit xml and the numbers the tests record go to $OUT (./gpu_out when $OUT is unset);
+# - ends with a short summary: pass/fail counts, failures, the recorded memory numbers, the 1B table.
+# Environment knobs: PYTEST_ARGS (extra pytest arguments), PEAK_1B_ARGS (arguments for peak_1b.py),
+# SKIP_1B=1, PYTEST_TIMEOUT_S (whole-suite limit, default 330), PEAK_TIMEOUT_S (default 170).
+
+set -u
+cd "$(dirname "$0")/../.."
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/gpu_out}
+mkdir -p "$OUT"
+export OUT
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
+export PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1
+PY=${PYTHON:-python3}
+T0=$(date +%s)
+
+SITE=/tmp/hf_offload_site
+SRC=/tmp/hf_offload_src  # build from a copy: setuptools writes build/ and *.egg-info next to the sources
+rm -rf "$SITE" "$SRC"
+mkdir -p "$SRC"
+for f in pyproject.toml setup.cfg setup.py MANIFEST.in README.md LICENSE hf_offload callbacks; do
+    [ -e "$f" ] && cp -r "$f" "$SRC/"
+done
+# Wheels carried in .whl/ (e.g. trl, liger-kernel: not in the GPU image) go to the same target.
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
+        >"$OUT/install.log" 2>&1 && echo "run_all: installed carried wheels: $(ls .whl | tr '\n' ' ')"
+fi
+if $PY -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" "$SRC" >>"$OUT/install.log" 2>&1; then
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONSAFEPATH=1
+    echo "run_all: installed hf-offload into $SITE"
+else
+    echo "run_all: install failed (see install.log); using the source tree on PYTHONPATH"
+    tail -5 "$OUT/install.log"
+    export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    $PY - <<'EOF'
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
+for name in ("transformers", "peft", "accelerate", "trl", "datasets", "liger_kernel", "hf_offload"):
+    try:
+        m = importlib.import_module(name)
+        print(name, getattr(m, "__version__", "?"), m.__file__)
+    except Exception as e:
+        print(name, "IMPORT FAILED", repr(e))
+try:
+    import hf_offload.callbacks  # noqa: F401
+    print("hf_offload.callbacks importable")
+except Exception as e:
+    print("hf_offload.callbacks IMPORT FAILED", repr(e))
+EOF
+} 2>&1 | tee "$OUT/env.txt"
+
+TIMEOUT_ARGS=""
+if $PY -c "import pytest_timeout" >/dev/null 2>&1; then TIMEOUT_ARGS="--timeout=150"; fi
+
+echo "run_all: pytest tests/gpu"
+set -o pipefail
+# --continue-on-collection-errors: a module whose imports fail here (a package missing from the image) is
+# reported as an error without stopping the other modules.
+timeout "${PYTEST_TIMEOUT_S:-330}" $PY -m pytest tests/gpu -q -rA --maxfail=30 $TIMEOUT_ARGS \
+    --continue-on-collection-errors \
+    -p no:cacheprovider -W ignore::FutureWarning -W ignore::DeprecationWarning \
+    --durations=15 --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
+PYTEST_RC=$?
+set +o pipefail
+T1=$(date +%s)
+echo "run_all: pytest rc=$PYTEST_RC in $((T1 - T0)) s"
+
+PEAK_RC=skipped
+if [ "${SKIP_1B:-0}" != "1" ]; then
+    echo "run_all: peak_1b.py"
+    timeout "${PEAK_TIMEOUT_S:-170}" $PY tests/gpu/peak_1b.py ${PEAK_1B_ARGS:-} >"$OUT/peak_1b.log" 2>&1
+    PEAK_RC=$?
+fi
+T2=$(date +%s)
+
+# ---------------------------------------------------------------- summary (this is what the output tail shows)
+echo
+echo "================ pytest: slowest ================"
+sed -n '/slowest .*durations/,/^=/p' "$OUT/gpu_tests.log" | grep -v '^=' | head -16
+echo "================ pytest: skipped ================"
+grep -E '^SKIPPED' "$OUT/gpu_tests.log" | cut -c1-160 | head -8
+echo "================ pytest: numbers ================"
+sed -n '/hf-offload GPU numbers/,/^=/p' "$OUT/gpu_tests.log" | grep -v '^=' | cut -c1-400
+echo "================ peak_1b (rc=$PEAK_RC) ================"
+[ -f "$OUT/peak_1b.log" ] && grep -v '^\[transformers\]' "$OUT/peak_1b.log" | tail -14
+echo "================ pytest: failures / errors ($(grep -cE '^(FAILED|ERROR) ' "$OUT/gpu_tests.log") in all, first 20) ================"
+grep -E '^(FAILED|ERROR) ' "$OUT/gpu_tests.log" | cut -c1-220 | head -20
+echo "---- first failure, traceback tail ----"
+awk '/^=+ FAILURES =+$/{f=1;next} f&&/^=+ /{exit} f' "$OUT/gpu_tests.log" | awk '/^_+ .* _+$/{n++} n==1' | tail -30 | cut -c1-300
+echo "================ pytest result ================"
+tail -1 "$OUT/gpu_tests.log"
+echo "run_all: pytest rc=$PYTEST_RC ($((T1 - T0)) s), peak_1b rc=$PEAK_RC ($((T2 - T1)) s), files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+[ "$PYTEST_RC" = 0 ]
