@@ -1,0 +1,126 @@
+"""The Trainer callback that runs each training forward pass under the activation offloading context."""
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import transformers
+from transformers import TrainerCallback, TrainerControl, TrainerState
+
+from hf_offload.engine import OffloadActivations
+from hf_offload.model import get_act_offloading_ctx_manager
+from hf_offload.stats import format_summary
+
+from .arguments import ActivationOffloadingArguments
+from .stats_logs import accumulate, log_entries
+from .trl_takeover import disable_trl_offloader
+
+_CONTEXT_METHOD = "compute_loss_context_manager"
+
+
+class ActivationOffloadingCallback(TrainerCallback):
+    """Wraps the trainer's `compute_loss` in hf-offload's context while training, and reports what it moved.
+
+    `Trainer`s built with hf-offload's arguments (`hf_offload.TrainingArguments`, `hf_offload.callbacks.trl.SFTConfig`,
+    ... with `activation_offloading=True`) get this callback automatically, as the first of their callbacks; build
+    one yourself only for a trainer that has none.
+
+    - `on_train_begin` builds the context for the trainer's model (after transformers has applied checkpointing,
+      Liger kernels and the distributed wrappers, so the model's exemptions see the final modules) and wraps the
+      trainer instance's `compute_loss_context_manager`, which `training_step` enters around `compute_loss`: only
+      the training forward passes run under it, and backward brings the tensors back whenever it runs. A TRL
+      trainer's own offloader (`maybe_activation_offload_context`) is replaced by a no-op.
+    - `on_log` adds `offload/...` entries (counters summed since the previous log) to each training log.
+    - `on_train_end` removes the wrapping and the context's module hooks, and prints a summary on the main process.
+
+    With no accelerator the context is inactive (the engine says so once) and nothing is wrapped.
+    """
+
+    def __init__(self, trainer: transformers.Trainer) -> None:
+        # Events receive the model but not the trainer, which owns the method to wrap. A weak reference: the trainer
+        # owns this callback, and a cycle would keep the model's memory alive until the garbage collector runs.
+        self._trainer = weakref.ref(trainer)
+        self._context: OffloadActivations | None = None
+        self._replaced_method: Callable[[], Any] | None = None  # an instance attribute that our wrapper shadows
+        self._stats: dict[str, float] = {}
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Statistics summed over the current (or last) training run; empty when offloading was inactive."""
+        return dict(self._stats)
+
+    def on_train_begin(
+        self, args: ActivationOffloadingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._detach()  # a previous train() that raised never reached on_train_end
+        self._stats = {}
+        if not args.activation_offloading:
+            return
+        trainer = self._get_trainer()
+        disable_trl_offloader(trainer)
+        context = get_act_offloading_ctx_manager(trainer.model_wrapped, **args.offload_engine_options())
+        if not context.active:
+            context.remove_hooks()
+            return
+        self._context = context
+        self._replaced_method = vars(trainer).get(_CONTEXT_METHOD)
+        original = getattr(trainer, _CONTEXT_METHOD)
+
+        def compute_loss_context_manager() -> contextlib.ExitStack:
+            # Entered on call, like transformers' own (its autocast is entered when the stack is built); if entering
+            # ours fails, the `with` exits the original's context again.
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(original())
+                stack.enter_context(context)
+                return stack.pop_all()
+
+        setattr(trainer, _CONTEXT_METHOD, compute_loss_context_manager)
+
+    def on_log(
+        self,
+        args: ActivationOffloadingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Training progress logs carry "loss"; evaluation logs and the final metrics do not, and get no entries.
+        if self._context is None or logs is None or "loss" not in logs:
+            return
+        interval = self._context.consume_stats()
+        accumulate(self._stats, interval)
+        entries = log_entries(interval)
+        logs.update(entries)
+        # Trainer.log appends its record to the history just before this event, as a copy of `logs`.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(entries)
+
+    def on_train_end(
+        self, args: ActivationOffloadingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._context is None:
+            return
+        accumulate(self._stats, self._context.consume_stats())
+        if state.is_world_process_zero:
+            print(format_summary(self._stats))
+        self._detach()
+
+    def _detach(self) -> None:
+        """Restores the trainer's method and removes the context's module hooks; idempotent."""
+        if self._context is None:
+            return
+        trainer = self._get_trainer()
+        if self._replaced_method is None:
+            delattr(trainer, _CONTEXT_METHOD)
+        else:
+            setattr(trainer, _CONTEXT_METHOD, self._replaced_method)
+        self._replaced_method = None
+        self._context.remove_hooks()
+        self._context = None
+
+    def _get_trainer(self) -> transformers.Trainer:
+        trainer = self._trainer()
+        if trainer is None:
+            raise RuntimeError("ActivationOffloadingCallback outlived its Trainer")
+        return trainer

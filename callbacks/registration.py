@@ -1,0 +1,47 @@
+"""Automatic registration: a Trainer built with hf-offload's arguments gets an ActivationOffloadingCallback.
+
+Callbacks are passed to `Trainer.__init__` before the trainer exists, and ours needs the trainer, so the only way
+to make `activation_offloading=True` the single change a script needs is to act at the end of `Trainer.__init__`.
+`install()` wraps `transformers.Trainer.__init__` once per process (idempotent, also across re-imports); every
+subclass (TRL's included) reaches it through `super().__init__`. For any other arguments the wrapper does nothing.
+"""
+
+import functools
+from typing import Any
+
+import transformers
+
+from .arguments import ActivationOffloadingArguments
+from .callback import ActivationOffloadingCallback
+from .trl_takeover import claim_trl_offloader
+
+_MARKER = "__hf_offload_registers_callback__"
+
+
+def install() -> None:
+    """Wraps `transformers.Trainer.__init__` to register the callback; a no-op if already wrapped."""
+    original_init = transformers.Trainer.__init__
+    if getattr(original_init, _MARKER, False):
+        return
+
+    @functools.wraps(original_init)
+    def __init__(self: transformers.Trainer, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        register(self)
+
+    setattr(__init__, _MARKER, True)
+    transformers.Trainer.__init__ = __init__
+
+
+def register(trainer: transformers.Trainer) -> None:
+    """Adds an ActivationOffloadingCallback to `trainer` if its arguments ask for offloading and it has none."""
+    args = trainer.args
+    if not (isinstance(args, ActivationOffloadingArguments) and args.activation_offloading):
+        return
+    callbacks = trainer.callback_handler.callbacks
+    if any(isinstance(callback, ActivationOffloadingCallback) for callback in callbacks):
+        return
+    # First in line: the entries it adds to the logs in on_log must be there when the progress bar, the printer and
+    # the reporting integrations (all registered earlier) receive them.
+    callbacks.insert(0, ActivationOffloadingCallback(trainer))
+    claim_trl_offloader(trainer)
