@@ -784,8 +784,9 @@ def write_report(paths: dict, meta: dict, bw: dict, results: list[dict], final: 
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         for key in ("md", "json", "log"):
-            if paths[key].exists():
-                shutil.copy2(paths[key], Path(out) / paths[key].name)
+            target = Path(out) / paths[key].name
+            if paths[key].exists() and target.resolve() != paths[key].resolve():
+                shutil.copy2(paths[key], target)
 
 
 def short_table(results: list[dict]) -> str:
@@ -856,6 +857,8 @@ def main(argv=None) -> int:
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         except Exception:
             args.device = "cpu"
+    if args.device == "cuda":
+        args.device = "cuda:0"  # torch.cuda.set_device refuses a device without an index
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
