@@ -84,9 +84,15 @@ class NoOpManager(saved_tensors_hooks):
 class _ExemptRegion(NoOpManager):
     """A NoOp region that tells its engine what it kept, so the statistics account for every tensor."""
 
-    def __init__(self, engine: OffloadActivations) -> None:
+    def __init__(self, engine: OffloadActivations, ends_forward: bool) -> None:
         self._engine = engine
+        self._ends_forward = ends_forward
         super().__init__()
+
+    def __enter__(self) -> None:
+        if self._ends_forward:
+            self._engine._forward_ends()
+        super().__enter__()
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._engine._keep(tensor, "exempt")
@@ -167,12 +173,15 @@ class _SavedTensor:
 class _Step:
     """One forward pass's offloaded copies, in pack order, and the backward's prefetch cursor over them."""
 
-    __slots__ = ("copies", "cursor", "backward_started", "__weakref__")
+    __slots__ = ("copies", "cursor", "backward_started", "end_of_forward", "__weakref__")
 
     def __init__(self) -> None:
         self.copies: list[weakref.ref[_HostCopy]] = []
         self.cursor = -1  # next copy (walking down) that backward may prefetch
         self.backward_started = False
+        # Where the forward ended (the tail region or the first unpack): for each copy still in flight then,
+        # (its position, a compute-stream marker, its completion event). Read at the next step, in GPU time.
+        self.end_of_forward: list[tuple[int, Any, Any]] | None = None
 
 
 def _require(condition: bool, option: str, allowed: str, value: Any) -> None:
@@ -294,10 +303,15 @@ class OffloadActivations(saved_tensors_hooks):
         self._model_ref = weakref.ref(model)
         self._refresh_parameter_pointers()
 
-    def exempt(self) -> NoOpManager:
+    def exempt(self, ends_forward: bool = False) -> NoOpManager:
         """A region (a new context object each call, so regions can nest) whose tensors stay in place and are
-        counted as kept "exempt"."""
-        return _ExemptRegion(self)
+        counted as kept "exempt".
+
+        `ends_forward=True` marks the tail of the forward (final norm, head, loss): memory peaks there, so on
+        entering it the compute stream waits for the copies still in flight (in GPU time they are usually done)
+        and their originals are released for the loss to reuse.
+        """
+        return _ExemptRegion(self, ends_forward)
 
     def track_hook(self, handle: RemovableHandle) -> None:
         self._module_hooks.append(handle)
@@ -348,16 +362,16 @@ class OffloadActivations(saved_tensors_hooks):
             return _kept(tensor)
 
     def _keep(self, tensor: torch.Tensor, reason: str) -> None:
-        """Counts a tensor that a region of this engine kept without asking it (an exempt module).
-
-        Exempt regions are the end of the forward (head, loss), where memory peaks and no further pack would
-        otherwise release the originals of copies that finished meanwhile: release them here.
-        """
+        """Counts a tensor that a region of this engine kept without asking it (an exempt module)."""
         with self._lock:
             self._note_pack()
             self._stats.kept(reason, tensor.numel() * tensor.element_size())
-            for lane in self._lanes.values():
-                self._release_finished(lane)
+
+    def _forward_ends(self) -> None:
+        """The tail region begins: drain the copies in flight so the loss can reuse their memory."""
+        with self._lock:
+            if self._phase == _FORWARD:
+                self._mark_end_of_forward(self._step, drain=True)
 
     def _note_pack(self) -> bool:
         """Starts a new step if this pack opens a forward; True if it happens inside a backward pass."""
@@ -367,7 +381,10 @@ class OffloadActivations(saved_tensors_hooks):
         return in_backward
 
     def _begin_step(self) -> None:
-        """A forward begins: forget the previous step (its copies live on through their own graph)."""
+        """A forward begins: learn from the previous step, then forget it (its copies live on through their
+        own graph)."""
+        if self._step.end_of_forward is not None:  # a forward that never reached its end teaches nothing
+            self._planner.end_forward(_first_unfinished(self._step.end_of_forward))
         self._phase = _FORWARD
         self._step = _Step()
         self._dedup.clear()
@@ -419,7 +436,8 @@ class OffloadActivations(saved_tensors_hooks):
         lane.d2h.wait_stream(compute)  # the span's producer kernels first
         with self._device_module.stream(lane.d2h):
             copy.host_view().copy_(span, non_blocking=True)
-            copy.d2h_done = lane.d2h.record_event()
+            copy.d2h_done = self._device_module.Event(enable_timing=True)  # timed: see `_first_unfinished`
+            copy.d2h_done.record(lane.d2h)
         copy.source = span
         lane.inflight.append(copy)
         lane.inflight_bytes += copy.nbytes
@@ -498,25 +516,39 @@ class OffloadActivations(saved_tensors_hooks):
             return torch.as_strided(span, saved.size, saved.stride, span.storage_offset() + saved.offset)
 
     def _begin_backward(self, step: _Step) -> None:
-        """The first unpack of a step: learn the tail, keep unfinished copies' originals, start prefetching."""
+        """The first unpack of a step: keep unfinished copies' originals, start prefetching."""
         step.backward_started = True
         self._phase = _BACKWARD
-        first_unfinished = None
+        self._mark_end_of_forward(step, drain=False)
         for lane in self._lanes.values():
-            self._release_finished(lane)
-            # Copies still in flight keep their GPU original until it is unpacked: reloading it later would
-            # only cost, and the memory is held at this point anyway.
-            for copy in lane.inflight:
-                lane.inflight_bytes -= copy.nbytes
-                if copy.step is step:
-                    position = copy.position
-                    first_unfinished = position if first_unfinished is None else min(first_unfinished, position)
+            # Copies still in flight (no tail region drained them) keep their GPU original until it is
+            # unpacked: reloading it later would only cost, and the memory is held at this point anyway.
+            lane.inflight_bytes -= sum(copy.nbytes for copy in lane.inflight)
             lane.inflight.clear()
             lane.prefetched_bytes = lane.prefetched_copies = 0
-        if step is self._step:
-            self._planner.end_forward(first_unfinished)
         step.cursor = len(step.copies) - 1
         self._prefetch(step)
+
+    def _mark_end_of_forward(self, step: _Step, drain: bool) -> None:
+        """Records, once per step, which copies were still in flight when the forward ended.
+
+        The host runs ahead of the GPU, so "not finished yet" seen from the host says little; a compute-stream
+        marker compared with each copy's completion event later says whether the copy really finished after
+        the forward's compute did (and so stalled it, or had to stay on the GPU).
+        """
+        if step.end_of_forward is not None:
+            return
+        step.end_of_forward = []
+        for lane in self._lanes.values():
+            self._release_finished(lane)
+            if not lane.inflight:
+                continue
+            compute = lane.compute_stream()
+            marker = self._device_module.Event(enable_timing=True)
+            marker.record(compute)
+            step.end_of_forward += [(c.position, marker, c.d2h_done) for c in lane.inflight if c.step is step]
+            if drain:
+                self._drain_inflight(lane)
 
     def _prefetch(self, step: _Step) -> None:
         """Reloads the next copies backward will need (descending pack order), up to the prefetch window and
@@ -592,6 +624,16 @@ class OffloadActivations(saved_tensors_hooks):
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message)
+
+
+def _first_unfinished(end_of_forward: list[tuple[int, Any, Any]]) -> int | None:
+    """Position of the first copy that completed after the forward's compute ended (in GPU time), if any."""
+    unfinished = []
+    for position, marker, done in end_of_forward:
+        done.synchronize()  # the step is over on the host; on the GPU these finished long ago
+        if marker.elapsed_time(done) > 0:
+            unfinished.append(position)
+    return min(unfinished, default=None)
 
 
 def _unpack(saved: Any) -> torch.Tensor:

@@ -335,7 +335,7 @@ class _TailHooks(_ExemptHooks):
         stack = self._stack()
         if stack and stack[-1][1] == self._depth() and self._depth() > 0:
             return  # the region opened by an earlier tail module of this forward is still open
-        region = self.engine.exempt() if _engine_is_innermost(self.engine) else None
+        region = self.engine.exempt(ends_forward=True) if _engine_is_innermost(self.engine) else None
         if region is not None:
             region.__enter__()
         stack.append((region, self._depth()))
