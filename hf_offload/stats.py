@@ -123,8 +123,12 @@ class StatsRecorder:
         return out
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at or above 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def format_summary(stats: dict[str, int | float]) -> str:
@@ -135,17 +139,17 @@ def format_summary(stats: dict[str, int | float]) -> str:
         for reason in KEPT_REASONS
         if stats.get(f"tensors_kept_{reason}", 0)
     }
-    kept_text = ", ".join(f"{reason} {_gib(nbytes / steps)}" for reason, nbytes in kept.items()) or "nothing"
+    kept_text = ", ".join(f"{reason} {_size(nbytes / steps)}" for reason, nbytes in kept.items()) or "nothing"
     reloads = stats.get("prefetch_hits", 0) + stats.get("prefetch_misses", 0)
-    hit_rate = f"{100.0 * stats.get('prefetch_hits', 0) / reloads:.0f}%" if reloads else "n/a"
+    ready = f"{100.0 * stats.get('prefetch_hits', 0) / reloads:.0f}%" if reloads else "n/a"
     return "\n".join(
         [
             f"activation offloading over {steps} step(s):",
-            f"  offloaded per step: {_gib(stats.get('bytes_offloaded', 0) / steps)} "
+            f"  offloaded per step: {_size(stats.get('bytes_offloaded', 0) / steps)} "
             f"({stats.get('tensors_offloaded', 0) / steps:.0f} tensors)",
             f"  kept on the GPU per step: {kept_text}",
-            f"  prefetch hit rate: {hit_rate}; compute waited on copies "
+            f"  reloads ready when needed: {ready}; compute waited on copies "
             f"{1000.0 * stats.get('compute_wait_s', 0.0) / steps:.2f} ms per step",
-            f"  pinned host memory held: {_gib(stats.get('pinned_bytes', 0))}",
+            f"  pinned host memory held: {_size(stats.get('pinned_bytes', 0))}",
         ]
     )
