@@ -45,9 +45,10 @@ logger = logging.getLogger(__name__)
 _MIB = 2**20
 # Enough for a copy stream never to idle; small, because when copies lag the window is on top of peak memory.
 DEFAULT_WINDOW_BYTES = 128 * _MIB
-# Copies reloaded ahead of need: the next one or two are all the H2D stream needs to stay busy, and every buffer
-# brought back early sits on top of the backward's memory.
-_PREFETCH_DEPTH = 2
+# Copies reloaded ahead of need. One is enough to keep the H2D stream busy (the next reload is issued as soon as
+# the compute stream takes the previous one; depth 1 and 2 gave the same step times on S1 and S3), and every
+# buffer brought back early sits on top of the backward's memory.
+_PREFETCH_DEPTH = 1
 
 _IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
 
@@ -211,7 +212,7 @@ class OffloadActivations(saved_tensors_hooks):
             By default only `forward_window_bytes` bounds them.
         forward_window_bytes: GPU bytes of forward copies in flight; past it the compute stream waits for the
             oldest copy.
-        prefetch_window_bytes: bytes that backward reloads ahead of need (at most two copies ahead; a copy larger
+        prefetch_window_bytes: bytes that backward reloads ahead of need (at most one copy ahead; a copy larger
             than the window goes alone); 0 reloads on demand only.
         keep_tail: learn, from the first step, the end of the forward that backward needs first, and keep it on
             the GPU: the copies that step could not finish before backward began (they were on the GPU at that
