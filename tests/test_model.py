@@ -359,52 +359,45 @@ def test_liger_modules_found_by_name_and_by_class_module_path():
     assert hook_counts(model.other_act) == (0, 0)
 
 
-def _count_saved(model: nn.Module, exempt: list[nn.Module], run) -> tuple[int, int, int]:
-    """Independently count (tensors inside exempt modules, their bytes, tensors elsewhere) saved by `run()`."""
-    depth = [0]
+def _count_packs(inside, run) -> tuple[int, int, int]:
+    """Independently count (tensors saved while `inside()`, their bytes, tensors saved otherwise) by `run()`."""
     counts = [0, 0, 0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if inside():
+            counts[0] += 1
+            counts[1] += tensor.numel() * tensor.element_size()
+        else:
+            counts[2] += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return counts[0], counts[1], counts[2]
+
+
+def _count_saved(model: nn.Module, exempt: list[nn.Module], run) -> tuple[int, int, int]:
+    """Count the tensors saved inside the `exempt` modules' forwards, and the others."""
+    depth = [0]
     handles = []
     for module in exempt:
         handles.append(module.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1)))
         handles.append(module.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1)))
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if depth[0]:
-            counts[0] += 1
-            counts[1] += tensor.numel() * tensor.element_size()
-        else:
-            counts[2] += 1
-        return tensor
-
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run()
+        return _count_packs(lambda: depth[0] > 0, run)
     finally:
         for handle in handles:
             handle.remove()
-    return counts[0], counts[1], counts[2]
 
 
 def _count_saved_from(first: nn.Module, run) -> tuple[int, int, int]:
-    """Independently count (tensors saved from `first`'s forward on, their bytes, tensors before) by `run()`."""
+    """Count the tensors saved from `first`'s forward on, and those saved before it."""
     started = [False]
     handle = first.register_forward_pre_hook(lambda *_: started.__setitem__(0, True))
-    counts = [0, 0, 0]
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if started[0]:
-            counts[0] += 1
-            counts[1] += tensor.numel() * tensor.element_size()
-        else:
-            counts[2] += 1
-        return tensor
-
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run()
+        return _count_packs(lambda: started[0], run)
     finally:
         handle.remove()
-    return counts[0], counts[1], counts[2]
 
 
 def _total_packed(stats: dict) -> int:
