@@ -215,8 +215,8 @@ class OffloadActivations(saved_tensors_hooks):
         prefetch_window_bytes: bytes that backward reloads ahead of need (at most one copy ahead; a copy larger
             than the window goes alone); 0 reloads on demand only.
         keep_tail: learn, from the first step, the end of the forward that backward needs first, and keep it on
-            the GPU: the copies that step could not finish before backward began (they were on the GPU at that
-            point anyway), or up to `forward_window_bytes` of it as later steps show copies lagging.
+            the GPU: the copies that finished only after the forward's compute did (measured in GPU time; they
+            were on the GPU at that point anyway), growing by at most `forward_window_bytes` in later steps.
         max_pinned_memory_fraction: cap on the pinned pool, as a fraction of the host memory available when it
             is first used, shared by the ranks on the host (`LOCAL_WORLD_SIZE`). Past the cap tensors stay on
             the GPU, with one warning.
