@@ -450,9 +450,7 @@ class OffloadActivations(saved_tensors_hooks):
             lane.inflight_bytes + nbytes > self.forward_window_bytes
             or (self.max_fwd_stash_size is not None and len(lane.inflight) >= self.max_fwd_stash_size)
         ):
-            oldest = lane.inflight.popleft()
-            self._wait(compute, oldest.d2h_done)  # later compute-stream reuse of the memory is ordered after
-            self._release(lane, oldest)
+            self._retire_oldest(lane, compute)
 
     def _release_finished(self, lane: _Lane) -> None:
         # One D2H stream per lane finishes its copies in order, so only the front can be done.
@@ -462,9 +460,14 @@ class OffloadActivations(saved_tensors_hooks):
     def _drain_inflight(self, lane: _Lane) -> None:
         compute = lane.compute_stream()
         while lane.inflight:
-            oldest = lane.inflight.popleft()
-            self._wait(compute, oldest.d2h_done)
-            self._release(lane, oldest)
+            self._retire_oldest(lane, compute)
+
+    def _retire_oldest(self, lane: _Lane, compute: Any) -> None:
+        """Makes compute wait for the oldest copy, then releases its original: later compute-stream reuse of that
+        memory is ordered after the copy."""
+        oldest = lane.inflight.popleft()
+        self._wait(compute, oldest.d2h_done)
+        self._release(lane, oldest)
 
     @staticmethod
     def _release(lane: _Lane, copy: _HostCopy) -> None:
@@ -524,8 +527,8 @@ class OffloadActivations(saved_tensors_hooks):
         for lane in self._lanes.values():
             # Copies still in flight (no tail region drained them) keep their GPU original until it is
             # unpacked: reloading it later would only cost, and the memory is held at this point anyway.
-            lane.inflight_bytes -= sum(copy.nbytes for copy in lane.inflight)
             lane.inflight.clear()
+            lane.inflight_bytes = 0
             lane.prefetched_bytes = lane.prefetched_copies = 0
         step.cursor = len(step.copies) - 1
         self._prefetch(step)
