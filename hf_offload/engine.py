@@ -168,13 +168,16 @@ class _SavedTensor:
 
 
 class _Step:
-    """One forward pass's offloaded copies, in pack order, and the backward's prefetch cursor over them."""
+    """One forward pass's offloaded copies, in save order, and the backward's prefetch cursor over them."""
 
     __slots__ = ("copies", "cursor", "backward_started", "end_of_forward", "__weakref__")
 
     def __init__(self) -> None:
+        # Backward unpacks in roughly the reverse order of the saves, and a storage saved several times (a layer
+        # norm's output read by q, k and v) is first unpacked by its last saver: a copy is listed again at each
+        # later save, so that walking down the list reaches it when backward needs it first.
         self.copies: list[weakref.ref[_HostCopy]] = []
-        self.cursor = -1  # next copy (walking down) that backward may prefetch
+        self.cursor = -1  # next entry (walking down) that backward may prefetch
         self.backward_started = False
         # Where the forward ended (the tail region or the first unpack): for each copy still in flight then,
         # (its position, a compute-stream marker, its completion event). Read at the next step, in GPU time.
@@ -421,6 +424,7 @@ class OffloadActivations(saved_tensors_hooks):
             if (shared_storage is storage and shared_copy is not None and shared_copy.dtype == tensor.dtype
                     and shared_copy.start <= start and start + numel <= shared_copy.start + shared_copy.numel):  # fmt: skip
                 self._stats.kept("duplicate", nbytes)
+                self._step.copies.append(shared[1])
                 return self._saved(shared_copy, tensor)
         position = self._planner.candidates_seen
         if self._planner.next_candidate(tensor.dtype, tensor.dim(), nbytes):
@@ -569,7 +573,7 @@ class OffloadActivations(saved_tensors_hooks):
                 self._drain_inflight(lane)
 
     def _prefetch(self, step: _Step) -> None:
-        """Reloads the next copies backward will need (descending pack order), up to the prefetch window.
+        """Reloads the next copies backward will need (walking down `step.copies`), up to the prefetch window.
 
         From unpacks, as many as the window holds: a reload cannot start before the compute stream reaches the
         point where it was issued (see `_reload`), so with a single copy ahead the H2D stream idles whenever a

@@ -86,6 +86,19 @@ def test_views_of_one_storage_are_offloaded_once() -> None:
     assert stats["tensors_kept_duplicate"] == 3
 
 
+def test_prefetch_order_lists_a_storage_again_at_its_last_save() -> None:
+    """Backward first unpacks a storage where the forward saved it last, so the prefetch walk (down the step's
+    list) must reach it there. The streams that follow this order run on the GPU (test_engine_streams.py)."""
+    engine = cpu_engine()
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    x = torch.ones(2, requires_grad=True)
+    with engine:
+        y = SaveProbe.apply(SaveProbe.apply(SaveProbe.apply(x, a), b), a[1:])
+        order = [ref() for ref in engine._step.copies]
+    assert len(order) == 3 and order[0] is order[2] and order[1] is not order[0]
+    y.sum().backward()
+
+
 def test_view_outside_the_offloaded_span_gets_its_own_copy() -> None:
     engine = cpu_engine()
     base = torch.randn(8, 8)

@@ -146,6 +146,30 @@ def test_peak_memory_lower() -> None:
     assert peaks["offload"] < peaks["none"] - 512 * MIB
 
 
+def test_storage_saved_twice_is_prefetched_where_backward_needs_it_first() -> None:
+    """Backward first unpacks a storage where the forward saved it last. With room for two copies ahead, the
+    prefetch order must have it back there, not after the tensors saved in between (each a prefetch miss)."""
+    torch.manual_seed(0)
+    x = torch.randn(2048, 4096, device="cuda", requires_grad=True)  # 32 MiB
+    scale = torch.randn(4096, device="cuda", requires_grad=True)  # below min_offload_size: kept
+
+    def loss_fn() -> torch.Tensor:
+        a = x * scale  # saves x (its first save) and scale
+        b = a.sin()  # saves a
+        return (b * x).sum()  # saves b, and x again: backward unpacks these two first
+
+    reference = torch.autograd.grad(loss_fn(), [x, scale])
+    engine = OffloadActivations(min_offload_size=MIB, prefetch_window_bytes=64 * MIB, keep_tail=False)
+    with engine:
+        loss = loss_fn()
+    torch.cuda.synchronize()  # every copy has left: each tensor comes back by a reload, none is still in flight
+    grads = torch.autograd.grad(loss, [x, scale])
+    stats = engine.get_stats()
+    assert stats["tensors_offloaded"] == 3 and stats["tensors_kept_duplicate"] == 1, stats
+    assert stats["prefetch_misses"] == 0, stats
+    assert all(torch.equal(got, want) for got, want in zip(grads, reference))
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_devices_each_tensor_returns_home() -> None:
     torch.manual_seed(0)
