@@ -30,7 +30,7 @@ import logging
 import threading
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -212,8 +212,7 @@ class OffloadActivations(saved_tensors_hooks):
         forward_window_bytes: GPU bytes of forward copies in flight; past it the compute stream waits for the
             oldest copy.
         prefetch_window_bytes: bytes that backward reloads ahead of need (a copy larger than the window goes
-            alone); 0 reloads on demand only. With prefetch points (checkpointed models, see `prefetch`), one
-            copy ahead.
+            alone); 0 reloads on demand only. With checkpointing (see `prefetch_hook`), one copy ahead.
         keep_tail: learn, from the first step, the end of the forward that backward needs first, and keep it on
             the GPU: the copies that finished only after the forward's compute did (measured in GPU time), at
             most `forward_window_bytes` of them.
@@ -262,7 +261,7 @@ class OffloadActivations(saved_tensors_hooks):
         self.prefetch_window_bytes = prefetch_window_bytes
         self.max_pinned_memory_fraction = max_pinned_memory_fraction
         self.max_pinned_bytes = max_pinned_bytes
-        # Whether each unpack starts the next reloads; a model layer that calls `prefetch()` itself turns it off.
+        # Whether each unpack starts the next reloads; a model layer whose `prefetch_hook`s time them turns it off.
         self.prefetch_on_unpack = True
 
         self._device_module = torch.get_device_module(self.device_type) if self.device_type else None
@@ -306,18 +305,29 @@ class OffloadActivations(saved_tensors_hooks):
         self._model_ref = weakref.ref(model)
         self._refresh_parameter_pointers()
 
-    def prefetch(self) -> None:
-        """Starts the next reloads of the backward in progress, as an unpack does; does nothing outside a backward.
+    def prefetch_hook(self) -> Callable[[torch.Tensor], None]:
+        """A gradient hook, for a tensor of the forward being packed, that starts the next reloads of that forward's
+        backward when backward reaches the tensor (as an unpack does, and also before the first unpack).
 
-        For model layers. With checkpointing, backward unpacks one tensor per block, its input, just as the block's
-        recomputation begins: a reload started there stays allocated through the recomputed activations, which are
-        the step's memory peak. A model layer that knows the blocks sets `prefetch_on_unpack` to False and calls
-        this from the middle of each block's backward instead, once that peak has passed and enough of the block's
-        backward is left to hide the copy.
+        For model layers, which know better than unpacks when reloads fit:
+          * The output head's backward runs right after the loss's, the step's memory peak without checkpointing,
+            and before the first unpack; the link would otherwise idle through it.
+          * With checkpointing, backward unpacks one tensor per block, its input, just as the block's
+            recomputation begins: a reload started there stays allocated through the recomputed activations, the
+            step's peak. A model layer that knows the blocks sets `prefetch_on_unpack` to False and registers this
+            hook in the middle of each block instead, once that peak has passed and enough of the block's backward
+            is left to hide the copy.
+
+        The hook holds its engine and step weakly: a graph that outlives either keeps neither alive.
         """
-        with self._lock:
-            if self._phase == _BACKWARD:
-                self._prefetch(self._step)
+        engine_ref, step_ref = weakref.ref(self), weakref.ref(self._step)
+
+        def hook(grad: torch.Tensor) -> None:
+            engine, step = engine_ref(), step_ref()
+            if engine is not None and step is not None:
+                engine._prefetch_from_hook(step)
+
+        return hook
 
     def exempt(self, ends_forward: bool = False) -> NoOpManager:
         """A region (a new context object each call, so regions can nest) whose tensors stay in place and are
@@ -503,6 +513,13 @@ class OffloadActivations(saved_tensors_hooks):
 
     # ------------------------------------------------------------------ backward
 
+    def _prefetch_from_hook(self, step: _Step) -> None:
+        with self._lock:
+            if step.backward_started:
+                self._prefetch(step)
+            else:
+                self._begin_backward(step)
+
     def _unpack(self, saved: _SavedTensor) -> torch.Tensor:
         with self._lock:
             copy = saved.copy
@@ -538,7 +555,7 @@ class OffloadActivations(saved_tensors_hooks):
             return torch.as_strided(span, saved.size, saved.stride, span.storage_offset() + saved.offset)
 
     def _begin_backward(self, step: _Step) -> None:
-        """The first unpack of a step: keep unfinished copies' originals, start prefetching."""
+        """The first unpack or prefetch hook of a step: keep unfinished copies' originals, start prefetching."""
         step.backward_started = True
         self._phase = _BACKWARD
         self._mark_end_of_forward(step, drain=False)
@@ -577,8 +594,8 @@ class OffloadActivations(saved_tensors_hooks):
 
         From unpacks, as many as the window holds: a reload cannot start before the compute stream reaches the
         point where it was issued (see `_reload`), so with a single copy ahead the H2D stream idles whenever a
-        backward node computes longer than its copy takes. From a block's middle (`prefetch`), one copy: the next
-        block's input, and nothing more on top of that block's recomputation."""
+        backward node computes longer than its copy takes. With checkpointing (`prefetch_on_unpack` off), one
+        copy: the next block's input, and nothing more on top of that block's recomputation."""
         while step.cursor >= 0:
             copy = step.copies[step.cursor]()
             if copy is None or copy.source is not None or copy.reloaded is not None or copy.consumed:

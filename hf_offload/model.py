@@ -8,12 +8,13 @@ This module answers four questions for the engine, which itself knows nothing ab
    tensors are the first ones backward needs: moving them to the host and straight back only costs bandwidth, and
    the head's input/logits are often the largest tensors of the step (:func:`find_output_head`).
 3. *What must never be offloaded?*  The tail above, and every Liger kernel module (:func:`find_liger_modules`).
-4. *When should a checkpointed block's input come back?*  While the block's attention runs backward, after its
-   recomputed MLP activations are freed (:func:`find_attention_modules`, :class:`_PrefetchPoints`).
+4. *When should reloads start?*  From the head's backward, right after the loss's memory peak; with checkpointing, a
+   block's input while the block's attention runs backward, after its recomputed MLP activations are freed
+   (:func:`find_attention_modules`, :class:`_PrefetchPoints`).
 
 :func:`get_act_offloading_ctx_manager` puts these together: it builds the engine and installs, on every exempt
-module, a pair of forward hooks that suspend offloading while that module runs, and on every block's attention a
-hook that times the reloads.
+module, a pair of forward hooks that suspend offloading while that module runs, and on the head and every block's
+attention a hook that times the reloads.
 
 Only ``torch`` is imported at module level: wrappers from optional libraries (PEFT, DeepSpeed, accelerate, dynamo)
 are recognised by class name, so importing hf-offload never imports them.
@@ -400,47 +401,48 @@ def _checkpointing_on(model: nn.Module) -> bool:
 
 
 class _PrefetchPoints:
-    """Starts the next reload from the middle of each block's backward, for checkpointed models.
+    """Starts reloads from points of the backward that unpacks do not see: the head, and each block's attention.
 
-    With checkpointing, a block unpacks its input once, as its recomputation starts; a reload prefetched there would
-    sit on top of the recomputed activations, the peak of the step. Instead, a forward hook on each block's attention
-    registers a gradient hook on its output, and the reload starts when backward reaches the attention: the MLP's
-    activations are gone by then and the attention's backward (the long part at long context) hides the copy. A
-    tensor hook changes nothing in the graph. Under reentrant checkpointing the first forward saves no graph; the
-    hook is then registered by the recomputation, whose inner backward fires it at the same point.
+    A forward hook on each such module registers the engine's ``prefetch_hook`` on its output (a tensor hook
+    changes nothing in the graph), which starts the next reloads when backward reaches that output:
 
-    Without checkpointing every saved tensor is unpacked, and unpacks keep prefetching as usual.
+    * The head. Backward's first unpack comes only after the loss's and the head's backward, the step's memory peak
+      without checkpointing. The head's backward runs just after that peak (its input gradient is small), and at
+      a large vocabulary it takes long enough to reload the last layer's activations.
+    * Each block's attention, with checkpointing. A block unpacks its input once, as its recomputation starts; a
+      reload prefetched there would sit on top of the recomputed activations, the peak of the step. At the
+      attention's gradient the MLP's activations are gone and the attention's backward (the long part at long
+      context) hides the copy; unpacks then stop prefetching (``prefetch_on_unpack``). Under reentrant
+      checkpointing the first forward saves no graph; the hook is then registered by the recomputation, whose inner
+      backward fires it at the same point. Without checkpointing every saved tensor is unpacked, and unpacks keep
+      prefetching as usual.
     """
 
     def __init__(self, engine: OffloadActivations) -> None:
-        self._engine = weakref.ref(engine)  # tensors of a graph that outlives the engine must not keep it alive
+        self._engine = weakref.ref(engine)  # a model that outlives the engine must not keep it alive
 
     def root_enter(self, module: nn.Module, args: Any) -> None:
         engine = self._engine()
         if engine is not None:
             engine.prefetch_on_unpack = not _checkpointing_on(module)
 
-    def attention_exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        tensor = _first_tensor(output)
-        if tensor is not None and tensor.requires_grad:
-            tensor.register_hook(self._reached)
-
-    def _reached(self, grad: torch.Tensor) -> None:
+    def point_exit(self, module: nn.Module, args: Any, output: Any) -> None:
         engine = self._engine()
-        if engine is not None:
-            engine.prefetch()
+        tensor = _first_tensor(output)
+        if engine is not None and tensor is not None and tensor.requires_grad:
+            tensor.register_hook(engine.prefetch_hook())
 
     def __deepcopy__(self, memo: dict) -> _PrefetchPoints:
         return self  # as for _ExemptHooks: never copy the engine with a model
 
 
-def _install_prefetch_points(engine: OffloadActivations, model: nn.Module, attention: list[nn.Module]) -> None:
-    if not attention:
-        return  # no blocks found: unpacks keep prefetching
+def _install_prefetch_points(engine: OffloadActivations, model: nn.Module, head: nn.Module | None,
+                             attention: list[nn.Module]) -> None:  # fmt: skip
     points = _PrefetchPoints(engine)
-    engine.track_hook(model.register_forward_pre_hook(points.root_enter))
-    for module in attention:
-        engine.track_hook(module.register_forward_hook(points.attention_exit))
+    if attention:  # with no blocks found, unpacks keep prefetching
+        engine.track_hook(model.register_forward_pre_hook(points.root_enter))
+    for module in ([head] if head is not None else []) + attention:
+        engine.track_hook(module.register_forward_hook(points.point_exit))
 
 
 def _remove_stale_exempt_hooks(model: nn.Module) -> None:
@@ -535,14 +537,16 @@ def get_act_offloading_ctx_manager(
     engine.update_model_params(model)
 
     tail = find_output_head(unwrapped)
-    if warn_if_no_head and _find_head(unwrapped) is None:  # a final norm alone does not spare the head
+    head = _find_head(unwrapped)
+    if warn_if_no_head and head is None:  # a final norm alone does not spare the head
         _warn_no_head_once(unwrapped)
 
     _install_tail_hooks(engine, unwrapped, [module for _, module in tail])
     exempt = _outermost(find_liger_modules(unwrapped))
     for _, module in exempt:
         _install_exempt_hooks(engine, module)
-    _install_prefetch_points(engine, unwrapped, [module for _, module in find_attention_modules(unwrapped)])
+    _install_prefetch_points(engine, unwrapped, head[1] if head is not None else None,
+                             [module for _, module in find_attention_modules(unwrapped)])
     unwrapped.__dict__[_INSTALLATION_ATTR] = _Installation(weakref.ref(engine), weakref.ref(unwrapped))
     logger.info("hf_offload: tail of the forward kept from %s; Liger modules exempt: %s",
                 ", ".join(name for name, _ in tail) or "nowhere", ", ".join(name for name, _ in exempt) or "none")

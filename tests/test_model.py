@@ -252,15 +252,16 @@ def test_hooks_do_not_stack_and_remove_cleanly():
     head, norm = model.lm_head, model.model.norm
     assert hook_counts(head) == hook_counts(norm) == (0, 0)
 
+    # Both tail modules: the exempt region's enter and exit; the head also: its prefetch point.
     first = get_act_offloading_ctx_manager(model, device_type="cpu")
-    assert hook_counts(head) == hook_counts(norm) == (1, 1)
+    assert hook_counts(head) == (1, 2) and hook_counts(norm) == (1, 1)
     assert list(head._forward_hooks_always_called.values()) == [True]  # the exit runs even if forward raises
     second = get_act_offloading_ctx_manager(model, device_type="cpu")
-    assert hook_counts(head) == hook_counts(norm) == (1, 1)
+    assert hook_counts(head) == (1, 2) and hook_counts(norm) == (1, 1)
     assert all(hook.__self__.engine is second for hook in head._forward_pre_hooks.values())
 
     first.remove_hooks()  # stale engine: removing its hooks again must not touch the new ones
-    assert hook_counts(head) == (1, 1)
+    assert hook_counts(head) == (1, 2)
     second.remove_hooks()
     second.remove_hooks()  # idempotent
     assert our_hooks(model) == []
@@ -273,10 +274,10 @@ def test_peft_model_and_its_base_share_one_installation():
     peft_model = lora(model)
     get_act_offloading_ctx_manager(peft_model, device_type="cpu")
     engine = get_act_offloading_ctx_manager(peft_model.get_base_model(), device_type="cpu")
-    assert hook_counts(model.lm_head) == (1, 1)
-    # model, head and final norm: one pre + one post each; prefetch points: one pre on the model, one post on each
-    # of the two layers' attention
-    assert len(our_hooks(peft_model)) == 9
+    assert hook_counts(model.lm_head) == (1, 2)
+    # model, head and final norm: one pre + one post each; prefetch points: one pre on the model, one post on the
+    # head and on each of the two layers' attention
+    assert len(our_hooks(peft_model)) == 10
     engine.remove_hooks()
     assert our_hooks(peft_model) == []
 
@@ -288,9 +289,9 @@ def test_deep_copy_of_a_hooked_model_is_rehooked_without_touching_the_original()
     # The copy shares the hook objects (and the engine) instead of deep-copying the engine.
     assert next(iter(clone.lm_head._forward_pre_hooks.values())).__self__.engine is original
     engine = get_act_offloading_ctx_manager(clone, device_type="cpu")
-    assert hook_counts(clone.lm_head) == (1, 1)
+    assert hook_counts(clone.lm_head) == (1, 2)
     assert next(iter(clone.lm_head._forward_pre_hooks.values())).__self__.engine is engine
-    assert hook_counts(model.lm_head) == (1, 1)  # the original still has its own
+    assert hook_counts(model.lm_head) == (1, 2)  # the original still has its own
     assert next(iter(model.lm_head._forward_pre_hooks.values())).__self__.engine is original
 
 
@@ -300,7 +301,7 @@ def test_invalid_engine_option_raises_before_touching_hooks():
     with pytest.raises(ValueError, match="keep_tail"):
         get_act_offloading_ctx_manager(model, device_type="cpu", keep_tail="yes")
     assert all(hook.__self__.engine is engine for hook in model.lm_head._forward_pre_hooks.values())
-    assert hook_counts(model.lm_head) == (1, 1)
+    assert hook_counts(model.lm_head) == (1, 2)
 
 
 def test_engine_options_reach_the_engine():
@@ -356,8 +357,9 @@ def test_liger_modules_found_by_name_and_by_class_module_path():
     assert names(find_liger_modules(model)) == ["norm_by_class", "my_liger_act"]
     get_act_offloading_ctx_manager(model, device_type="cpu")
     assert sorted({name for name, m in model.named_modules() if hook_counts(m) == (1, 1)}) == [
-        "", "lm_head", "my_liger_act", "norm_by_class",
+        "", "my_liger_act", "norm_by_class",
     ]  # fmt: skip  (the root's pair closes the tail region when its forward returns)
+    assert hook_counts(model.lm_head) == (1, 2)  # and its prefetch point
     assert hook_counts(model.other_act) == (0, 0)
 
 
@@ -593,9 +595,10 @@ def test_attention_modules_found_once_per_block(build, expected):
 
 
 @pytest.mark.parametrize("checkpointing", [None, "nonreentrant", "reentrant"])
-def test_prefetch_points_fire_in_the_middle_of_each_block_backward(checkpointing):
-    """With checkpointing, each block's saved input is unpacked as its backward starts; the next reload must start
-    from the block's attention gradient, after that unpack and before the next block's. Gradients stay exact."""
+def test_prefetch_points_fire_at_the_head_and_in_the_middle_of_each_block_backward(checkpointing):
+    """Reloads start at the head's gradient, before backward's first unpack. With checkpointing, each block's saved
+    input is unpacked as its backward starts; the next reload must start from the block's attention gradient,
+    after that unpack and before the next block's. Gradients stay exact."""
     model = tiny_llama()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
@@ -604,25 +607,26 @@ def test_prefetch_points_fire_in_the_middle_of_each_block_backward(checkpointing
 
     engine = get_act_offloading_ctx_manager(model, device_type="cpu", keep_tail=False)
     events: list[str] = []
-    unpack, prefetch = engine._unpack, engine.prefetch
+    unpack, prefetch = engine._unpack, engine._prefetch_from_hook
     engine._unpack = lambda saved: (events.append("unpack"), unpack(saved))[1]
-    engine.prefetch = lambda: (events.append("prefetch"), prefetch())[1]
+    engine._prefetch_from_hook = lambda step: (events.append("prefetch"), prefetch(step))[1]
     loss, grads = _llama_step(model, batch, engine)
 
     assert engine.prefetch_on_unpack is (checkpointing is None)
-    assert events.count("prefetch") == 2  # one point per block
+    assert events.count("prefetch") == 3  # the head, then one point per block
+    assert events[0] == "prefetch" and "unpack" in events
     if checkpointing:
         # Per block: the saved inputs (hidden states, rotary cos/sin) unpacked together, then the point.
         blocks = "".join("u" if e == "unpack" else "p" for e in events).split("p")
-        assert len(blocks) == 3 and blocks[0] and blocks[1] and not blocks[2], events
+        assert len(blocks) == 4 and not blocks[0] and blocks[1] and blocks[2] and not blocks[3], events
     assert torch.equal(loss, ref_loss)
     for name in ref_grads:
         assert torch.equal(grads[name], ref_grads[name]), name
 
 
-def test_prefetch_outside_a_backward_does_nothing():
+def test_prefetch_hook_without_a_forward_does_nothing():
     engine = get_act_offloading_ctx_manager(tiny_llama(), device_type="cpu")
-    engine.prefetch()  # no step yet
+    engine.prefetch_hook()(torch.zeros(1))  # no step yet
     assert engine.get_stats()["prefetch_hits"] == engine.get_stats()["prefetch_misses"] == 0
 
 
