@@ -43,8 +43,9 @@ class ActivationOffloadingArguments:
         activation_offloading_forward_window_mib (`float`, *optional*, defaults to `128`):
             MiB of forward copies in flight; when full, compute waits for the oldest copy. Also bounds the tail of
             the forward kept on the accelerator.
-        activation_offloading_prefetch_window_mib (`float`, *optional*, defaults to `128`):
-            MiB the backward pass reloads ahead of need; `0` reloads each tensor only when it is needed.
+        activation_offloading_prefetch_window_mib (`float` or `None`, *optional*, defaults to `None`):
+            MiB the backward pass reloads ahead of need; `0` reloads each tensor only when it is needed. `None`
+            sizes it per step: four of the step's largest offloaded tensors, and at least 128 MiB.
         activation_offloading_keep_tail (`bool`, *optional*, defaults to `True`):
             Keep the end of the forward (needed first by backward) on the accelerator, learned from the first step.
         activation_offloading_max_pinned_memory_fraction (`float`, *optional*, defaults to `0.5`):
@@ -78,9 +79,10 @@ class ActivationOffloadingArguments:
         default=DEFAULT_WINDOW_BYTES / _MIB,
         metadata={"help": "MiB of forward copies in flight before compute waits for the oldest."},
     )
-    activation_offloading_prefetch_window_mib: float = field(
-        default=DEFAULT_WINDOW_BYTES / _MIB,
-        metadata={"help": "MiB reloaded ahead of need in backward; 0 reloads on demand only."},
+    activation_offloading_prefetch_window_mib: float | None = field(
+        default=None,
+        metadata={"help": "MiB reloaded ahead of need in backward; 0 reloads on demand only; None: four of the "
+                  "step's largest offloaded tensors, at least 128 MiB."},
     )
     activation_offloading_keep_tail: bool = field(
         default=True,

@@ -45,6 +45,12 @@ logger = logging.getLogger(__name__)
 _MIB = 2**20
 # Enough for a copy stream never to idle; small, because when copies lag the window is on top of peak memory.
 DEFAULT_WINDOW_BYTES = 128 * _MIB
+# The default prefetch window holds this many of the step's largest copies. Two keep the link busy while
+# backward computes on the one before (a 128 MiB window held one 256 MiB MLP activation at a time, and the link
+# idled through every node that computes longer than a copy). Four also cover the output head's backward at a
+# large vocabulary (see `prefetch_hook`). It stays below one transformer block's saved activations (about six
+# of the largest), in a backward whose memory is below the loss's peak.
+_PREFETCH_WINDOW_COPIES = 4
 
 _IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
 
@@ -170,7 +176,7 @@ class _SavedTensor:
 class _Step:
     """One forward pass's offloaded copies, in save order, and the backward's prefetch cursor over them."""
 
-    __slots__ = ("copies", "cursor", "backward_started", "end_of_forward", "__weakref__")
+    __slots__ = ("copies", "cursor", "backward_started", "prefetch_window_bytes", "end_of_forward", "__weakref__")
 
     def __init__(self) -> None:
         # Backward unpacks in roughly the reverse order of the saves, and a storage saved several times (a layer
@@ -179,6 +185,7 @@ class _Step:
         self.copies: list[weakref.ref[_HostCopy]] = []
         self.cursor = -1  # next entry (walking down) that backward may prefetch
         self.backward_started = False
+        self.prefetch_window_bytes = 0  # set when backward starts
         # Where the forward ended (the tail region or the first unpack): for each copy still in flight then,
         # (its position, a compute-stream marker, its completion event). Read at the next step, in GPU time.
         self.end_of_forward: list[tuple[int, Any, Any]] | None = None
@@ -212,7 +219,8 @@ class OffloadActivations(saved_tensors_hooks):
         forward_window_bytes: GPU bytes of forward copies in flight; past it the compute stream waits for the
             oldest copy.
         prefetch_window_bytes: bytes that backward reloads ahead of need (a copy larger than the window goes
-            alone); 0 reloads on demand only. With checkpointing (see `prefetch_hook`), one copy ahead.
+            alone); 0 reloads on demand only. None (the default): four of the step's largest copies, and at
+            least 128 MiB. With checkpointing (see `prefetch_hook`), one copy ahead.
         keep_tail: learn, from the first step, the end of the forward that backward needs first, and keep it on
             the GPU: the copies that finished only after the forward's compute did (measured in GPU time), at
             most `forward_window_bytes` of them.
@@ -233,7 +241,7 @@ class OffloadActivations(saved_tensors_hooks):
         max_fwd_stash_size: int | None = None,
         *,
         forward_window_bytes: int = DEFAULT_WINDOW_BYTES,
-        prefetch_window_bytes: int = DEFAULT_WINDOW_BYTES,
+        prefetch_window_bytes: int | None = None,
         keep_tail: bool = True,
         max_pinned_memory_fraction: float = 0.5,
         max_pinned_bytes: int | None = None,
@@ -246,8 +254,8 @@ class OffloadActivations(saved_tensors_hooks):
                  "max_fwd_stash_size", "None or an int >= 1", max_fwd_stash_size)  # fmt: skip
         _require(_is_int(forward_window_bytes) and forward_window_bytes >= 1,
                  "forward_window_bytes", "an int >= 1", forward_window_bytes)  # fmt: skip
-        _require(_is_int(prefetch_window_bytes) and prefetch_window_bytes >= 0,
-                 "prefetch_window_bytes", "an int >= 0", prefetch_window_bytes)  # fmt: skip
+        _require(prefetch_window_bytes is None or (_is_int(prefetch_window_bytes) and prefetch_window_bytes >= 0),
+                 "prefetch_window_bytes", "None or an int >= 0", prefetch_window_bytes)  # fmt: skip
         _require(isinstance(max_pinned_memory_fraction, (int, float)) and 0 < max_pinned_memory_fraction <= 0.9,
                  "max_pinned_memory_fraction", "a number in (0, 0.9]", max_pinned_memory_fraction)  # fmt: skip
         _require(max_pinned_bytes is None or (_is_int(max_pinned_bytes) and max_pinned_bytes >= 0),
@@ -566,6 +574,10 @@ class OffloadActivations(saved_tensors_hooks):
             lane.inflight_bytes = 0
             lane.prefetched_bytes = lane.prefetched_copies = 0
         step.cursor = len(step.copies) - 1
+        step.prefetch_window_bytes = self.prefetch_window_bytes
+        if step.prefetch_window_bytes is None:
+            largest = max((copy.nbytes for copy in (ref() for ref in step.copies) if copy is not None), default=0)
+            step.prefetch_window_bytes = max(DEFAULT_WINDOW_BYTES, _PREFETCH_WINDOW_COPIES * largest)
         self._prefetch(step)
 
     def _mark_end_of_forward(self, step: _Step, drain: bool) -> None:
@@ -602,11 +614,11 @@ class OffloadActivations(saved_tensors_hooks):
                 step.cursor -= 1
                 continue
             lane = copy.lane
-            if lane.d2h is None or self.prefetch_window_bytes == 0:
+            if lane.d2h is None or step.prefetch_window_bytes == 0:
                 return
             if not self.prefetch_on_unpack and lane.prefetched_copies:
                 return
-            if lane.prefetched_bytes and lane.prefetched_bytes + copy.nbytes > self.prefetch_window_bytes:
+            if lane.prefetched_bytes and lane.prefetched_bytes + copy.nbytes > step.prefetch_window_bytes:
                 return  # full; a copy larger than the window still goes alone
             self._reload(copy, lane.compute_stream())
             copy.prefetched = True

@@ -99,6 +99,25 @@ def test_prefetch_order_lists_a_storage_again_at_its_last_save() -> None:
     y.sum().backward()
 
 
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    "option, sizes, expected",
+    [
+        (None, [16, 10 * MIB], 4 * 40 * MIB),  # four of the largest copy (float32: 40 MiB)
+        (None, [16, 1024], 128 * MIB),  # at least 128 MiB
+        (0, [16, 10 * MIB], 0),
+        (1234, [16, 10 * MIB], 1234),
+    ],
+    ids=["default", "default-small", "on-demand", "explicit"],
+)
+def test_prefetch_window_by_default_holds_four_of_the_step_largest_copies(option, sizes, expected) -> None:
+    engine = cpu_engine(prefetch_window_bytes=option)
+    round_trip(engine, *(torch.zeros(numel) for numel in sizes))
+    assert engine._step.prefetch_window_bytes == expected
+
+
 def test_view_outside_the_offloaded_span_gets_its_own_copy() -> None:
     engine = cpu_engine()
     base = torch.randn(8, 8)

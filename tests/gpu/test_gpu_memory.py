@@ -18,11 +18,11 @@ PEAK_SIZE = dict(hidden=1024, layers=8, seq=4096, intermediate=2816, heads=16, k
     "ckpt, shape, options",
     [
         # No checkpointing, default engine options: ~1.8 GiB of saved activations at seq 2048 x batch 2, well
-        # above the default 512 MiB tail and prefetch windows.
+        # above the default windows (128 MiB here: forward copies in flight, tail, and prefetch).
         ("off", dict(seq=2048, batch=2), {}),
         # Checkpointing: only each layer's input is saved (2 B x tokens x hidden = 32 MiB per layer at
-        # seq 4096 x batch 4), and the peak is at the first layer's recompute in backward. The default 512 MiB
-        # windows would keep or prefetch all 8 inputs (256 MiB), so windows of two layers' inputs make the
+        # seq 4096 x batch 4), and the peak is at the first layer's recompute in backward. The default 128 MiB
+        # forward window could keep four of the 8 inputs as the tail, so windows of two layers' inputs make the
         # saving visible at this size (the 1B report, peak_1b.py, measures the defaults at scale).
         ("nonreentrant", dict(seq=4096, batch=4),
          {"forward_window_bytes": 64 * MiB, "prefetch_window_bytes": 64 * MiB}),
