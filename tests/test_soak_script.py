@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import soak_1b  # noqa: E402
 
@@ -14,9 +16,10 @@ TINY = ["--device", "cpu", "--hidden", "64", "--intermediate", "128", "--layers"
         "--kv-heads", "2", "--vocab", "128", "--seq", "64", "--steps", "15", "--every", "5", "--settle", "5"]
 
 
-def test_flat_run_passes_and_writes_its_record(tmp_path, monkeypatch):
+@pytest.mark.parametrize("checkpointing", [[], ["--no-ckpt"]], ids=["ckpt", "no-ckpt"])
+def test_flat_run_passes_and_writes_its_record(tmp_path, monkeypatch, checkpointing):
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert soak_1b.main(TINY) == 0
+    assert soak_1b.main(TINY + checkpointing) == 0
     record = json.loads((tmp_path / "soak_1b.json").read_text())
     assert record["steps_done"] == 15 and not record["failures"] and not record["stopped_early"]
     assert [s["step"] for s in record["samples"]] == [5, 10, 15]
