@@ -604,9 +604,9 @@ class OffloadActivations(saved_tensors_hooks):
     def _prefetch(self, step: _Step) -> None:
         """Reloads the next copies backward will need (walking down `step.copies`), up to the prefetch window.
 
-        From unpacks, as many as the window holds: a reload cannot start before the compute stream reaches the
-        point where it was issued (see `_reload`), so with a single copy ahead the H2D stream idles whenever a
-        backward node computes longer than its copy takes. With checkpointing (`prefetch_on_unpack` off), one
+        Without checkpointing, as many as the window holds: a reload cannot start before the compute stream
+        reaches the point where it was issued (see `_reload`), so with a single copy ahead the H2D stream idles
+        whenever a backward node computes longer than its copy takes. With checkpointing (`prefetch_on_unpack` off), one
         copy: the next block's input, and nothing more on top of that block's recomputation."""
         while step.cursor >= 0:
             copy = step.copies[step.cursor]()
