@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
-from example_utils import TEXT_COLUMN, DataArguments, ModelArguments, load_model_and_tokenizer, load_text_dataset
+from example_utils import (
+    TEXT_COLUMN,
+    DataArguments,
+    ModelArguments,
+    load_model_and_tokenizer,
+    load_text_dataset,
+    parse_arguments,
+)
 from hf_offload import ActivationOffloadingArguments, format_summary, get_act_offloading_ctx_manager
 
 
@@ -33,7 +40,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser = transformers.HfArgumentParser(
         (ModelArguments, DataArguments, LoopArguments, ActivationOffloadingArguments)
     )
-    model_args, data_args, loop_args, offload_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, loop_args, offload_args = parse_arguments(parser, argv)
     transformers.set_seed(loop_args.seed)
 
     dataset = load_text_dataset(data_args)
@@ -54,7 +61,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=loop_args.learning_rate)
 
     offloading = (
-        get_act_offloading_ctx_manager(model, **offload_args.offload_engine_options())
+        get_act_offloading_ctx_manager(model, options=offload_args.offload_options())
         if offload_args.activation_offloading
         else contextlib.nullcontext()
     )

@@ -81,3 +81,12 @@ def load_model_and_tokenizer(
         tokenizer.pad_token = tokenizer.eos_token
     model = transformers.AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype="auto")
     return model, tokenizer
+
+
+def parse_arguments(parser: transformers.HfArgumentParser, argv: list[str] | None) -> tuple:
+    """The parsed dataclasses; a value the dataclasses reject exits with the usage and the error (naming the
+    argument), as argparse does for a malformed one, instead of a traceback."""
+    try:
+        return parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as error:
+        parser.error(str(error))

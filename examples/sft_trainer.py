@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 
 import transformers
 
-from example_utils import TEXT_COLUMN, DataArguments, ModelArguments, load_model_and_tokenizer, load_text_dataset
+from example_utils import (
+    TEXT_COLUMN,
+    DataArguments,
+    ModelArguments,
+    load_model_and_tokenizer,
+    load_text_dataset,
+    parse_arguments,
+)
 from hf_offload import TrainingArguments
 
 
@@ -24,7 +31,7 @@ class TokenizationArguments:
 
 def main(argv: list[str] | None = None) -> transformers.Trainer:
     parser = transformers.HfArgumentParser((ModelArguments, DataArguments, TokenizationArguments, TrainingArguments))
-    model_args, data_args, tokenization_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, tokenization_args, training_args = parse_arguments(parser, argv)
     transformers.set_seed(training_args.seed)
 
     dataset = load_text_dataset(data_args)

@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 
 from .engine import NoOpManager, OffloadActivations
+from .options import OffloadOptions
 from .stats import format_summary
 
 __version__ = "0.1.0"
@@ -23,7 +24,7 @@ _LAZY = {
     "ActivationOffloadingCallback": "hf_offload.callbacks",
 }
 
-__all__ = ["NoOpManager", "OffloadActivations", "format_summary", *_LAZY]
+__all__ = ["NoOpManager", "OffloadActivations", "OffloadOptions", "format_summary", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

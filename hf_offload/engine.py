@@ -37,14 +37,12 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
 from .host_memory import HostBlock, PinnedHostPool, host_memory_cap
+from .options import DEFAULT_WINDOW_BYTES, MIB, OffloadOptions, current_accelerator_type
 from .policy import TailPlanner, kept_reason, parameter_storages, storage_span
 from .stats import StatsRecorder
 
 logger = logging.getLogger(__name__)
 
-_MIB = 2**20
-# Enough for a copy stream never to idle; small, because when copies lag the window is on top of peak memory.
-DEFAULT_WINDOW_BYTES = 128 * _MIB
 # The default prefetch window holds this many of the step's largest copies. Two keep the link busy while
 # backward computes on the one before (a 128 MiB window held one 256 MiB MLP activation at a time, and the link
 # idled through every node that computes longer than a copy). Four also cover the output head's backward at a
@@ -191,11 +189,6 @@ class _Step:
         self.end_of_forward: list[tuple[int, Any, Any]] | None = None
 
 
-def _require(condition: bool, option: str, allowed: str, value: Any) -> None:
-    if not condition:
-        raise ValueError(f"{option} must be {allowed}, got {value!r}")
-
-
 class OffloadActivations(saved_tensors_hooks):
     """Context manager under which tensors saved for backward move to (pinned) host memory and come back.
 
@@ -209,73 +202,29 @@ class OffloadActivations(saved_tensors_hooks):
     backward: everything is tied to autograd's saved tensors, not to the `with` block.
 
     Args:
-        use_pin_memory: keep offloaded tensors in pinned (page-locked) host memory. Pageable memory copies at a
-            quarter of the speed and cannot overlap with compute.
-        use_streams: overlap copies with compute on side streams. False copies on the compute stream (no
-            overlap, the same results).
-        min_offload_size: bytes below which a tensor is not worth moving.
-        max_fwd_stash_size: if set (at least 1), also bound the forward copies in flight by count, as TRL does.
-            By default only `forward_window_bytes` bounds them.
-        forward_window_bytes: GPU bytes of forward copies in flight; past it the compute stream waits for the
-            oldest copy.
-        prefetch_window_bytes: bytes that backward reloads ahead of need (a copy larger than the window goes
-            alone); 0 reloads on demand only. None (the default): four of the step's largest copies, and at
-            least 128 MiB. With checkpointing (see `prefetch_hook`), one copy ahead.
-        keep_tail: learn, from the first step, the end of the forward that backward needs first, and keep it on
-            the GPU: the copies that finished only after the forward's compute did (measured in GPU time), at
-            most `forward_window_bytes` of them.
-        max_pinned_memory_fraction: cap on the pinned pool, as a fraction of the host memory available when it
-            is first used, shared by the ranks on the host (`LOCAL_WORLD_SIZE`). Past the cap tensors stay on
-            the GPU, with one warning.
-        max_pinned_bytes: an explicit cap in bytes; overrides the fraction.
-        device_type: the device type whose tensors are offloaded; by default the current accelerator. With no
-            accelerator offloading is inactive (one warning). "cpu" moves CPU tensors to a separate host buffer:
-            it exists to test the bookkeeping without a GPU.
+        *args, **kwargs: the fields of [`OffloadOptions`] (`use_pin_memory`, `use_streams`, `min_offload_size`,
+            `max_fwd_stash_size` may be positional, as in TRL; the others are keyword-only), validated there.
+        options: an [`OffloadOptions`] instead of the individual values.
+
+    Raises:
+        ValueError: an option outside its rule, named with the values it accepts.
+        TypeError: an unknown option, or `options` together with individual values.
     """
 
-    def __init__(
-        self,
-        use_pin_memory: bool = True,
-        use_streams: bool = True,
-        min_offload_size: int = 1024,
-        max_fwd_stash_size: int | None = None,
-        *,
-        forward_window_bytes: int = DEFAULT_WINDOW_BYTES,
-        prefetch_window_bytes: int | None = None,
-        keep_tail: bool = True,
-        max_pinned_memory_fraction: float = 0.5,
-        max_pinned_bytes: int | None = None,
-        device_type: str | None = None,
-    ) -> None:
-        for name, value in (("use_pin_memory", use_pin_memory), ("use_streams", use_streams), ("keep_tail", keep_tail)):
-            _require(isinstance(value, bool), name, "True or False", value)
-        _require(_is_int(min_offload_size) and min_offload_size >= 0, "min_offload_size", "an int >= 0", min_offload_size)
-        _require(max_fwd_stash_size is None or (_is_int(max_fwd_stash_size) and max_fwd_stash_size >= 1),
-                 "max_fwd_stash_size", "None or an int >= 1", max_fwd_stash_size)  # fmt: skip
-        _require(_is_int(forward_window_bytes) and forward_window_bytes >= 1,
-                 "forward_window_bytes", "an int >= 1", forward_window_bytes)  # fmt: skip
-        _require(prefetch_window_bytes is None or (_is_int(prefetch_window_bytes) and prefetch_window_bytes >= 0),
-                 "prefetch_window_bytes", "None or an int >= 0", prefetch_window_bytes)  # fmt: skip
-        _require(isinstance(max_pinned_memory_fraction, (int, float)) and 0 < max_pinned_memory_fraction <= 0.9,
-                 "max_pinned_memory_fraction", "a number in (0, 0.9]", max_pinned_memory_fraction)  # fmt: skip
-        _require(max_pinned_bytes is None or (_is_int(max_pinned_bytes) and max_pinned_bytes >= 0),
-                 "max_pinned_bytes", "None or an int >= 0", max_pinned_bytes)  # fmt: skip
-        self.device_type = _resolve_device_type(device_type)
-        self.use_pin_memory = use_pin_memory and self.device_type not in (None, "cpu")
-        self.use_streams = use_streams
-        self.min_offload_size = min_offload_size
-        self.max_fwd_stash_size = max_fwd_stash_size
-        self.forward_window_bytes = forward_window_bytes
-        self.prefetch_window_bytes = prefetch_window_bytes
-        self.max_pinned_memory_fraction = max_pinned_memory_fraction
-        self.max_pinned_bytes = max_pinned_bytes
+    def __init__(self, *args: Any, options: OffloadOptions | None = None, **kwargs: Any) -> None:
+        if options is not None and (args or kwargs):
+            raise TypeError("OffloadActivations takes either options=OffloadOptions(...) or individual options, not both")
+        self.options = options if options is not None else OffloadOptions(*args, **kwargs)
+        options = self.options
+        self.device_type = options.device_type or current_accelerator_type()
+        self.use_pin_memory = options.use_pin_memory and self.device_type not in (None, "cpu")
         # Whether each unpack starts the next reloads; a model layer whose `prefetch_hook`s time them turns it off.
         self.prefetch_on_unpack = True
 
         self._device_module = torch.get_device_module(self.device_type) if self.device_type else None
         self._lanes: dict[torch.device, _Lane] = {}
         self._pool: PinnedHostPool | None = None  # created at first use: the cap reads the memory available then
-        self._planner = TailPlanner(keep_tail, max_tail_bytes=forward_window_bytes)
+        self._planner = TailPlanner(options.keep_tail, max_tail_bytes=options.forward_window_bytes)
         self._stats = StatsRecorder()
         self._parameter_pointers: set[int] = set()
         self._model_ref: weakref.ref[torch.nn.Module] | None = None
@@ -288,7 +237,7 @@ class OffloadActivations(saved_tensors_hooks):
         # tables consistent if a user overlaps them.
         self._lock = threading.RLock()
         if self.device_type is None:
-            self._warn_once("inactive", "activation offloading is inactive: no accelerator is available, so "
+            self.warn_once("inactive", "activation offloading is inactive: no accelerator is available, so "
                             "saved tensors stay where they are and training proceeds without it")  # fmt: skip
         # Hooks that referenced `self` would form a cycle (self -> pack_hook -> self) that keeps the pinned pool
         # alive until a full garbage collection after the user drops the context. The pack hook refers to the
@@ -299,6 +248,7 @@ class OffloadActivations(saved_tensors_hooks):
             engine = engine_ref()
             return _kept(tensor) if engine is None else engine._pack(tensor)
 
+        pack.offloading_engine = engine_ref  # tells `__enter__` of another engine that this one is active
         super().__init__(pack, _unpack)
 
     # ------------------------------------------------------------------ public helpers
@@ -365,6 +315,13 @@ class OffloadActivations(saved_tensors_hooks):
 
     def __enter__(self) -> OffloadActivations:
         self._phase = _IDLE  # the next pack starts a new step
+        outer = getattr(top_saved_tensors_pack_hook(), "offloading_engine", None)
+        if outer is not None and outer() not in (None, self):
+            # Only the innermost saved-tensor hooks see a tensor: the outer engine's options, tail and statistics
+            # silently stop applying inside this region.
+            self.warn_once("nested", "an activation offloading context was entered inside another one: tensors "
+                            "saved in the inner region are handled by the inner context only (its own pinned pool, "
+                            "windows and statistics). Use one context, and NoOpManager() to exempt a region.")  # fmt: skip
         super().__enter__()
         return self
 
@@ -383,7 +340,7 @@ class OffloadActivations(saved_tensors_hooks):
             reason = kept_reason(
                 tensor,
                 device_type=self.device_type,
-                min_offload_size=self.min_offload_size,
+                min_offload_size=self.options.min_offload_size,
                 parameter_pointers=self._parameter_pointers,
                 in_backward=in_backward,
             )
@@ -391,8 +348,8 @@ class OffloadActivations(saved_tensors_hooks):
                 return self._offload(tensor)
             # Empty placeholders (non-reentrant checkpointing saves one per layer on the CPU) say nothing about
             # where the model is.
-            if reason == "not_on_accelerator" and tensor.numel() * tensor.element_size() >= self.min_offload_size:
-                self._warn_once(reason, f"tensors saved on {tensor.device.type} are not offloaded (offloading "
+            if reason == "not_on_accelerator" and tensor.numel() * tensor.element_size() >= self.options.min_offload_size:
+                self.warn_once(reason, f"tensors saved on {tensor.device.type} are not offloaded (offloading "
                                 f"moves {self.device_type} tensors): is the model on the CPU?")  # fmt: skip
             self._stats.kept(reason, tensor.numel() * tensor.element_size())
             return _kept(tensor)
@@ -450,7 +407,7 @@ class OffloadActivations(saved_tensors_hooks):
             return _kept(tensor)
         block = self._host_pool().allocate(nbytes)
         if block is None:
-            self._warn_once("over_host_cap", f"the pinned host pool reached its cap ({self._pool.cap_bytes / _MIB:.0f} "
+            self.warn_once("over_host_cap", f"the pinned host pool reached its cap ({self._pool.cap_bytes / MIB:.0f} "
                             "MiB): further activations stay on the GPU. Raise max_pinned_memory_fraction or "
                             "max_pinned_bytes if the host has room.")  # fmt: skip
             self._stats.kept("over_host_cap", nbytes)
@@ -483,8 +440,8 @@ class OffloadActivations(saved_tensors_hooks):
         """Releases finished copies; if the window is still full, makes compute wait for the oldest ones."""
         self._release_finished(lane)
         while lane.inflight and (
-            lane.inflight_bytes + nbytes > self.forward_window_bytes
-            or (self.max_fwd_stash_size is not None and len(lane.inflight) >= self.max_fwd_stash_size)
+            lane.inflight_bytes + nbytes > self.options.forward_window_bytes
+            or (self.options.max_fwd_stash_size is not None and len(lane.inflight) >= self.options.max_fwd_stash_size)
         ):
             self._retire_oldest(lane, compute)
 
@@ -574,7 +531,7 @@ class OffloadActivations(saved_tensors_hooks):
             lane.inflight_bytes = 0
             lane.prefetched_bytes = lane.prefetched_copies = 0
         step.cursor = len(step.copies) - 1
-        step.prefetch_window_bytes = self.prefetch_window_bytes
+        step.prefetch_window_bytes = self.options.prefetch_window_bytes
         if step.prefetch_window_bytes is None:
             largest = max((copy.nbytes for copy in (ref() for ref in step.copies) if copy is not None), default=0)
             step.prefetch_window_bytes = max(DEFAULT_WINDOW_BYTES, _PREFETCH_WINDOW_COPIES * largest)
@@ -676,12 +633,12 @@ class OffloadActivations(saved_tensors_hooks):
     def _lane(self, device: torch.device) -> _Lane:
         lane = self._lanes.get(device)
         if lane is None:
-            lane = self._lanes[device] = _Lane(device, self._device_module, self.use_streams)
+            lane = self._lanes[device] = _Lane(device, self._device_module, self.options.use_streams)
         return lane
 
     def _host_pool(self) -> PinnedHostPool:
         if self._pool is None:
-            cap = host_memory_cap(self.max_pinned_memory_fraction, self.max_pinned_bytes)
+            cap = host_memory_cap(self.options.max_pinned_memory_fraction, self.options.max_pinned_bytes)
             self._pool = PinnedHostPool(cap, pin_memory=self.use_pin_memory)
         return self._pool
 
@@ -693,7 +650,8 @@ class OffloadActivations(saved_tensors_hooks):
         if model is not None:
             self._parameter_pointers = parameter_storages([*model.parameters(), *model.buffers()])
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str) -> None:
+        """Logs `message` as a warning the first time this engine is asked to with `key`."""
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message)
@@ -709,25 +667,20 @@ def _first_unfinished(end_of_forward: list[tuple[int, Any, Any]]) -> int | None:
     return min(unfinished, default=None)
 
 
+def top_saved_tensors_pack_hook() -> Any:
+    """The pack hook on top of this thread's saved-tensor hooks stack, None when empty, ``...`` when unknown."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # older torch: cannot tell
+        return ...
+    try:
+        hooks = top(True)
+    except TypeError:  # signature without `ignore_is_tracing`
+        hooks = top()
+    return hooks[0] if hooks else None
+
+
 def _unpack(saved: Any) -> torch.Tensor:
     """The unpack hook: kept tensors were saved as themselves; offloaded ones know their engine."""
     if isinstance(saved, _SavedTensor):
         return saved.copy.engine._unpack(saved)
     return saved
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _resolve_device_type(device_type: str | None) -> str | None:
-    """The device type to offload from, or None when there is none (offloading inactive)."""
-    if device_type is None:
-        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        return None if accelerator is None else accelerator.type
-    _require(isinstance(device_type, str), "device_type", "None or a device type string", device_type)
-    if device_type != "cpu":
-        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        _require(accelerator is not None and accelerator.type == device_type, "device_type",
-                 "None, 'cpu' or the available accelerator's type", device_type)  # fmt: skip
-    return device_type

@@ -22,6 +22,7 @@ are recognised by class name, so importing hf-offload never imports them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -32,7 +33,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from .engine import OffloadActivations
+from .engine import OffloadActivations, top_saved_tensors_pack_hook
+from .options import OffloadOptions
 
 __all__ = [
     "unwrap_model",
@@ -253,18 +255,6 @@ def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _top_saved_tensors_pack_hook() -> Any:
-    """The pack hook on top of this thread's saved-tensor hooks stack, None when empty, ``...`` when unknown."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # older torch: cannot tell
-        return ...
-    try:
-        hooks = top(True)
-    except TypeError:  # signature without `ignore_is_tracing`
-        hooks = top()
-    return hooks[0] if hooks else None
-
-
 def _engine_is_innermost(engine: OffloadActivations) -> bool:
     """Whether tensors saved right now would reach ``engine``'s pack hook.
 
@@ -275,7 +265,7 @@ def _engine_is_innermost(engine: OffloadActivations) -> bool:
     enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
     if enabled is not None and not enabled():
         return False  # entering any saved_tensors_hooks would raise here
-    top = _top_saved_tensors_pack_hook()
+    top = top_saved_tensors_pack_hook()
     return top is ... or (top is not None and top == engine.pack_hook)
 
 
@@ -436,6 +426,53 @@ class _PrefetchPoints:
         return self  # as for _ExemptHooks: never copy the engine with a model
 
 
+REENTRANT_CHECKPOINTING_ADVICE = (
+    "reentrant activation checkpointing recomputes each layer inside backward, so its activations are saved where "
+    "hf-offload cannot move them: use non-reentrant checkpointing (activation_checkpointing_kwargs="
+    "{'use_reentrant': False} in the training arguments; on a model, gradient_checkpointing_enable("
+    "gradient_checkpointing_kwargs={'use_reentrant': False}))"
+)
+
+
+def _uses_reentrant_checkpointing(model: nn.Module) -> bool:
+    """Whether a checkpointed layer of a transformers model checkpoints reentrantly.
+
+    transformers stores each layer's checkpoint function as a partial of torch's ``checkpoint`` with the user's
+    kwargs; without ``use_reentrant`` torch (up to at least 2.13) defaults to the reentrant kind.
+    """
+    for module in model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if getattr(module, "gradient_checkpointing", False) and isinstance(function, functools.partial):
+            if function.keywords.get("use_reentrant", True):
+                return True
+    return False
+
+
+class _ReentrantCheckpointingCheck:
+    """Warns once, at the first forward with checkpointing on, when that checkpointing is reentrant.
+
+    Under reentrant checkpointing the forward runs the layers without saving anything, and backward recomputes them
+    outside any offloading context (or inside, but during backward, where nothing may move): offloading silently
+    does nothing. Checked at the forward because a Trainer or the user may turn checkpointing on after the context
+    is built.
+    """
+
+    def __init__(self, engine: OffloadActivations) -> None:
+        self._engine = weakref.ref(engine)
+        self._checked = False
+
+    def root_enter(self, module: nn.Module, args: Any) -> None:
+        if self._checked or not _checkpointing_on(module):
+            return
+        self._checked = True
+        engine = self._engine()
+        if engine is not None and _uses_reentrant_checkpointing(module):
+            engine.warn_once("reentrant", f"hf_offload: {REENTRANT_CHECKPOINTING_ADVICE}")
+
+    def __deepcopy__(self, memo: dict) -> _ReentrantCheckpointingCheck:
+        return self  # as for _ExemptHooks: never copy the engine with a model
+
+
 def _install_prefetch_points(engine: OffloadActivations, model: nn.Module, head: nn.Module | None,
                              attention: list[nn.Module]) -> None:  # fmt: skip
     points = _PrefetchPoints(engine)
@@ -453,7 +490,8 @@ def _remove_stale_exempt_hooks(model: nn.Module) -> None:
             if not hooks:
                 continue
             for hook_id, hook in list(hooks.items()):
-                if isinstance(getattr(hook, "__self__", None), (_ExemptHooks, _PrefetchPoints)):
+                if isinstance(getattr(hook, "__self__", None),
+                              (_ExemptHooks, _PrefetchPoints, _ReentrantCheckpointingCheck)):  # fmt: skip
                     del hooks[hook_id]
                     for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
                                   "_forward_hooks_always_called"):
@@ -508,30 +546,46 @@ def _warn_no_head_once(model: nn.Module) -> None:
 
 def get_act_offloading_ctx_manager(
     model: nn.Module,
-    use_pin_memory: bool = True,
-    use_streams: bool = True,
-    min_offload_size: int = 1024,
-    max_fwd_stash_size: int | None = None,
+    *args: Any,
     warn_if_no_head: bool = True,
-    **engine_options: Any,
+    options: OffloadOptions | None = None,
+    **kwargs: Any,
 ) -> OffloadActivations:
     """Build the activation offloading context for ``model``: a drop-in for TRL's function of the same name.
 
     The engine is told the parameter storages of ``model`` (the outermost wrapper: FSDP1 keeps the root's flat
     parameter there, not on the inner model), and the tail of the forward (:func:`find_output_head`) plus every Liger
-    module (:func:`find_liger_modules`) get hooks that suspend offloading while they run. Warns once per process
-    when no head is found (unless ``warn_if_no_head=False``).
+    module (:func:`find_liger_modules`) get hooks that suspend offloading while they run. Calling it again on the same
+    model replaces the previous context's hooks instead of stacking them; ``engine.remove_hooks()`` takes every hook
+    off again.
 
-    Calling it again on the same model replaces the previous context's hooks instead of stacking them.
-    ``engine.remove_hooks()`` takes every hook off again. ``engine_options`` are the engine's keyword-only options.
+    Args:
+        model: the model, bare or wrapped (DDP, FSDP, DeepSpeed, ``torch.compile``, PEFT).
+        *args, **kwargs: the engine's options, as for [`OffloadActivations`]: TRL's four (``use_pin_memory``,
+            ``use_streams``, ``min_offload_size``, ``max_fwd_stash_size``) may be positional.
+        warn_if_no_head: warn once per process when no output head is found.
+        options: an [`OffloadOptions`] instead of individual options.
+
+    Returns:
+        The context manager (an [`OffloadActivations`]).
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``, or an option is unknown.
+        ValueError: an option is outside its rule.
+
+    Example:
+
+    ```python
+    ctx = get_act_offloading_ctx_manager(model)
+    with ctx:
+        loss = model(**batch).loss
+    loss.backward()
+    ```
     """
-    engine = OffloadActivations(
-        use_pin_memory=use_pin_memory,
-        use_streams=use_streams,
-        min_offload_size=min_offload_size,
-        max_fwd_stash_size=max_fwd_stash_size,
-        **engine_options,
-    )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"get_act_offloading_ctx_manager needs a torch.nn.Module, got {type(model).__name__}: "
+                        f"{model!r:.80}")  # fmt: skip
+    engine = OffloadActivations(*args, options=options, **kwargs)
     unwrapped = unwrap_model(model)
     _remove_previous_installation(unwrapped)
     engine.update_model_params(model)
@@ -547,6 +601,7 @@ def get_act_offloading_ctx_manager(
         _install_exempt_hooks(engine, module)
     _install_prefetch_points(engine, unwrapped, head[1] if head is not None else None,
                              [module for _, module in find_attention_modules(unwrapped)])
+    engine.track_hook(unwrapped.register_forward_pre_hook(_ReentrantCheckpointingCheck(engine).root_enter))
     unwrapped.__dict__[_INSTALLATION_ATTR] = _Installation(weakref.ref(engine), weakref.ref(unwrapped))
     logger.info("hf_offload: tail of the forward kept from %s; Liger modules exempt: %s",
                 ", ".join(name for name, _ in tail) or "nowhere", ", ".join(name for name, _ in exempt) or "none")

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hf_offload.model as hf_model
 from hf_offload.model import find_liger_modules, find_output_head, get_act_offloading_ctx_manager, unwrap_model
+from hf_offload.options import OffloadOptions
 
 transformers.logging.set_verbosity_error()
 
@@ -307,8 +308,13 @@ def test_invalid_engine_option_raises_before_touching_hooks():
 def test_engine_options_reach_the_engine():
     engine = get_act_offloading_ctx_manager(tiny_llama(), min_offload_size=7, max_fwd_stash_size=3,
                                             device_type="cpu", keep_tail=False, prefetch_window_bytes=0)  # fmt: skip
-    assert (engine.min_offload_size, engine.max_fwd_stash_size, engine.prefetch_window_bytes) == (7, 3, 0)
+    assert engine.options == OffloadOptions(min_offload_size=7, max_fwd_stash_size=3, device_type="cpu",
+                                            keep_tail=False, prefetch_window_bytes=0)  # fmt: skip
     assert engine.device_type == "cpu"
+    positional = get_act_offloading_ctx_manager(tiny_llama(), False, False, 7, 3, device_type="cpu")  # TRL's order
+    assert positional.options == OffloadOptions(False, False, 7, 3, device_type="cpu")
+    given = OffloadOptions(min_offload_size=9, device_type="cpu")
+    assert get_act_offloading_ctx_manager(tiny_llama(), options=given).options is given
 
 
 # ------------------------------------------------------------------------------------------------ Liger
@@ -357,8 +363,9 @@ def test_liger_modules_found_by_name_and_by_class_module_path():
     assert names(find_liger_modules(model)) == ["norm_by_class", "my_liger_act"]
     get_act_offloading_ctx_manager(model, device_type="cpu")
     assert sorted({name for name, m in model.named_modules() if hook_counts(m) == (1, 1)}) == [
-        "", "my_liger_act", "norm_by_class",
-    ]  # fmt: skip  (the root's pair closes the tail region when its forward returns)
+        "my_liger_act", "norm_by_class",
+    ]  # fmt: skip
+    assert hook_counts(model) == (2, 1)  # the tail region's pair, and the check for reentrant checkpointing
     assert hook_counts(model.lm_head) == (1, 2)  # and its prefetch point
     assert hook_counts(model.other_act) == (0, 0)
 

@@ -1,0 +1,243 @@
+"""The engine's options: one frozen dataclass, validated in one place.
+
+Every option of `OffloadActivations` is a field of `OffloadOptions`: its default, its help text, the rule its values
+obey and, where the `TrainingArguments` spell it differently, the name and unit of the argument that sets it. The
+`TrainingArguments` fields (`hf_offload.callbacks.arguments`) are generated from these fields, so a name, a default
+or a rule is written once, here.
+
+Values are checked in the units the user wrote them in, before any conversion: a window given in MiB is reported in
+MiB, under the argument's name, and NaN or infinity never reach an integer conversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MIB = 2**20
+# Enough for a copy stream never to idle; small, because when copies lag the window is on top of peak memory.
+DEFAULT_WINDOW_BYTES = 128 * MIB
+
+_FLAG, _BYTES, _COUNT, _FRACTION, _DEVICE = "flag", "bytes", "count", "fraction", "device"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What values an option accepts.
+
+    Args:
+        kind: `"flag"` (True or False), `"bytes"` (a size), `"count"` (a whole number), `"fraction"` (a number in
+            `(0, maximum]`) or `"device"` (a device type string).
+        minimum: the smallest size or count allowed (bytes for sizes).
+        maximum: the largest fraction allowed.
+        optional: whether None is allowed (and, from the command line, the word `none`).
+    """
+
+    kind: str
+    minimum: int = 0
+    maximum: float = 1.0
+    optional: bool = False
+
+    def describe(self, unit: str) -> str:
+        """The allowed values, in the words and unit of the option as the user spells it."""
+        none = "None or " if self.optional else ""
+        if self.kind == _FLAG:
+            return "True or False"
+        if self.kind == _DEVICE:
+            return "None, 'cpu' or the available accelerator's type"
+        if self.kind == _FRACTION:
+            return f"{none}a number in (0, {self.maximum:g}]"
+        if unit == "MiB":
+            return f"{none}a number of MiB {'>= 0' if self.minimum == 0 else '> 0'}"
+        noun = "an int" if self.kind == _COUNT else "an int number of bytes"
+        return f"{none}{noun} >= {self.minimum}"
+
+    def type_text(self, unit: str) -> str:
+        """The type of the option's values for its documentation, e.g. "`float`, MiB, or `None`"."""
+        text = {_FLAG: "`bool`", _COUNT: "`int`", _FRACTION: "`float`", _DEVICE: "`str`"}.get(self.kind)
+        if text is None:
+            text = "`float`, MiB" if unit == "MiB" else "`int`, bytes"
+        return text + (", or `None`" if self.optional else "")
+
+    def annotation(self, unit: str) -> Any:
+        """The type annotation of an argument that takes the option in `unit`, as `HfArgumentParser` reads it.
+
+        An optional number is annotated `float | str | None`: the parser then passes the command line's text through
+        (a plain `float | None` could not take `none`, so the default could not be restored from the command line),
+        and `check` parses it.
+        """
+        if self.kind == _FLAG:
+            return bool
+        if self.kind == _DEVICE:
+            return str | None
+        base = float if self.kind == _FRACTION or unit == "MiB" else int
+        return base | str | None if self.optional else base
+
+    def check(self, value: Any, name: str, unit: str = "bytes") -> Any:
+        """Validates `value` given for the option called `name` in `unit`; returns it in the engine's unit (bytes).
+
+        Raises:
+            ValueError: naming `name`, the allowed values in `unit`, and the value given.
+        """
+
+        def fail() -> ValueError:
+            return ValueError(f"{name} must be {self.describe(unit)}, got {value!r}")
+
+        if value is None or (self.optional and isinstance(value, str) and value.strip().lower() == "none"):
+            if self.optional:
+                return None
+            raise fail()
+        if self.kind == _FLAG:
+            if not isinstance(value, bool):
+                raise fail()
+            return value
+        if self.kind == _DEVICE:
+            if not isinstance(value, str) or not _device_type_available(value):
+                raise fail()
+            return value
+        number = _number(value)
+        if number is None:
+            raise fail()
+        if self.kind == _FRACTION:
+            if not 0 < number <= self.maximum:
+                raise fail()
+            return number
+        if unit == "MiB":
+            nbytes = round(number * MIB)
+            if number < 0 or nbytes < self.minimum:
+                raise fail()
+            return nbytes
+        if number != int(number) or (not isinstance(value, str) and not _is_int(value)):
+            raise fail()  # bytes and counts given as such are whole numbers: 1.5 bytes is a mistake, not a rounding
+        if number < self.minimum:
+            raise fail()
+        return int(number)
+
+
+def _number(value: Any) -> float | None:
+    """A finite real number from a number or a string (the command line), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def current_accelerator_type() -> str | None:
+    """The type of this process's accelerator (`"cuda"`, `"xpu"`, ...), or None without one."""
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return None if accelerator is None else accelerator.type
+
+
+def _device_type_available(device_type: str) -> bool:
+    return device_type == "cpu" or device_type == current_accelerator_type()
+
+
+def format_option_doc(name: str, type_text: str, default: Any, help: str) -> str:
+    """One entry of a Hugging Face style `Args:` / `Parameters:` list, indented for a class docstring."""
+    default_text = f"{default:g}" if isinstance(default, float) else repr(default)
+    body = textwrap.fill(help, width=116, initial_indent=" " * 12, subsequent_indent=" " * 12)
+    return f"        {name} ({type_text}, *optional*, defaults to `{default_text}`):\n{body}"
+
+
+def _option(default: Any, rule: Rule, help: str, *, argument: str | None = None, argument_unit: str = "bytes",
+            positional: bool = False) -> Any:
+    """A field of `OffloadOptions`.
+
+    Args:
+        default: the engine's default, in bytes for sizes.
+        rule: the values it accepts.
+        help: one sentence for the docs and the command line.
+        argument: the `TrainingArguments` field that sets it is `activation_offloading_<argument>`; None when the
+            option belongs to the engine API only.
+        argument_unit: the unit of that argument: `"bytes"` or `"MiB"`.
+        positional: one of TRL's four options, which may be given positionally.
+    """
+    metadata = {"help": help, "rule": rule, "argument": argument, "argument_unit": argument_unit}
+    return field(default=default, kw_only=not positional, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """Options of the activation offloading engine (`OffloadActivations`), validated at construction.
+
+    The first four are TRL's, in TRL's order and with TRL's meaning, so they may be given positionally; the others are
+    keyword-only. Sizes are in bytes.
+
+    Args:
+{args}
+
+    Raises:
+        ValueError: for a value outside an option's rule, naming the option and the values it accepts.
+        TypeError: for an unknown option or too many positional values.
+
+    Example:
+
+    ```python
+    >>> OffloadOptions(min_offload_size=4096).min_offload_size
+    4096
+    ```
+    """
+
+    use_pin_memory: bool = _option(
+        True, Rule(_FLAG), "Keep offloaded tensors in pinned (page-locked) host memory. Pageable memory copies about "
+        "4x slower and cannot overlap with compute.", argument="use_pin_memory", positional=True)  # fmt: skip
+    use_streams: bool = _option(
+        True, Rule(_FLAG), "Overlap the copies with compute on side streams. `False` copies on the compute stream "
+        "(slower, same results).", argument="use_streams", positional=True)  # fmt: skip
+    min_offload_size: int = _option(
+        1024, Rule(_BYTES), "Bytes below which a saved tensor stays on the accelerator: not worth a copy.",
+        argument="min_size", positional=True)  # fmt: skip
+    max_fwd_stash_size: int | None = _option(
+        None, Rule(_COUNT, minimum=1, optional=True), "TRL's option: also bound the forward copies in flight by "
+        "count. By default only the forward window bounds them.", positional=True)  # fmt: skip
+    forward_window_bytes: int = _option(
+        DEFAULT_WINDOW_BYTES, Rule(_BYTES, minimum=1), "Forward copies in flight; when full, compute waits for the "
+        "oldest. Also bounds the tail of the forward kept on the accelerator. Default 128 MiB.",
+        argument="forward_window_mib", argument_unit="MiB")  # fmt: skip
+    prefetch_window_bytes: int | None = _option(
+        None, Rule(_BYTES, optional=True), "What the backward pass reloads ahead of need; `0` reloads each tensor only "
+        "when it is needed; `None` (`none` on the command line) sizes it per step: four of the step's largest "
+        "offloaded tensors, and at least 128 MiB.", argument="prefetch_window_mib", argument_unit="MiB")  # fmt: skip
+    keep_tail: bool = _option(
+        True, Rule(_FLAG), "Keep the end of the forward, which backward needs first, on the accelerator (learned "
+        "from the first step).", argument="keep_tail")  # fmt: skip
+    max_pinned_memory_fraction: float = _option(
+        0.5, Rule(_FRACTION, maximum=0.9), "Cap on pinned host memory, as a fraction (at most 0.9) of the host memory "
+        "available, shared by the processes on one host. Past the cap activations stay on the accelerator (one "
+        "warning).", argument="max_pinned_memory_fraction")  # fmt: skip
+    max_pinned_bytes: int | None = _option(
+        None, Rule(_BYTES, optional=True), "Explicit cap on pinned host memory; overrides the fraction.",
+        argument="max_pinned_mib", argument_unit="MiB")  # fmt: skip
+    device_type: str | None = _option(
+        None, Rule(_DEVICE, optional=True), "For testing. The device type whose tensors are offloaded; `None` means "
+        "the current accelerator (with none, offloading is inactive and says so once). `'cpu'` moves CPU tensors "
+        "through a separate host buffer, which exercises the bookkeeping and statistics without a GPU (CPU test "
+        "mode).", argument="device_type")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        for option in dataclasses.fields(self):
+            option.metadata["rule"].check(getattr(self, option.name), option.name)
+
+
+OffloadOptions.__doc__ = OffloadOptions.__doc__.replace(
+    "{args}",
+    "\n".join(
+        format_option_doc(option.name, option.metadata["rule"].type_text("bytes"), option.default, option.metadata["help"])
+        for option in dataclasses.fields(OffloadOptions)
+    ),
+)

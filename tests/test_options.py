@@ -1,0 +1,225 @@
+"""The options object: one set of rules, checked in the units the user wrote, from Python and from the command line."""
+
+import dataclasses
+import logging
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from hf_offload import OffloadActivations, OffloadOptions, TrainingArguments, get_act_offloading_ctx_manager
+from hf_offload.callbacks.arguments import ARGUMENT_PREFIX, ActivationOffloadingArguments
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MIB = 2**20
+
+
+def parse(*argv: str) -> TrainingArguments:
+    (args,) = transformers.HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        args=["--output_dir", "unused", *argv]
+    )
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------- engine options
+
+
+def test_defaults_and_trls_positional_order():
+    assert OffloadOptions() == OffloadOptions(True, True, 1024, None)
+    assert OffloadOptions(False, False, 7, 3) == OffloadOptions(
+        use_pin_memory=False, use_streams=False, min_offload_size=7, max_fwd_stash_size=3
+    )
+    assert OffloadOptions().forward_window_bytes == 128 * MIB
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        OffloadOptions().keep_tail = False
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "allowed"),
+    [
+        ("use_pin_memory", 1, "True or False"),
+        ("use_streams", "yes", "True or False"),
+        ("min_offload_size", -1, "an int number of bytes >= 0"),
+        ("min_offload_size", 1.5, "an int number of bytes >= 0"),
+        ("min_offload_size", True, "an int number of bytes >= 0"),
+        ("max_fwd_stash_size", 0, "None or an int >= 1"),
+        ("forward_window_bytes", 0, "an int number of bytes >= 1"),
+        ("forward_window_bytes", math.inf, "an int number of bytes >= 1"),
+        ("prefetch_window_bytes", -1, "None or an int number of bytes >= 0"),
+        ("prefetch_window_bytes", math.nan, "None or an int number of bytes >= 0"),
+        ("keep_tail", None, "True or False"),
+        ("max_pinned_memory_fraction", 0, "a number in (0, 0.9]"),
+        ("max_pinned_memory_fraction", 0.95, "a number in (0, 0.9]"),
+        ("max_pinned_memory_fraction", math.nan, "a number in (0, 0.9]"),
+        ("max_pinned_bytes", -5, "None or an int number of bytes >= 0"),
+        ("device_type", "tpu", "None, 'cpu' or the available accelerator's type"),
+    ],
+)
+def test_a_bad_value_names_the_option_and_what_it_accepts(option, value, allowed):
+    expected = f"{option} must be {allowed}, got {value!r}"
+    with pytest.raises(ValueError) as error:
+        OffloadOptions(**{option: value})
+    assert str(error.value) == expected
+    with pytest.raises(ValueError) as error:  # the engine and the model entry point apply the same rules
+        OffloadActivations(**{option: value})
+    assert str(error.value) == expected
+
+
+def test_unknown_options_and_mixed_forms_are_type_errors():
+    with pytest.raises(TypeError, match="prefetch_window"):
+        OffloadOptions(prefetch_window=0)
+    with pytest.raises(TypeError, match="not both"):
+        OffloadActivations(min_offload_size=1, options=OffloadOptions())
+
+
+@pytest.mark.parametrize("model", ["a string", None, torch.zeros(2)])
+def test_a_model_that_is_not_a_module_is_a_type_error_naming_what_was_passed(model):
+    with pytest.raises(TypeError, match=f"torch.nn.Module, got {type(model).__name__}"):
+        get_act_offloading_ctx_manager(model, device_type="cpu")
+
+
+# ---------------------------------------------------------------------------------------------------- arguments
+
+
+def argument_fields() -> dict[str, dataclasses.Field]:
+    return {field.name: field for field in dataclasses.fields(ActivationOffloadingArguments)}
+
+
+def test_the_arguments_are_made_from_the_options():
+    fields = argument_fields()
+    assert fields.pop("activation_offloading").default is False
+    expected = {}
+    for option in dataclasses.fields(OffloadOptions):
+        if option.metadata["argument"] is None:
+            continue  # an engine-only option (TRL's count of copies in flight)
+        in_mib = option.metadata["argument_unit"] == "MiB" and option.default is not None
+        expected[ARGUMENT_PREFIX + option.metadata["argument"]] = (
+            option.default / MIB if in_mib else option.default, option.metadata["help"]
+        )
+    assert {name: (field.default, field.metadata["help"]) for name, field in fields.items()} == expected
+    for name in expected:  # every argument is documented, once, in the class docstring
+        assert TrainingArguments.__doc__.count(f"{name} (") == 1
+
+
+def test_every_option_from_the_command_line():
+    args = parse(
+        "--activation_offloading",
+        "--activation_offloading_min_size", "4096",
+        "--activation_offloading_use_streams", "false",
+        "--activation_offloading_use_pin_memory", "false",
+        "--activation_offloading_forward_window_mib", "64",
+        "--activation_offloading_prefetch_window_mib", "0",
+        "--activation_offloading_keep_tail", "false",
+        "--activation_offloading_max_pinned_memory_fraction", "0.25",
+        "--activation_offloading_max_pinned_mib", "1.5",
+        "--activation_offloading_device_type", "cpu",
+    )  # fmt: skip
+    assert args.activation_offloading is True
+    assert args.offload_options() == OffloadOptions(
+        use_pin_memory=False,
+        use_streams=False,
+        min_offload_size=4096,
+        forward_window_bytes=64 * MIB,
+        prefetch_window_bytes=0,
+        keep_tail=False,
+        max_pinned_memory_fraction=0.25,
+        max_pinned_bytes=3 * 2**19,
+        device_type="cpu",
+    )
+    assert parse().activation_offloading is False and parse().offload_options() == OffloadOptions()
+
+
+def test_none_on_the_command_line_restores_a_default_of_none():
+    args = parse("--activation_offloading_prefetch_window_mib", "none", "--activation_offloading_max_pinned_mib", "None")
+    assert args.offload_options().prefetch_window_bytes is None and args.offload_options().max_pinned_bytes is None
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "allowed"),
+    [
+        ("min_size", "-1", "an int number of bytes >= 0"),
+        ("forward_window_mib", "0", "a number of MiB > 0"),
+        ("forward_window_mib", "nan", "a number of MiB > 0"),
+        ("forward_window_mib", "inf", "a number of MiB > 0"),
+        ("prefetch_window_mib", "-2", "None or a number of MiB >= 0"),
+        ("prefetch_window_mib", "nan", "None or a number of MiB >= 0"),
+        ("prefetch_window_mib", "lots", "None or a number of MiB >= 0"),
+        ("max_pinned_memory_fraction", "1.5", "a number in (0, 0.9]"),
+        ("max_pinned_memory_fraction", "nan", "a number in (0, 0.9]"),
+        ("max_pinned_mib", "-1", "None or a number of MiB >= 0"),
+        ("device_type", "tpu", "None, 'cpu' or the available accelerator's type"),
+    ],
+)
+def test_a_bad_argument_is_named_in_its_own_unit(argument, value, allowed):
+    name = ARGUMENT_PREFIX + argument
+    with pytest.raises(ValueError) as error:
+        parse(f"--{name}", value)
+    assert str(error.value).startswith(f"{name} must be {allowed}, got ")
+    assert "bytes" not in str(error.value) or argument == "min_size"
+
+
+def test_non_finite_numbers_from_python_name_the_field(tmp_path):
+    for name in ("activation_offloading_forward_window_mib", "activation_offloading_max_pinned_mib"):
+        for value in (math.nan, math.inf, -math.inf):
+            with pytest.raises(ValueError, match=rf"^{name} must be .*MiB.*, got {value!r}$"):
+                TrainingArguments(str(tmp_path), **{name: value})
+
+
+def test_a_bad_command_line_value_exits_with_usage_not_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "sft_trainer.py"), "--output_dir", str(tmp_path),
+         "--activation_offloading_forward_window_mib", "nan"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "error: activation_offloading_forward_window_mib must be a number of MiB > 0, got nan" in result.stderr
+    assert "usage:" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- warnings
+
+
+@pytest.mark.parametrize("kwargs_name", ["activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"])
+def test_reentrant_checkpointing_in_the_arguments_warns_with_the_fix(tmp_path, kwargs_name):
+    with pytest.warns(UserWarning, match=r"use_reentrant': False"):
+        TrainingArguments(str(tmp_path), activation_offloading=True, activation_checkpointing=True,
+                          **{kwargs_name: {"use_reentrant": True}})  # fmt: skip
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, None, False])
+def test_reentrant_checkpointing_on_the_model_warns_once_with_the_fix(caplog, use_reentrant):
+    model = tiny_llama().train()
+    kwargs = {} if use_reentrant is None else {"use_reentrant": use_reentrant}
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # {}: torch's default, reentrant
+    context = get_act_offloading_ctx_manager(model, device_type="cpu")
+    ids = torch.randint(64, (2, 8))
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        for _ in range(2):
+            with context:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+    warnings = [record for record in caplog.records if "reentrant" in record.getMessage()]
+    assert len(warnings) == (0 if use_reentrant is False else 1)
+    if warnings:
+        assert "use_reentrant': False" in warnings[0].getMessage()
+
+
+def test_a_second_context_nested_inside_another_warns(caplog):
+    outer, inner = OffloadActivations(device_type="cpu"), OffloadActivations(device_type="cpu")
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        with outer, outer:  # the same context again is not a second one
+            pass
+        assert not caplog.records
+        with outer, inner:
+            pass
+    assert len(caplog.records) == 1 and "inside another one" in caplog.records[0].getMessage()
