@@ -5,18 +5,44 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import transformers
+from tqdm.auto import tqdm
 from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers.utils.notebook import NotebookProgressCallback
 
 from hf_offload.engine import OffloadActivations
 from hf_offload.model import get_act_offloading_ctx_manager
 from hf_offload.stats import format_summary
 
 from .arguments import ActivationOffloadingArguments
-from .stats_logs import accumulate, log_entries
+from .stats_logs import accumulate, keep_headlines, log_entries
 from .trl_takeover import disable_trl_offloader
 
 _CONTEXT_METHOD = "compute_loss_context_manager"
+# transformers' callbacks that print the logs to the console.
+_CONSOLE_CALLBACKS = (ProgressCallback, PrinterCallback, NotebookProgressCallback)
+
+
+class _ConsoleHeadlines(TrainerCallback):
+    """Placed right before the console callbacks: leaves them only the headline `offload/` entries.
+
+    The callbacks before it (TensorBoard, W&B, ...) and the run's log history have received every entry by then.
+    """
+
+    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, logs: dict | None = None,
+               **kwargs: Any) -> None:  # fmt: skip
+        if logs is not None:
+            keep_headlines(logs)
+
+
+def _peak_memory_bytes(device_type: str) -> int | None:
+    """The accelerator's peak allocated memory, or None in CPU test mode or without such a counter."""
+    if device_type == "cpu":
+        return None
+    device_module = torch.get_device_module(device_type)
+    return device_module.max_memory_allocated() if hasattr(device_module, "max_memory_allocated") else None
 
 
 class ActivationOffloadingCallback(TrainerCallback):
@@ -31,8 +57,11 @@ class ActivationOffloadingCallback(TrainerCallback):
       trainer instance's `compute_loss_context_manager`, which `training_step` enters around `compute_loss`: only
       the training forward passes run under it, and backward brings the tensors back whenever it runs. A TRL
       trainer's own offloader (`maybe_activation_offload_context`) is replaced by a no-op.
-    - `on_log` adds `offload/...` entries (counters summed since the previous log) to each training log.
-    - `on_train_end` removes the wrapping and the context's module hooks, and prints a summary on the main process.
+    - `on_log` adds `offload/...` entries (counters summed since the previous log) to each training log: all of them
+      for the log history and the reporting integrations, the headline ones (`stats_logs.HEADLINE_KEYS`) for the
+      console.
+    - `on_train_end` removes the wrapping and the context's module hooks, and prints a summary on the main process,
+      on lines of its own (above an open progress bar).
 
     With no accelerator the context is inactive (the engine says so once) and nothing is wrapped.
     """
@@ -59,11 +88,12 @@ class ActivationOffloadingCallback(TrainerCallback):
             return
         trainer = self._get_trainer()
         disable_trl_offloader(trainer)
-        context = get_act_offloading_ctx_manager(trainer.model_wrapped, **args.offload_engine_options())
+        context = get_act_offloading_ctx_manager(trainer.model_wrapped, options=args.offload_options())
         if not context.active:
             context.remove_hooks()
             return
         self._context = context
+        self._place_console_headlines(trainer)
         self._replaced_method = vars(trainer).get(_CONTEXT_METHOD)
         original = getattr(trainer, _CONTEXT_METHOD)
 
@@ -90,7 +120,7 @@ class ActivationOffloadingCallback(TrainerCallback):
             return
         interval = self._context.consume_stats()
         accumulate(self._stats, interval)
-        entries = log_entries(interval)
+        entries = log_entries(interval, _peak_memory_bytes(self._context.device_type))
         logs.update(entries)
         # Trainer.log appends its record to the history just before this event, as a copy of `logs`.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
@@ -103,7 +133,7 @@ class ActivationOffloadingCallback(TrainerCallback):
             return
         accumulate(self._stats, self._context.consume_stats())
         if state.is_world_process_zero:
-            print(format_summary(self._stats))
+            tqdm.write(format_summary(self._stats, self._context.device_type))  # print() would join the progress bar
         self._detach()
 
     def _detach(self) -> None:
@@ -116,8 +146,17 @@ class ActivationOffloadingCallback(TrainerCallback):
         else:
             setattr(trainer, _CONTEXT_METHOD, self._replaced_method)
         self._replaced_method = None
+        callbacks = trainer.callback_handler.callbacks
+        callbacks[:] = [callback for callback in callbacks if not isinstance(callback, _ConsoleHeadlines)]
         self._context.remove_hooks()
         self._context = None
+
+    @staticmethod
+    def _place_console_headlines(trainer: transformers.Trainer) -> None:
+        callbacks = trainer.callback_handler.callbacks
+        console = next((i for i, callback in enumerate(callbacks) if isinstance(callback, _CONSOLE_CALLBACKS)), None)
+        if console is not None:
+            callbacks.insert(console, _ConsoleHeadlines())
 
     def _get_trainer(self) -> transformers.Trainer:
         trainer = self._trainer()

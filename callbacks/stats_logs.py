@@ -1,4 +1,9 @@
-"""Offload statistics as Trainer log entries, and their running total for the end-of-training summary."""
+"""Offload statistics as Trainer log entries, and their running total for the end-of-training summary.
+
+Every training log gets the whole set of `offload/...` counters (the run's history and the loggers that take many
+series, TensorBoard, W&B, ..., receive them all), plus a few headline entries derived from them. The console shows
+only the headlines: a line of twenty raw counters is noise to a person watching the run.
+"""
 
 from collections.abc import Mapping
 
@@ -7,20 +12,44 @@ LOG_PREFIX = "offload/"
 _LEVELS = frozenset({"pinned_bytes"})
 # One counter per reason a tensor stayed on the accelerator; most are zero in a given run, and zeros only clutter.
 _KEPT_PREFIXES = ("tensors_kept_", "bytes_kept_")
+_GIB = 2**30
+
+# The entries the console shows, each a figure a person can act on.
+HEADLINE_KEYS = (
+    LOG_PREFIX + "offloaded_gib_per_step",  # what moved to host memory per step
+    LOG_PREFIX + "compute_wait_ms_per_step",  # what it cost: the compute stream's stalls on copies
+    LOG_PREFIX + "peak_memory_gib",  # what memory the run has reached
+)
 
 
-def log_entries(stats: Mapping[str, float]) -> dict[str, float]:
+def log_entries(stats: Mapping[str, float], peak_memory_bytes: int | None = None) -> dict[str, float]:
     """`offload/...` entries for one logging interval of `OffloadActivations.consume_stats()`.
 
-    Counters are sums over the interval, which may span several steps (a step is one forward and its backward, so
-    a micro-batch under gradient accumulation); the `_per_step` entries divide by the number of steps.
+    Args:
+        stats: the counters, summed over the interval, which may span several steps (a step is one forward and its
+            backward, so a micro-batch under gradient accumulation).
+        peak_memory_bytes: the accelerator's peak allocated memory so far, or None without an accelerator.
+
+    Returns:
+        Every non-zero counter, the `_per_step` entries (counters divided by the steps of the interval) and the
+        headline entries of `HEADLINE_KEYS`.
     """
     entries = {LOG_PREFIX + key: value for key, value in stats.items() if value or not key.startswith(_KEPT_PREFIXES)}
     steps = stats["steps"]
     if steps:
         entries[LOG_PREFIX + "bytes_offloaded_per_step"] = stats["bytes_offloaded"] / steps
         entries[LOG_PREFIX + "compute_wait_s_per_step"] = stats["compute_wait_s"] / steps
+        entries[HEADLINE_KEYS[0]] = round(stats["bytes_offloaded"] / steps / _GIB, 4)
+        entries[HEADLINE_KEYS[1]] = round(1000.0 * stats["compute_wait_s"] / steps, 3)
+    if peak_memory_bytes is not None:
+        entries[HEADLINE_KEYS[2]] = round(peak_memory_bytes / _GIB, 3)
     return entries
+
+
+def keep_headlines(logs: dict[str, float]) -> None:
+    """Removes, in place, every `offload/` entry that is not a headline."""
+    for key in [key for key in logs if key.startswith(LOG_PREFIX) and key not in HEADLINE_KEYS]:
+        del logs[key]
 
 
 def accumulate(total: dict[str, float], interval: Mapping[str, float]) -> None:

@@ -1,9 +1,10 @@
 """The pinned host pool that offloaded activations live in.
 
 Allocating pinned memory (cudaHostAlloc) costs about 0.4 s per GB and synchronises the device, so it must never
-happen per tensor per step. The pool grows in large chunks during the first step, to what that step needs, and
-every later step carves its tensors out of the same chunks: each step frees what the previous one used (the
-backward releases it), so the same sequence of requests fits again.
+happen per tensor per step. The pool grows during the first step, to what that step needs, and every later
+step carves its tensors out of the same chunks: each step frees what the previous one used (the backward releases
+it), so the same sequence of requests fits again. Chunks start small and double (each new chunk is as large as the
+pool so far, up to a largest chunk size), so a small need reserves little and a large one takes few allocations.
 
 The pool is capped. By default the cap is a fraction of the host memory available when the pool is created,
 divided by the number of local ranks (`LOCAL_WORLD_SIZE`), since every process on the host runs its own pool.
@@ -20,7 +21,8 @@ import psutil
 import torch
 
 _ALIGNMENT = 512  # bytes; keeps every block aligned for any dtype and for fast DMA
-_DEFAULT_CHUNK_BYTES = 256 * 2**20
+_SMALLEST_CHUNK_BYTES = 2 * 2**20
+_LARGEST_CHUNK_BYTES = 256 * 2**20
 
 
 def _align(nbytes: int) -> int:
@@ -56,14 +58,19 @@ class HostBlock:
 
 
 class PinnedHostPool:
-    """First-fit allocator over a few large host chunks, with free-block coalescing.
+    """First-fit allocator over a few host chunks, with free-block coalescing.
 
     Blocks are freed from autograd's backward thread and from garbage collection, so every operation holds a
     lock. Reuse of a freed block by a later device copy is ordered by the engine (the device-to-host stream waits
     for the host-to-device stream at the start of each step), not here.
+
+    Args:
+        cap_bytes: the most host memory the pool may hold.
+        pin_memory: page-locked chunks (for the accelerator's fast asynchronous copies).
+        chunk_bytes: the largest chunk the doubling grows to (a larger request still gets a chunk of its own).
     """
 
-    def __init__(self, cap_bytes: int, pin_memory: bool, chunk_bytes: int = _DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, cap_bytes: int, pin_memory: bool, chunk_bytes: int = _LARGEST_CHUNK_BYTES) -> None:
         self.cap_bytes = cap_bytes
         self.pin_memory = pin_memory
         self.chunk_bytes = chunk_bytes
@@ -95,7 +102,8 @@ class PinnedHostPool:
         # PyTorch's pinned allocator rounds every allocation up to a power of two; asking for exactly that keeps
         # the pool's accounting (and so its cap) equal to the pinned memory really held.
         room = self.cap_bytes - self.capacity
-        chunk_size = max(size, min(self.chunk_bytes, room))
+        doubling = min(self.chunk_bytes, max(_SMALLEST_CHUNK_BYTES, self.capacity))
+        chunk_size = max(size, min(doubling, room))
         if self.pin_memory:
             chunk_size = 1 << (chunk_size - 1).bit_length()
             if chunk_size > room:

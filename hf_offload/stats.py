@@ -11,17 +11,18 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-KEPT_REASONS: tuple[str, ...] = (
-    "too_small",  # below min_offload_size: not worth a copy
-    "parameter",  # a parameter or buffer (by storage): it stays on the GPU anyway
-    "duplicate",  # shares a storage span already offloaded this step: restored as a view of that copy
-    "tail",  # packed at the end of the forward, needed first in backward: moving it only costs
-    "exempt",  # saved inside an exempt module (output head, Liger kernels) or a NoOpManager region
-    "over_host_cap",  # the pinned host pool reached its cap
-    "not_on_accelerator",  # the tensor lives on the CPU (or another device type)
-    "in_backward",  # saved during backward (reentrant checkpoint recompute): used at once, never moved
-    "unsupported_type",  # tensor subclasses (DTensor, quantized, sparse): kept rather than risk a wrong restore
-)
+# Why a saved tensor stayed where it was, with the words the summary explains each reason in.
+KEPT_REASONS: dict[str, str] = {
+    "too_small": "under min_offload_size, not worth a copy",
+    "parameter": "a parameter or buffer, resident anyway",
+    "duplicate": "a view of a tensor already moved, restored from that copy",
+    "tail": "the end of the forward, which backward needs first",
+    "exempt": "the output head, the loss and Liger kernels",
+    "over_host_cap": "the pinned host pool reached its cap",
+    "not_on_accelerator": "on another device type",
+    "in_backward": "saved during backward (reentrant checkpointing), used at once",
+    "unsupported_type": "a tensor subclass (DTensor, quantized, sparse)",
+}
 
 
 class OffloadStats:
@@ -131,25 +132,35 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def format_summary(stats: dict[str, int | float]) -> str:
-    """A few human lines about a stats dict from `get_stats()` or `consume_stats()`."""
+def format_summary(stats: dict[str, int | float], device_type: str = "cuda") -> str:
+    """A few lines a person reads about a stats dict from `get_stats()` or `consume_stats()`.
+
+    Args:
+        stats: the counters.
+        device_type: the engine's device type (`engine.device_type`): the words for where kept tensors stayed.
+            `"cpu"` is the CPU test mode, where CPU tensors are copied to a separate host buffer.
+
+    Returns:
+        The summary, one figure per line, each explained in a few words.
+    """
     steps = max(int(stats.get("steps", 0)), 1)
-    kept = {
-        reason: stats.get(f"bytes_kept_{reason}", 0)
-        for reason in KEPT_REASONS
-        if stats.get(f"tensors_kept_{reason}", 0)
-    }
-    kept_text = ", ".join(f"{reason} {_size(nbytes / steps)}" for reason, nbytes in kept.items()) or "nothing"
-    reloads = stats.get("prefetch_hits", 0) + stats.get("prefetch_misses", 0)
-    ready = f"{100.0 * stats.get('prefetch_hits', 0) / reloads:.0f}%" if reloads else "n/a"
-    return "\n".join(
-        [
-            f"activation offloading over {steps} step(s):",
-            f"  offloaded per step: {_size(stats.get('bytes_offloaded', 0) / steps)} "
-            f"({stats.get('tensors_offloaded', 0) / steps:.0f} tensors)",
-            f"  kept on the GPU per step: {kept_text}",
-            f"  reloads ready when needed: {ready}; compute waited on copies "
-            f"{1000.0 * stats.get('compute_wait_s', 0.0) / steps:.2f} ms per step",
-            f"  pinned host memory held: {_size(stats.get('pinned_bytes', 0))}",
-        ]
-    )
+    test_mode = device_type == "cpu"
+    device = "GPU" if device_type == "cuda" else device_type.upper()
+    kept = [f"    {reason}: {_size(stats.get(f'bytes_kept_{reason}', 0) / steps)} ({meaning})"
+            for reason, meaning in KEPT_REASONS.items() if stats.get(f"tensors_kept_{reason}", 0)]  # fmt: skip
+    hits, misses = stats.get("prefetch_hits", 0), stats.get("prefetch_misses", 0)
+    reloads = hits + misses
+    ready = (f"{hits:.0f} of {reloads:.0f} ({100.0 * hits / reloads:.0f}%) were copied back ahead of need; the "
+             "others when backward reached them" if reloads else "none were needed")  # fmt: skip
+    lines = [
+        f"activation offloading over {steps} step(s)"
+        + (" in CPU test mode (CPU tensors copied to a separate host buffer; no GPU involved):" if test_mode else ":"),
+        f"  moved to host memory per step: {_size(stats.get('bytes_offloaded', 0) / steps)} "
+        f"({stats.get('tensors_offloaded', 0) / steps:.0f} tensors)",
+        f"  {'kept in place' if test_mode else f'kept on the {device}'} per step:" + ("\n" + "\n".join(kept) if kept else " nothing"),
+        f"  reloads in backward: {ready}",
+        f"  compute waited for copies: {1000.0 * stats.get('compute_wait_s', 0.0) / steps:.2f} ms per step",
+        f"  {'host buffer' if test_mode else 'pinned host memory'} held (a pool reused every step): "
+        f"{_size(stats.get('pinned_bytes', 0))}",
+    ]
+    return "\n".join(lines)

@@ -137,3 +137,18 @@ def test_pool_alignment(size: int) -> None:
     pool = PinnedHostPool(cap_bytes=1 << 20, pin_memory=False, chunk_bytes=4096)
     first, second = pool.allocate(size), pool.allocate(size)
     assert second.offset % 512 == 0 and second.offset >= size
+
+
+def test_pool_reserves_about_what_the_step_needs() -> None:
+    small = PinnedHostPool(cap_bytes=1 << 40, pin_memory=False)
+    for _ in range(4):
+        small.allocate(340 * 1024)  # 1.3 MiB in all, as a tiny model's step
+    assert small.capacity == 2 * 2**20 and small.allocations == 1
+
+    large = PinnedHostPool(cap_bytes=1 << 40, pin_memory=False, chunk_bytes=64 * 2**20)
+    need = 0
+    while need < 300 * 2**20:  # chunks double (2, 2, 4, ... 64 MiB) and then stay at the largest chunk size
+        large.allocate(2**20)
+        need += 2**20
+    assert need <= large.capacity <= need + 64 * 2**20
+    assert large.allocations <= 12
