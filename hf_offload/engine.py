@@ -85,9 +85,10 @@ class NoOpManager(saved_tensors_hooks):
 class _ExemptRegion(NoOpManager):
     """A NoOp region that tells its engine what it kept, so the statistics account for every tensor."""
 
-    def __init__(self, engine: OffloadActivations, ends_forward: bool) -> None:
+    def __init__(self, engine: OffloadActivations, ends_forward: bool, reason: str) -> None:
         self._engine = engine
         self._ends_forward = ends_forward
+        self._reason = reason
         super().__init__()
 
     def __enter__(self) -> None:
@@ -96,7 +97,7 @@ class _ExemptRegion(NoOpManager):
         super().__enter__()
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._engine._keep(tensor, "exempt")
+        self._engine._keep(tensor, self._reason)
         return _kept(tensor)
 
 
@@ -287,15 +288,15 @@ class OffloadActivations(saved_tensors_hooks):
 
         return hook
 
-    def exempt(self, ends_forward: bool = False) -> NoOpManager:
+    def exempt(self, ends_forward: bool = False, reason: str = "exempt") -> NoOpManager:
         """A region (a new context object each call, so regions can nest) whose tensors stay in place and are
-        counted as kept "exempt".
+        counted as kept for `reason` (a key of `stats.KEPT_REASONS`).
 
         `ends_forward=True` marks the tail of the forward (final norm, head, loss): memory peaks there, so on
         entering it the compute stream waits for the copies still in flight (in GPU time they are usually done)
         and their originals are released for the loss to reuse.
         """
-        return _ExemptRegion(self, ends_forward)
+        return _ExemptRegion(self, ends_forward, reason)
 
     def track_hook(self, handle: RemovableHandle) -> None:
         self._module_hooks.append(handle)

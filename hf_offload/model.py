@@ -41,6 +41,7 @@ __all__ = [
     "find_output_head",
     "find_liger_modules",
     "find_attention_modules",
+    "find_decoder_layers",
     "get_act_offloading_ctx_manager",
 ]
 
@@ -274,11 +275,13 @@ class _ExemptHooks:
 
     One instance per module registration, with a per-thread stack of entered regions, so the same module may run
     re-entrantly or in DataParallel replicas, and modules nested in exempt modules behave. The forward hook is
-    registered with ``always_call=True``, so an exception in the module still exits its region.
+    registered with ``always_call=True``, so an exception in the module still exits its region. ``reason`` is what the
+    statistics count the kept tensors as.
     """
 
-    def __init__(self, engine: OffloadActivations) -> None:
+    def __init__(self, engine: OffloadActivations, reason: str = "exempt") -> None:
         self.engine = engine
+        self.reason = reason
         self._local = threading.local()
 
     def _stack(self) -> list[Any]:
@@ -288,7 +291,7 @@ class _ExemptHooks:
         return stack
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        region = self.engine.exempt() if _engine_is_innermost(self.engine) else None
+        region = self.engine.exempt(reason=self.reason) if _engine_is_innermost(self.engine) else None
         if region is not None:
             region.__enter__()
         self._stack().append(region)
@@ -375,6 +378,19 @@ def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return _outermost(found)
 
 
+def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks whose checkpointing transformers controls per layer, in forward order.
+
+    They are the instances of `GradientCheckpointingLayer` (matched by class name in the MRO, so transformers is not
+    imported). A model without them (custom models, old remote code) has no layers to plan.
+    """
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
+    ]
+
+
 def _first_tensor(output: Any) -> torch.Tensor | None:
     """The module's main output: the tensor itself, or the first element of a tuple (attention returns weights too)."""
     if isinstance(output, (tuple, list)) and output:
@@ -405,16 +421,23 @@ class _PrefetchPoints:
       context) hides the copy; unpacks then stop prefetching (``prefetch_on_unpack``). Under reentrant
       checkpointing the first forward saves no graph; the hook is then registered by the recomputation, whose inner
       backward fires it at the same point. Without checkpointing every saved tensor is unpacked, and unpacks keep
-      prefetching as usual.
+      prefetching as usual; so do they when some decoder layers are not checkpointed (a per-layer plan), whose
+      many saved tensors each need their reload ahead.
     """
 
-    def __init__(self, engine: OffloadActivations) -> None:
+    def __init__(self, engine: OffloadActivations, layers: list[nn.Module]) -> None:
         self._engine = weakref.ref(engine)  # a model that outlives the engine must not keep it alive
+        self._layers = layers
 
     def root_enter(self, module: nn.Module, args: Any) -> None:
         engine = self._engine()
-        if engine is not None:
-            engine.prefetch_on_unpack = not _checkpointing_on(module)
+        if engine is None:
+            return
+        if self._layers:
+            every_layer_checkpointed = all(getattr(layer, "gradient_checkpointing", False) for layer in self._layers)
+        else:
+            every_layer_checkpointed = _checkpointing_on(module)
+        engine.prefetch_on_unpack = not every_layer_checkpointed
 
     def point_exit(self, module: nn.Module, args: Any, output: Any) -> None:
         engine = self._engine()
@@ -475,7 +498,7 @@ class _ReentrantCheckpointingCheck:
 
 def _install_prefetch_points(engine: OffloadActivations, model: nn.Module, head: nn.Module | None,
                              attention: list[nn.Module]) -> None:  # fmt: skip
-    points = _PrefetchPoints(engine)
+    points = _PrefetchPoints(engine, [layer for _, layer in find_decoder_layers(model)])
     if attention:  # with no blocks found, unpacks keep prefetching
         engine.track_hook(model.register_forward_pre_hook(points.root_enter))
     for module in ([head] if head is not None else []) + attention:

@@ -18,6 +18,7 @@ KEPT_REASONS: dict[str, str] = {
     "duplicate": "a view of a tensor already moved, restored from that copy",
     "tail": "the end of the forward, which backward needs first",
     "exempt": "the output head, the loss and Liger kernels",
+    "planned": "layers the memory plan keeps on the device",
     "over_host_cap": "the pinned host pool reached its cap",
     "not_on_accelerator": "on another device type",
     "in_backward": "saved during backward (reentrant checkpointing), used at once",

@@ -1,0 +1,156 @@
+"""Applying a per-layer plan to a model's decoder layers: keep, offload, selective or full checkpoint.
+
+transformers' decoder layers (`GradientCheckpointingLayer`) each read their own `gradient_checkpointing` flag and
+`_gradient_checkpointing_func` at every forward, so a plan can be applied layer by layer without touching the
+model's code. For each layer, with the engine's offloading context around the model's forward:
+
+* keep: no checkpoint, and a region that keeps the layer's saved tensors where they are (counted "planned");
+* offload: no checkpoint; every tensor the layer saves goes through the engine;
+* selective: a non-reentrant checkpoint whose policy saves the outputs of matrix products and attention and
+  recomputes the rest (`torch.utils.checkpoint.create_selective_checkpoint_contexts`). The saved outputs stay in
+  the checkpoint's own cache on the GPU: saved-tensor hooks never see them;
+* full: a non-reentrant checkpoint, which saves only the layer's input.
+
+A checkpointed layer's input is saved by the checkpoint itself, before its own hooks take over, so the engine sees
+it: it is offloaded unless the plan keeps it (`offload_input=False`), in which case the checkpoint call runs inside
+a region that keeps it.
+
+Every action only decides where bytes live and what is recomputed: the arithmetic is the same, so losses and
+gradients are bitwise equal under any plan (with deterministic kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .engine import OffloadActivations
+from .model import _ExemptHooks, find_decoder_layers
+
+KEEP, OFFLOAD, SELECTIVE, FULL = "keep", "offload", "selective", "full"
+ACTIONS = (KEEP, OFFLOAD, SELECTIVE, FULL)
+
+# What a selective checkpoint saves: the outputs of the ops that cost the most to recompute per byte they occupy.
+# Everything else (norms, activations, rotary embeddings, residual adds) is recomputed.
+_SAVED_BY_SELECTIVE_CHECKPOINT = frozenset(
+    op
+    for op in (
+        getattr(torch.ops.aten, name, None)
+        for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                     "_scaled_dot_product_flash_attention_for_cpu",
+                     "_flash_attention_forward", "_efficient_attention_forward")  # fmt: skip
+    )
+    if op is not None
+)
+
+
+class LayerAction(Protocol):
+    """What a plan says about one layer (the planner's `LayerPlan` is one)."""
+
+    action: str
+    offload_input: bool
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE_CHECKPOINT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> Any:
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _checkpoint_function(action: str, keep_input: bool, engine: OffloadActivations) -> Callable[..., Any]:
+    """The `_gradient_checkpointing_func` for a checkpointed layer."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if action == SELECTIVE:
+        kwargs["context_fn"] = _selective_contexts
+    function = functools.partial(checkpoint, **kwargs)
+    return _InputKeepingCheckpoint(function, engine) if keep_input else function
+
+
+class _InputKeepingCheckpoint:
+    """Runs a checkpoint inside a region of the engine that keeps what is saved there: the checkpoint's input.
+
+    Non-reentrant checkpointing saves its input before it pushes its own saved-tensor hooks, so only the input
+    reaches the region; everything the layer saves inside goes to the checkpoint's hooks, which sit on top.
+    """
+
+    def __init__(self, function: Callable[..., Any], engine: OffloadActivations) -> None:
+        self.function = function
+        self._engine = weakref.ref(engine)  # a model that outlives the engine must not keep it alive
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self._engine()
+        if engine is None:
+            return self.function(*args, **kwargs)
+        with engine.exempt(reason="planned"):
+            return self.function(*args, **kwargs)
+
+
+class AppliedPlan:
+    """What `apply_layer_plan` changed, so that `remove()` can restore the layers exactly."""
+
+    def __init__(self) -> None:
+        self._restore: list[tuple[nn.Module, dict[str, Any]]] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for layer, attributes in reversed(self._restore):
+            for name, value in attributes.items():
+                if value is _ABSENT:
+                    layer.__dict__.pop(name, None)
+                else:
+                    setattr(layer, name, value)
+        self._restore.clear()
+
+
+_ABSENT = object()
+_PLAN_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
+def apply_layer_plan(
+    model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction]
+) -> AppliedPlan:
+    """Sets each decoder layer of `model` to its action in `actions` (one per layer, in forward order).
+
+    Args:
+        model: the (unwrapped) model whose decoder layers `find_decoder_layers` finds.
+        engine: the offloading context the model's forward runs under.
+        actions: one entry per decoder layer, each with `action` (one of `ACTIONS`) and `offload_input` (for the
+            checkpointing actions: whether the checkpoint's input goes to the host).
+
+    Returns:
+        An `AppliedPlan` whose `remove()` restores the layers' checkpointing and takes the hooks off.
+
+    Raises:
+        ValueError: the number of actions differs from the number of decoder layers, or an action is unknown.
+    """
+    layers = [module for _, module in find_decoder_layers(model)]
+    if len(actions) != len(layers):
+        raise ValueError(f"the plan has {len(actions)} layer actions but {type(model).__name__} has {len(layers)} "
+                         "decoder layers")  # fmt: skip
+    unknown = sorted({entry.action for entry in actions} - set(ACTIONS))
+    if unknown:
+        raise ValueError(f"unknown layer actions {unknown}: a layer's action is one of {list(ACTIONS)}")
+    applied = AppliedPlan()
+    for layer, entry in zip(layers, actions):
+        applied._restore.append((layer, {name: layer.__dict__.get(name, _ABSENT) for name in _PLAN_ATTRIBUTES}))
+        checkpointed = entry.action in (SELECTIVE, FULL)
+        layer.gradient_checkpointing = checkpointed
+        if checkpointed:
+            layer._gradient_checkpointing_func = _checkpoint_function(entry.action, not entry.offload_input, engine)
+        elif entry.action == KEEP:
+            hooks = _ExemptHooks(engine, reason="planned")
+            applied._hooks.append(layer.register_forward_pre_hook(hooks.enter))
+            applied._hooks.append(layer.register_forward_hook(hooks.exit, always_call=True))
+    return applied
