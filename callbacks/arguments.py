@@ -60,6 +60,7 @@ def _parameters_doc() -> str:
 
 # The fields live in a base made from `OffloadOptions`, so that a name, default or help is written once (there).
 _ActivationOffloadingFields = dataclasses.make_dataclass("_ActivationOffloadingFields", _argument_fields())
+_ActivationOffloadingFields.__module__ = __name__  # so that the class pickles by reference, like its subclasses
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Keeps TRL's own activation offloader out of trainers whose activation offloading hf-offload handles.
 
-TRL's trainers (SFT, DPO, KTO, Reward, ...) read `args.activation_offloading` at the end of their `__init__` and
-build their offloader with the `get_act_offloading_ctx_manager` their module imported; `training_step` then runs
-under `self.maybe_activation_offload_context`. With hf-offload's arguments that flag is ours, so TRL would build
+TRL's trainers that have an offloader (SFT, DPO, KTO and Reward in TRL 1.16, and the experimental GKD and GOLD through
+their base `SFTTrainer`) read `args.activation_offloading` at the end of their `__init__` and build their offloader
+with the `get_act_offloading_ctx_manager` their module imported; `training_step` then runs under
+`self.maybe_activation_offload_context`. With hf-offload's arguments that flag is ours, so TRL would build
 a second offloader: it would install hooks on the output head that it keeps no handles for, and it fails outright
 on a machine without an accelerator. Replacing the context afterwards is too late for both, so:
 
@@ -10,6 +11,11 @@ on a machine without an accelerator. Replacing the context afterwards is too lat
    builder in the trainer's TRL modules: for the claimed model the guard returns a no-op context and builds
    nothing; for every other model it calls TRL's builder unchanged.
 2. `disable_trl_offloader`, at the start of training, makes sure the context is a no-op, whoever built it.
+
+The other trainers (GRPO, RLOO, Distillation, most experimental ones) have no offloader: none of their modules imports
+the builder, so nothing is guarded or claimed, and there is no context to replace. Their offloading is the callback's
+alone: `Trainer.training_step` runs `compute_loss` under `compute_loss_context_manager`, after `_prepare_inputs` has
+generated the completions (without gradients, so outside the context and saving nothing).
 """
 
 import contextlib

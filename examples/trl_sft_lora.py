@@ -18,7 +18,7 @@ import torch
 import transformers
 import trl
 
-from example_utils import DataArguments, ModelArguments, load_model_and_tokenizer, load_text_dataset
+from example_utils import DataArguments, ModelArguments, load_model_and_tokenizer, load_text_dataset, parse_arguments
 from hf_offload.callbacks.trl import SFTConfig
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> trl.SFTTrainer:
     parser = transformers.HfArgumentParser((ModelArguments, DataArguments, LoraArguments, SFTConfig))
     if torch.accelerator.current_accelerator() is None:
         parser.set_defaults(bf16=False)  # SFTConfig defaults to bf16, which transformers refuses without a GPU
-    model_args, data_args, lora_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, lora_args, training_args = parse_arguments(parser, argv)
     transformers.set_seed(training_args.seed)
 
     dataset = load_text_dataset(data_args)
