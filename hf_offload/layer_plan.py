@@ -58,8 +58,13 @@ class LayerAction(Protocol):
     offload_input: bool
 
 
+def saved_by_selective_checkpoint(op: Any) -> bool:
+    """Whether a selective checkpoint saves the output of `op` (an `OpOverload`, as dispatch sees it)."""
+    return getattr(op, "overloadpacket", op) in _SAVED_BY_SELECTIVE_CHECKPOINT
+
+
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE_CHECKPOINT else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if saved_by_selective_checkpoint(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts() -> Any:

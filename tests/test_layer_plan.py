@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_offload import get_act_offloading_ctx_manager
 from hf_offload.layer_plan import apply_layer_plan, find_decoder_layers
@@ -84,6 +85,34 @@ def test_each_action_moves_what_it_says():
     assert everything[0] - outside[0] > 4 * LAYERS and everything[1] > 2 * full[1]
     one_each = offloaded_and_planned("CSOK")
     assert outside[0] < one_each[0] < everything[0] and 0 < one_each[2] < outside[2]
+
+
+class MatmulCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmuls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.matmuls += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        return func(*args, **(kwargs or {}))
+
+
+def backward_matmuls(code: str) -> int:
+    model = tiny_llama("eager")
+    context = get_act_offloading_ctx_manager(model, device_type="cpu")
+    apply_layer_plan(model, context, actions(code))
+    ids = torch.randint(128, (2, 16))
+    with context:
+        loss = model(input_ids=ids, labels=ids).loss
+    with MatmulCounter() as counter:
+        loss.backward()
+    return counter.matmuls
+
+
+def test_selective_checkpoints_recompute_no_matmul_and_full_ones_recompute_them_all():
+    plain = backward_matmuls("KKKK")
+    assert backward_matmuls("SSSS") == plain
+    assert backward_matmuls("CCCC") > plain + LAYERS * 7  # q, k, v, o, gate, up, down per layer
 
 
 def test_removing_a_plan_restores_the_layers():
