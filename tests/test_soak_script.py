@@ -1,4 +1,4 @@
-"""tests/gpu/soak_1b.py on CPU bookkeeping (its --device cpu dry run): a tiny Llama trains flat and passes, and a
+"""benchmarks/soak_1b.py on CPU bookkeeping (its --device cpu dry run): a tiny Llama trains flat and passes, and a
 leak of offloaded copies makes the script fail. Keeps the GPU soak's logic from rotting between GPU runs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import soak_1b  # noqa: E402
 
 TINY = ["--device", "cpu", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4",

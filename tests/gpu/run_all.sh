@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the GPU suite, the 1B peak-memory report and the 1B soak on the GPU machine, in one call, from the
-# repository root:
+# Runs the GPU suite, the 1B peak-memory report (benchmarks/peak_1b.py) and the 1B soak (benchmarks/soak_1b.py) on
+# the GPU machine, in one call, from the repository root:
 #
 #     bash tests/gpu/run_all.sh
 #
@@ -90,7 +90,7 @@ echo "run_all: pytest rc=$PYTEST_RC in $((T1 - T0)) s"
 PEAK_RC=skipped
 if [ "${SKIP_1B:-0}" != "1" ]; then
     echo "run_all: peak_1b.py"
-    timeout "${PEAK_TIMEOUT_S:-170}" $PY tests/gpu/peak_1b.py ${PEAK_1B_ARGS:-} >"$OUT/peak_1b.log" 2>&1
+    timeout "${PEAK_TIMEOUT_S:-170}" $PY benchmarks/peak_1b.py ${PEAK_1B_ARGS:-} >"$OUT/peak_1b.log" 2>&1
     PEAK_RC=$?
 fi
 T2=$(date +%s)
@@ -98,7 +98,7 @@ T2=$(date +%s)
 SOAK_RC=skipped
 if [ "${SKIP_SOAK:-0}" != "1" ]; then
     echo "run_all: soak_1b.py, ${SOAK_STEPS:-500} steps"
-    timeout "${SOAK_TIMEOUT_S:-240}" $PY tests/gpu/soak_1b.py --steps "${SOAK_STEPS:-500}" ${SOAK_ARGS:-} \
+    timeout "${SOAK_TIMEOUT_S:-240}" $PY benchmarks/soak_1b.py --steps "${SOAK_STEPS:-500}" ${SOAK_ARGS:-} \
         >"$OUT/soak_1b.log" 2>&1
     SOAK_RC=$?
 fi

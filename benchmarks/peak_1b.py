@@ -5,7 +5,7 @@ model: no offload, offload (no checkpointing), checkpointing (non-reentrant), ch
 AdamW, ``--warmup`` steps, then ``--steps`` timed steps; peak = torch.cuda.max_memory_allocated over the
 timed steps (optimizer states included). Prints a table; writes $OUT/peak_1b.json when $OUT is set.
 
-    python tests/gpu/peak_1b.py [--layers 22] [--seq 4096] [--batch 2] [--steps 5] [--span fwd]
+    python benchmarks/peak_1b.py [--layers 22] [--seq 4096] [--batch 2] [--steps 5] [--span fwd]
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import time
 
 import torch
 
-# run_all.sh runs Python with PYTHONSAFEPATH=1, which leaves this folder off sys.path.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The model helpers are the GPU test suite's (tests/gpu/_gpu_models.py), so that this report trains the way the
+# tests do. The folder is put on sys.path by hand: run_all.sh runs Python with PYTHONSAFEPATH=1.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_REPO, "tests", "gpu"))
 from _gpu_models import enable_checkpointing, forward_backward  # noqa: E402
 
 GiB = 1 << 30

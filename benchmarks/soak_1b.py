@@ -13,7 +13,7 @@ way tests/test_reliability.py reads them on CPU). Over the windows that end afte
 
 Prints a table, writes $OUT/soak_1b.json when $OUT is set, exits 1 on failure.
 
-    python tests/gpu/soak_1b.py [--steps 500] [--every 25] [--no-ckpt] [--seq 3584] [--batch 2]
+    python benchmarks/soak_1b.py [--steps 500] [--every 25] [--no-ckpt] [--seq 3584] [--batch 2]
 
 The default shape, 2 x 3584 tokens, is sized from peak_1b.py's H100 numbers: a checkpointed, offloaded step took
 0.253 s at 2 x 4096 tokens, so about 0.22 s here and two minutes for 500 steps. Without checkpointing the step is
@@ -33,9 +33,11 @@ import psutil
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# run_all.sh runs Python with PYTHONSAFEPATH=1, which leaves this folder off sys.path; tests/ holds the CPU
-# reliability tests, whose table reader is reused here.
-sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+_TESTS = os.path.join(os.path.dirname(_HERE), "tests")
+# run_all.sh runs Python with PYTHONSAFEPATH=1, which leaves even this folder (peak_1b.py) off sys.path. The model
+# helpers are the GPU test suite's (tests/gpu/_gpu_models.py), and the engine's tables are read the way the CPU
+# reliability tests read them (tests/test_reliability.py), so that the soak checks what the tests check.
+sys.path[:0] = [_HERE, os.path.join(_TESTS, "gpu"), _TESTS]
 from _gpu_models import dispose, enable_checkpointing, make_batch, make_ctx, run_steps  # noqa: E402
 from peak_1b import add_model_args, build  # noqa: E402
 from test_reliability import engine_tables  # noqa: E402

@@ -1,0 +1,166 @@
+"""The timed training steps of one mode: step times, device memory, bytes offloaded, the host side (pinned bytes,
+pinned allocations, RSS), and the first step's loss bits and gradient fingerprint."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import GIB
+from .offloaders import Offload
+
+# One training step (forward, backward, optimizer step); its argument asks for the gradient fingerprint, taken
+# before the optimizer step. Returns the loss and the fingerprint (None when not asked for).
+TrainStep = Callable[[bool], tuple[torch.Tensor, str | None]]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_train_step(model: torch.nn.Module, input_ids: torch.Tensor, params: list[torch.nn.Parameter],
+                    optimizer: torch.optim.Optimizer, context: Any | None, span: str) -> TrainStep:
+    """``span`` "step": the offload context wraps forward and backward (as TRL's trainers do); "forward": the
+    forward only (as Trainer.compute_loss does)."""
+    fwd_ctx = context if (context is not None and span == "forward") else contextlib.nullcontext()
+    step_ctx = context if (context is not None and span == "step") else contextlib.nullcontext()
+
+    def train_step(fingerprint: bool) -> tuple[torch.Tensor, str | None]:
+        with step_ctx:
+            with fwd_ctx:
+                loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+        fp = grad_fingerprint(params) if fingerprint else None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach(), fp
+
+    return train_step
+
+
+def time_steps(train_step: TrainStep, offload: Offload, warmup: int, steps: int, device: torch.device,
+               res: dict[str, Any]) -> None:
+    """``warmup`` then ``steps`` timed steps, each synchronised before and after; the figures go into ``res``."""
+    times, per_step = [], []
+    is_cuda = device.type == "cuda"
+    if is_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(warmup + steps):
+        if i == warmup and is_cuda:
+            synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            res["static_gib"] = torch.cuda.memory_allocated(device) / GIB
+        if offload.counter is not None:
+            offload.counter.reset()
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss, fp = train_step(i == 0)
+        synchronize(device)
+        dt = time.perf_counter() - t0
+        rec = {"step": i + 1, "s": dt, "loss": float(loss.float().item())}
+        if i == 0:
+            res["first_step_s"] = dt  # includes the gradient fingerprint
+            res["loss1"] = rec["loss"]
+            res["loss1_bits"] = tensor_bits(loss)
+            res["grad1_fingerprint"] = fp
+            if is_cuda:
+                res["peak_step1_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        if offload.counter is not None:
+            rec["bytes_out"] = offload.counter.bytes
+            rec["tensors_out"] = offload.counter.tensors
+        if offload.offloader == "hfo":
+            st = dict(offload.context.get_stats())
+            rec["bytes_out"] = int(st.get("bytes_offloaded", 0))
+            rec["tensors_out"] = int(st.get("tensors_offloaded", 0))
+            rec["pinned_bytes"] = st.get("pinned_bytes")
+            rec["compute_wait_s"] = st.get("compute_wait_s")
+            res["hfo_stats_last"] = st
+        if is_cuda:
+            rec["host_allocs"] = host_alloc_count()
+        rec["rss_gib"] = rss_gib()
+        per_step.append(rec)
+        if i >= warmup:
+            times.append(dt)
+        print(f"  step {i + 1}: {dt:.4f} s loss {rec['loss']:.6f}" +
+              (f" out {rec['bytes_out'] / GIB:.3f} GiB" if "bytes_out" in rec else ""), flush=True)
+    _summarise(times, per_step, offload.offloader, device, res)
+
+
+def _summarise(times: list[float], per_step: list[dict[str, Any]], offloader: str, device: torch.device,
+               res: dict[str, Any]) -> None:
+    res["times"] = times
+    res["per_step"] = per_step
+    res["median_s"] = statistics.median(times)
+    res["mean_s"] = statistics.fmean(times)
+    res["min_s"] = min(times)
+    if device.type == "cuda":
+        res["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        res["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+    if "bytes_out" in per_step[-1]:
+        res["bytes_out"] = per_step[-1]["bytes_out"]
+        res["tensors_out"] = per_step[-1]["tensors_out"]
+    elif offloader == "none":
+        res["bytes_out"] = 0
+    # host side: pinned bytes and pinned allocations from step 1 on; flat = the host side does not grow
+    pins = [r.get("pinned_bytes") for r in per_step]
+    if offloader == "hfo" and all(p is not None for p in pins):
+        res["pinned_bytes_step1"] = pins[0]
+        res["pinned_bytes_last"] = pins[-1]
+        res["pinned_flat"] = len(set(pins)) == 1
+    allocs = [r.get("host_allocs") for r in per_step]
+    if allocs and all(a is not None for a in allocs):
+        res["host_allocs_step1"] = allocs[0]
+        res["host_allocs_last"] = allocs[-1]
+        res["host_allocs_flat"] = allocs[0] == allocs[-1]
+    rss = [r["rss_gib"] for r in per_step if r.get("rss_gib") is not None]
+    if rss:
+        res["rss_step1_gib"], res["rss_last_gib"] = rss[0], rss[-1]
+
+
+def grad_fingerprint(params: list[torch.nn.Parameter]) -> str:
+    """A cheap fingerprint of the gradient bits (int64 sums of the raw bit patterns, chunked to bound memory)."""
+    acc = 0
+    for k, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        flat = g.detach().reshape(-1)
+        idt = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        flat = flat.view(idt)
+        s = 0
+        for chunk in flat.split(1 << 24):
+            s += int(chunk.sum(dtype=torch.int64).item())
+        acc = (acc * 1000003 + (k + 1) * s) % (1 << 64)
+    return f"{acc:016x}"
+
+
+def tensor_bits(t: torch.Tensor) -> str:
+    """The raw bytes of a one-element tensor, in hex: equal losses are equal bit for bit."""
+    t = t.detach().to("cpu").contiguous().reshape(1)
+    return bytes(t.view(torch.uint8).tolist()).hex()
+
+
+def host_alloc_count() -> int | None:
+    """How many pinned blocks PyTorch's host allocator has allocated (the key differs between torch versions)."""
+    try:
+        st = torch.cuda.host_memory_stats()
+    except Exception:
+        return None
+    for key in ("num_host_alloc", "allocations.allocated", "allocations.all.allocated"):
+        if key in st:
+            return int(st[key])
+    return None
+
+
+def rss_gib() -> float | None:
+    try:
+        import psutil
+        return psutil.Process().memory_info().rss / GIB
+    except Exception:
+        return None

@@ -1,0 +1,70 @@
+"""What a scenario trains: a Llama from its config (random bf16 weights), Liger and LoRA where it asks for them,
+the optimizer, and the batch (labels = input_ids). The same seed gives every mode the same weights and data."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from .scenarios import Scenario
+
+LIGER_CALL = ("apply_liger_kernel_to_llama(fused_linear_cross_entropy=True) before building the model (rope, "
+              "rms_norm, swiglu on: the defaults)")
+
+
+def apply_liger(device: torch.device, notes: list[str]) -> bool:
+    """Liger's class-level patch of Llama; it must come before the model is built. Returns whether it was applied
+    (why not goes to ``notes``: the mode then runs without)."""
+    if device.type != "cuda":
+        notes.append("liger skipped: needs an accelerator (ran without)")
+        return False
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)
+        return True
+    except Exception as e:
+        notes.append(f"liger not applied ({type(e).__name__}: {str(e)[:120]}); ran without")
+        return False
+
+
+def build_model(scenario: Scenario, seed: int, device: torch.device) -> LlamaForCausalLM:
+    """Random bf16 weights drawn on ``device`` from ``seed``, sdpa attention."""
+    config = LlamaConfig(
+        hidden_size=scenario.hidden, intermediate_size=scenario.intermediate, num_hidden_layers=scenario.layers,
+        num_attention_heads=scenario.heads, num_key_value_heads=scenario.kv_heads, vocab_size=scenario.vocab,
+        max_position_embeddings=max(scenario.seq, 4096), use_cache=False, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+
+
+def apply_lora(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                            task_type="CAUSAL_LM"))
+
+
+def make_optimizer(params: list[torch.nn.Parameter], notes: list[str]) -> tuple[torch.optim.Optimizer, str]:
+    """Fused AdamW, or foreach where this device has no fused kernel. Returns it and its description."""
+    try:
+        return torch.optim.AdamW(params, lr=1e-5, fused=True), "AdamW(fused=True)"
+    except Exception as e:
+        optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+        notes.append(f"fused AdamW unavailable: {e}")
+        return optimizer, "AdamW(foreach=True)"
+
+
+def make_input_ids(scenario: Scenario, seed: int, device: torch.device) -> torch.Tensor:
+    """Random token ids, batch x seq, from their own generator (the model's draws do not shift them)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(0, scenario.vocab, (scenario.batch, scenario.seq), generator=gen).to(device)

@@ -1,0 +1,255 @@
+"""The report: figures derived across modes (ratios to `none` and `ckpt`, the transfer floor, equality of the
+first-step loss), written as markdown and JSON after every mode, and a short table on stdout at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import GIB
+from .scenarios import SCENARIOS
+
+Result = dict[str, Any]  # one mode's result, as its worker wrote it (plus the parent's process_s)
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """An invocation's outputs: ``<stem>.md``, ``.json`` and ``.log`` (its processes' output)."""
+    md: Path
+    json: Path
+    log: Path
+
+    @classmethod
+    def at(cls, out_dir: Path, stem: str) -> ReportFiles:
+        return cls(out_dir / f"{stem}.md", out_dir / f"{stem}.json", out_dir / f"{stem}.log")
+
+
+def fmt(v: float | None, spec: str = "{:.3f}", none: str = "—") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return none
+    return spec.format(v)
+
+
+def derive(results: list[Result], bw: dict[str, Any]) -> dict[str, list[Result]]:
+    """Adds to each finished result its ratios to none/ckpt and its transfer floor. Returns the results by
+    scenario."""
+    d2h = bw.get("d2h_GBps")
+    h2d = bw.get("h2d_GBps")
+    by_scen: dict[str, list[Result]] = {}
+    for r in results:
+        by_scen.setdefault(r["scenario"], []).append(r)
+    for rs in by_scen.values():
+        ref = {r["mode"]: r.get("median_s") for r in rs if r.get("status") == "ok"}
+        for r in rs:
+            if r.get("status") != "ok":
+                continue
+            m = r["median_s"]
+            r["x_none"] = m / ref["none"] if ref.get("none") else None
+            r["x_ckpt"] = m / ref["ckpt"] if ref.get("ckpt") else None
+            b = r.get("bytes_out")
+            if b is not None and d2h and h2d:
+                # everything that goes out comes back once
+                r["floor_s"] = b / (d2h * 1e9) + b / (h2d * 1e9)
+            elif b == 0:
+                r["floor_s"] = 0.0
+    return by_scen
+
+
+def loss_check(rs: list[Result]) -> tuple[str, str]:
+    """Whether a scenario's modes had bitwise the same first-step loss, and the same gradient fingerprint (empty
+    when fewer than two modes have one)."""
+    ok = [r for r in rs if r.get("status") == "ok" and r.get("loss1_bits")]
+    if len(ok) < 2:
+        loss_line = f"first-step loss: {len(ok)} mode(s) ran; nothing to compare"
+    else:
+        bits = {r["loss1_bits"] for r in ok}
+        if len(bits) == 1:
+            loss_line = (f"first-step loss: **equal** (bitwise) across {len(ok)} modes: "
+                         f"{ok[0]['loss1']!r} (0x{ok[0]['loss1_bits']})")
+        else:
+            parts = ", ".join(f"{r['mode']}={r['loss1']!r} (0x{r['loss1_bits']})" for r in ok)
+            loss_line = f"first-step loss: **NOT equal**: {parts}"
+    g = [r for r in ok if r.get("grad1_fingerprint")]
+    if len(g) < 2:
+        grad_line = ""
+    else:
+        fps = {r["grad1_fingerprint"] for r in g}
+        if len(fps) == 1:
+            grad_line = f"first-step gradients: fingerprint equal across {len(g)} modes ({g[0]['grad1_fingerprint']})"
+        else:
+            groups: dict[str, list[str]] = {}
+            for r in g:
+                groups.setdefault(r["grad1_fingerprint"], []).append(r["mode"])
+            grad_line = ("first-step gradients: fingerprints differ: " +
+                         "; ".join(f"{k}: {', '.join(v)}" for k, v in groups.items()) +
+                         " (attention backward kernels need not be deterministic: informative only)")
+    return loss_line, grad_line
+
+
+def _host_flat(r: Result) -> str:
+    bits = []
+    if "pinned_flat" in r:
+        bits.append(f"pinned {r['pinned_bytes_step1'] / GIB:.2f}->{r['pinned_bytes_last'] / GIB:.2f} GiB "
+                    f"{'flat' if r['pinned_flat'] else 'GROWS'}")
+    if "host_allocs_flat" in r:
+        bits.append(f"allocs {r['host_allocs_step1']}->{r['host_allocs_last']}")
+    return "; ".join(bits) or "—"
+
+
+TABLE_HEAD = ("| mode | status | median s/step | x none | x ckpt | peak GiB | static GiB | offloaded GiB/step | "
+              "transfer floor s | floor/step | step-1 s | step-1 loss | host side (after step 1 -> last) |")
+
+
+def table_rows(rs: list[Result]) -> list[str]:
+    rows = [TABLE_HEAD, "|" + "---|" * TABLE_HEAD.count(" | ") + "---|"]
+    for r in rs:
+        st = r.get("status", "?")
+        if st != "ok":
+            why = r.get("error") or "; ".join(r.get("notes", [])) or ""
+            rows.append(f"| {r['mode']} | {st} | {why[:160]} |" + " |" * 10)
+            continue
+        b = r.get("bytes_out")
+        offl = fmt(b / GIB, "{:.3f}") if b is not None else "n/a"
+        floor = r.get("floor_s")
+        rows.append(
+            f"| {r['mode']} | ok | {r['median_s']:.3f} | {fmt(r.get('x_none'), '{:.2f}')} | "
+            f"{fmt(r.get('x_ckpt'), '{:.2f}')} | {fmt(r.get('peak_gib'), '{:.1f}')} | "
+            f"{fmt(r.get('static_gib'), '{:.1f}')} | {offl} | {fmt(floor, '{:.3f}', 'n/a')} | "
+            f"{fmt(floor / r['median_s'] if floor is not None else None, '{:.0%}', 'n/a')} | "
+            f"{fmt(r.get('first_step_s'), '{:.2f}')} | {r.get('loss1', float('nan')):.6f} | {_host_flat(r)} |")
+    return rows
+
+
+def mode_details(r: Result) -> str | None:
+    """The bullet under a scenario's table with what the table has no column for (None when there is nothing)."""
+    bits = []
+    if r.get("notes"):
+        bits.append("; ".join(r["notes"]))
+    if r.get("status") == "ok":
+        if r.get("tensors_out") is not None:
+            bits.append(f"tensors offloaded/step {r['tensors_out']}")
+        st = r.get("hfo_stats_last")
+        if st:
+            keep = {k[len("bytes_kept_"):]: v for k, v in st.items() if k.startswith("bytes_kept_") and v}
+            bits.append("hfo: " + ", ".join(
+                [f"compute_wait {st.get('compute_wait_s', 0):.4f} s",
+                 f"prefetch hits/misses/inflight {st.get('prefetch_hits')}/{st.get('prefetch_misses')}/"
+                 f"{st.get('inflight_hits')}"] +
+                [f"kept {k} {v / 2**20:.1f} MiB" for k, v in keep.items()]))
+        if r.get("rss_step1_gib") is not None:
+            bits.append(f"host RSS {r['rss_step1_gib']:.1f}->{r['rss_last_gib']:.1f} GiB")
+        if r.get("ckpt_call"):
+            bits.append(r["ckpt_call"])
+        if r.get("liger_call"):
+            bits.append(r["liger_call"])
+    return f"- `{r['mode']}`: " + "; ".join(bits) if bits else None
+
+
+def write_report(files: ReportFiles, meta: dict[str, Any], bw: dict[str, Any], results: list[Result],
+                 final: bool) -> None:
+    """Writes the markdown and the JSON (rewritten after every mode, so a run cut short still leaves its finished
+    modes), and copies them and the log into $OUT."""
+    by_scen = derive(results, bw)
+    files.md.write_text(_markdown(meta, bw, by_scen, final))
+    files.json.write_text(json.dumps({"meta": meta, "bandwidth": bw, "results": results}, indent=1, default=str))
+    for path in (files.md, files.json, files.log):
+        copy_to_out(path)
+
+
+def copy_to_out(path: Path) -> None:
+    """Copies ``path`` into $OUT, when that is set, and is not where ``path`` already is: what the GPU machine
+    hands back."""
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    Path(out).mkdir(parents=True, exist_ok=True)
+    target = Path(out) / path.name
+    if path.exists() and target.resolve() != path.resolve():
+        shutil.copy2(path, target)
+
+
+def _markdown(meta: dict[str, Any], bw: dict[str, Any], by_scen: dict[str, list[Result]], final: bool) -> str:
+    v = bw.get("versions", {})
+    lines = [f"# hf-offload benchmark: {', '.join(meta['scenarios'])} on {meta['device_name']}", ""]
+    if not final:
+        lines += ["**Partial: the run had not finished when this was written.**", ""]
+    lines += [
+        f"- date (UTC): {meta['date']}; host: {meta['host']}",
+        f"- command: `{meta['command']}`",
+        f"- device: {meta['device_name']}" + (f" ({bw['device_mem_gib']:.0f} GiB)" if bw.get("device_mem_gib") else ""),
+        "- versions: " + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "cuda", "transformers", "accelerate",
+                                                          "peft", "trl", "liger-kernel", "triton", "hf-offload",
+                                                          "hf_offload-src")
+                                   if k in v),
+        f"- method: one process per mode; bf16 weights from a config (seed {meta['seed']}), sdpa attention, fused "
+        f"AdamW on the trainable parameters, labels = input_ids; offload context spans the "
+        f"{'forward and backward' if meta['span'] == 'step' else 'forward only'}; "
+        f"median of the timed steps after warm-up, torch.cuda.synchronize around each step (optimizer step "
+        f"included); peak = "
+        f"torch.cuda.max_memory_allocated over the timed steps; static = allocated between steps (weights, "
+        f"optimizer state)",
+    ]
+    if meta.get("hfo_opts"):
+        lines.append(f"- hf_offload options: `{meta['hfo_opts']}`")
+    if bw.get("h2d_GBps"):
+        lines.append(
+            f"- pinned bandwidth ({bw['bytes'] / GIB:.0f} GiB copies, median): H2D {bw['h2d_GBps']:.1f} GB/s, "
+            f"D2H {bw['d2h_GBps']:.1f} GB/s, both at once {bw['both_GBps']:.1f} GB/s (sum); pageable: H2D "
+            f"{bw['pageable_h2d_GBps']:.1f} GB/s, D2H {bw['pageable_d2h_GBps']:.1f} GB/s")
+        lines.append("- transfer floor = bytes offloaded / D2H + the same bytes back / H2D (serial copies, "
+                     "no overlap with compute)")
+    else:
+        lines.append(f"- bandwidth probe: {bw.get('skipped') or bw.get('error') or 'not run'}")
+    for scen in meta["scenarios"]:
+        rs = by_scen.get(scen, [])
+        if not rs:
+            continue
+        lines += ["", f"## {scen}: {SCENARIOS[scen].describe()}", ""]
+        lines += [f"steps: {meta['steps'][scen][1]} timed after {meta['steps'][scen][0]} warm-up", ""]
+        lines += table_rows(rs)
+        loss_line, grad_line = loss_check(rs)
+        lines += ["", f"- {loss_line}"] + ([f"- {grad_line}"] if grad_line else [])
+        lines += [d for d in (mode_details(r) for r in rs) if d]
+    if meta.get("profiles"):
+        lines += ["", "## Profiles (torch.profiler chrome traces of one step after warm-up; open in "
+                      "chrome://tracing or ui.perfetto.dev)", ""]
+        for p in meta["profiles"]:
+            where = Path(p["path"]).name if p.get("path") else (p.get("error") or p.get("status"))
+            lines.append(f"- {p['scenario']} `{p['mode']}`: {where}")
+            busy = p.get("streams") or {}
+            for stream, st in sorted(busy.get("streams", {}).items(), key=lambda kv: -kv[1]["busy_ms"]):
+                lines.append(f"  - stream {stream} ({st['work']}): busy {st['busy_ms']:.1f} ms of the "
+                             f"{busy['gpu_span_ms']:.1f} ms GPU span ({st['busy_ms'] / busy['gpu_span_ms']:.0%})")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def short_table(results: list[Result]) -> str:
+    hdr = f"{'scenario':9} {'mode':14} {'status':8} {'s/step':>8} {'x none':>7} {'x ckpt':>7} {'peak GiB':>9} " \
+          f"{'out GiB':>8} {'floor s':>8} {'loss1':>12}"
+    out = [hdr, "-" * len(hdr)]
+    for r in results:
+        ok = r.get("status") == "ok"
+        b = r.get("bytes_out")
+        out.append(
+            f"{r['scenario']:9} {r['mode']:14} {r.get('status', '?'):8} "
+            f"{fmt(r.get('median_s') if ok else None, '{:8.3f}'):>8} {fmt(r.get('x_none'), '{:7.2f}'):>7} "
+            f"{fmt(r.get('x_ckpt'), '{:7.2f}'):>7} {fmt(r.get('peak_gib'), '{:9.1f}'):>9} "
+            f"{fmt(b / GIB if b is not None else None, '{:8.2f}', 'n/a'):>8} "
+            f"{fmt(r.get('floor_s'), '{:8.3f}', 'n/a'):>8} {fmt(r.get('loss1'), '{:12.6f}'):>12}")
+    return "\n".join(out)
+
+
+def print_summary(results: list[Result], scenarios: list[str]) -> None:
+    """The short table and each scenario's loss check, on stdout."""
+    print(short_table(results))
+    for scen in scenarios:
+        loss_line, grad_line = loss_check([r for r in results if r["scenario"] == scen])
+        print(f"{scen}: {loss_line}")
+        if grad_line:
+            print(f"{scen}: {grad_line}")

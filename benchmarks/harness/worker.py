@@ -1,0 +1,89 @@
+"""One mode of one scenario, in its own process: build, offload, time, optionally trace; the result goes to a JSON
+file that the parent reads (a crash or a timeout leaves none)."""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from .measure import make_train_step, time_steps
+from .model import LIGER_CALL, apply_liger, apply_lora, build_model, make_input_ids, make_optimizer
+from .modes import ModeSpec, parse_mode
+from .offloaders import SkipMode, enable_checkpointing, load_offloader, start_offload
+from .scenarios import SCENARIOS
+from .trace import trace_step
+
+
+def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
+    """Builds the scenario, sets the mode up, runs its steps; what it learns goes into ``res``. The order is kept
+    the same in every mode (seeding, building, checkpointing, LoRA, data), so that every mode trains the same
+    weights on the same data."""
+    scenario = SCENARIOS[spec["scenario"]]
+    mode = parse_mode(spec["mode"])
+    device = torch.device(spec["device"])
+    res["device"] = device.type
+    if spec.get("deterministic"):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        res["device_name"] = torch.cuda.get_device_name(device)
+    notes = res["notes"]
+
+    factory = load_offloader(mode.offloader, device)
+    liger = scenario.liger and apply_liger(device, notes)  # before the model is built: it patches the classes
+    if liger:
+        res["liger_call"] = LIGER_CALL
+    res["liger"] = liger
+
+    model = build_model(scenario, spec["seed"], device)
+    res["attn_implementation"] = model.config._attn_implementation
+    if mode.checkpointing:
+        res["ckpt_call"] = enable_checkpointing(model, offload=(mode.offloader == "native"))
+    if scenario.lora:
+        model = apply_lora(model)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    res["trainable_params"] = sum(p.numel() for p in params)
+    res["total_params"] = sum(p.numel() for p in model.parameters())
+    optimizer, res["optimizer"] = make_optimizer(params, notes)
+    input_ids = make_input_ids(scenario, spec["seed"], device)
+
+    offload = start_offload(mode.offloader, factory, model, spec.get("hfo_opts", {}))
+    if mode.offloader == "hfo":
+        res["hfo_active"] = bool(getattr(offload.context, "active", True))
+        if not res["hfo_active"]:
+            notes.append("hf_offload inactive on this device (identity hooks)")
+    res["bytes_counted"] = offload.bytes_counted
+
+    train_step = make_train_step(model, input_ids, params, optimizer, offload.context, spec["span"])
+    time_steps(train_step, offload, spec["warmup"], spec["steps"], device, res)
+    if spec.get("profile_path"):
+        res["profile_streams"] = trace_step(train_step, device, spec["profile_path"])
+        res["profile_path"] = spec["profile_path"]
+
+
+def main(spec: ModeSpec) -> int:
+    """Child process entry: runs the mode and writes its result, whatever happened, to ``spec["result_path"]``."""
+    res: dict[str, Any] = {"scenario": spec["scenario"], "mode": spec["mode"], "status": "ok", "notes": []}
+    t0 = time.time()
+    try:
+        run_mode(spec, res)
+    except torch.cuda.OutOfMemoryError as e:  # also torch.OutOfMemoryError, where torch has that name
+        res["status"] = "OOM"
+        res["error"] = str(e).splitlines()[0][:300]
+        traceback.print_exc()
+    except SkipMode as e:
+        res["status"] = "skipped"
+        res["notes"].append(str(e))
+    except Exception as e:
+        res["status"] = "error"
+        res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc()
+    res["wall_s"] = time.time() - t0
+    with open(spec["result_path"], "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    return 0
