@@ -1,0 +1,508 @@
+"""The memory-budget planner: budget parsing, the step model on hand-computed examples, and plans.
+
+Pure Python: nothing here needs torch or a device.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import doctest
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_offload import planner
+from hf_offload.planner import (
+    AUTO_MARGIN_MIN_BYTES,
+    GIB,
+    LayerProfile,
+    MemoryBudget,
+    Plan,
+    StepProfile,
+    parse_memory_budget,
+    plan,
+    simulate,
+)
+
+MIB = 2**20
+
+
+def s1_profile(layers: int = 16, **changes) -> StepProfile:
+    """S1 of the issue's table (H100), rebuilt from its measurements.
+
+    Full checkpointing offloads 1.0 GiB of inputs (64 MiB per layer). No checkpointing peaks at the last layer's
+    backward: static + 16 x saved + working = 38.88 GiB; full checkpointing at static + saved + working + one input
+    = 12.35 GiB, so saved = (38.88 - 12.35 + input) / 15 = 1.773 GiB. Selective checkpointing everywhere peaks at
+    24.88 GiB = static + 15 x selective + saved + working + input, so selective = 0.8355 GiB. A full checkpoint
+    recomputes 5 ms, a selective one 2.3 ms; the step without checkpointing takes 307 ms.
+    """
+    layer = LayerProfile(
+        saved_bytes=int(1.773 * GIB),
+        selective_bytes=int(0.8355 * GIB),
+        input_bytes=64 * MIB,
+        forward_s=0.005,
+        backward_s=0.010,
+        selective_recompute_s=0.0023,
+    )
+    profile = StepProfile(
+        layers=(layer,) * layers,
+        static_bytes=int(8.512 * GIB),
+        head_bytes=int(1.5 * GIB),
+        backward_working_bytes=2 * GIB,
+        head_s=0.040,
+        other_s=0.027,
+        d2h_bytes_per_s=55e9,
+        h2d_bytes_per_s=55e9,
+        host_cap_bytes=64 * GIB,
+        tokens=16384,
+    )
+    return dataclasses.replace(profile, **changes)
+
+
+def tiny_profile(**changes) -> StepProfile:
+    """Two layers in round numbers (bytes, seconds), for examples computed by hand."""
+    layer = LayerProfile(saved_bytes=100, selective_bytes=40, input_bytes=10, forward_s=1.0, backward_s=2.0,
+                         selective_recompute_s=0.25)  # fmt: skip
+    profile = StepProfile(layers=(layer, layer), static_bytes=1000, head_bytes=50, backward_working_bytes=30,
+                          head_s=1.0, other_s=0.5, d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0,
+                          host_cap_bytes=10**6, tokens=1)  # fmt: skip
+    return dataclasses.replace(profile, **changes)
+
+
+def random_profile(rng: random.Random, layers: int) -> StepProfile:
+    """Layers of very different sizes and speeds, links from slow to fast, host caps from none to ample."""
+    profiles = []
+    for _ in range(layers):
+        saved = rng.randint(1, 4 * GIB)
+        input_bytes = rng.randint(0, saved // 4)
+        forward_s = rng.uniform(0.001, 0.01)
+        profiles.append(LayerProfile(
+            saved_bytes=saved,
+            selective_bytes=rng.randint(0, saved - input_bytes),
+            input_bytes=input_bytes,
+            forward_s=forward_s,
+            backward_s=rng.uniform(1.5, 2.5) * forward_s,
+            selective_recompute_s=rng.uniform(0.2, 0.7) * forward_s,
+        ))  # fmt: skip
+    return StepProfile(
+        layers=profiles,
+        static_bytes=rng.randint(0, 20 * GIB),
+        head_bytes=rng.randint(0, 4 * GIB),
+        backward_working_bytes=rng.randint(0, 3 * GIB),
+        head_s=rng.uniform(0, 0.05),
+        other_s=rng.uniform(0, 0.05),
+        d2h_bytes_per_s=rng.choice([5e9, 25e9, 55e9, 400e9]),
+        h2d_bytes_per_s=rng.choice([5e9, 25e9, 55e9, 400e9]),
+        host_cap_bytes=rng.choice([0, GIB, 4 * GIB, 64 * GIB]),
+        tokens=4096,
+    )
+
+
+def lowest_peak(profile: StepProfile) -> int:
+    return simulate(profile, planner._lowest_memory_code(profile)).peak_bytes
+
+
+# Budget parsing
+
+
+@pytest.mark.parametrize(
+    "value, nbytes",
+    [
+        (123456, 123456),
+        ("123456", 123456),
+        ("24GiB", 24 * 2**30),
+        ("20000MiB", 20000 * 2**20),
+        ("512KiB", 512 * 2**10),
+        ("1.5TiB", 3 * 2**39),
+        ("24GB", 24 * 10**9),
+        ("100B", 100),
+        ("24 gib", 24 * 2**30),
+        (" 2.5 mb ", 2_500_000),
+        ("0.3KB", 300),  # exact decimal arithmetic: not 299
+    ],
+)
+def test_parse_sizes(value, nbytes) -> None:
+    budget = parse_memory_budget(value)
+    assert budget == MemoryBudget(nbytes=nbytes)
+    assert budget.resolve(None) == nbytes  # a size needs no device
+    assert str(budget) == str(value).strip()
+
+
+def test_parse_none_auto_and_percentages() -> None:
+    assert parse_memory_budget(None) is None
+    assert parse_memory_budget("none") is None
+    assert parse_memory_budget("None") is None
+    assert parse_memory_budget("auto") == parse_memory_budget("AUTO") == MemoryBudget()
+    assert str(parse_memory_budget("auto")) == "auto"
+    assert parse_memory_budget("60%") == MemoryBudget(percent=60.0)
+    assert parse_memory_budget("100%").percent == 100.0
+    assert parse_memory_budget("0.5 %").percent == 0.5
+    assert str(parse_memory_budget("60%")) == "60%"
+    budget = parse_memory_budget("24GiB")
+    assert parse_memory_budget(budget) is budget
+
+
+@pytest.mark.parametrize(
+    "value",
+    [True, False, 0, -1, 1.5, 24e9, math.nan, math.inf, "nan", "inf", "", "  ", "0", "-1", "-1GiB", "0GiB", "0.1B",
+     "1.5", "24e9", "24 GiBs", "24XB", "GiB", "abc", "0%", "-5%", "100.5%", "101%", "60%%", [24], {"bytes": 1}],
+)
+def test_parse_rejects_everything_else(value) -> None:
+    with pytest.raises(ValueError, match=r"^memory_budget must be None.*'auto'.*'24GiB'.*'60%'; got"):
+        parse_memory_budget(value)
+
+
+def test_parse_names_the_option_given() -> None:
+    with pytest.raises(ValueError, match=r"^activation_offloading_memory_budget must be .*got '12 parsecs'"):
+        parse_memory_budget("12 parsecs", option="activation_offloading_memory_budget")
+
+
+def test_resolve() -> None:
+    device = 80 * GIB
+    assert parse_memory_budget("60%").resolve(device) == 48 * GIB
+    assert parse_memory_budget("100%").resolve(device) == device
+    assert parse_memory_budget("auto").resolve(device) == device - 4 * GIB  # 5% of 80 GiB is above 2 GiB
+    assert parse_memory_budget("auto").resolve(16 * GIB) == 14 * GIB  # at least 2 GiB
+    for relative in ("60%", "auto"):
+        with pytest.raises(ValueError, match="no device to ask.*give a size in bytes"):
+            parse_memory_budget(relative).resolve(None)
+    with pytest.raises(ValueError, match="'auto' leaves nothing"):
+        parse_memory_budget("auto").resolve(AUTO_MARGIN_MIN_BYTES)
+    with pytest.raises(ValueError, match="either a size or a percentage"):
+        MemoryBudget(nbytes=1, percent=50.0)
+
+
+# Profiles
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("saved_bytes", -1, "LayerProfile.saved_bytes must be an int number of bytes >= 0"),
+        ("input_bytes", 1.5, "LayerProfile.input_bytes"),
+        ("selective_bytes", True, "LayerProfile.selective_bytes"),
+        ("forward_s", math.nan, "LayerProfile.forward_s must be a finite number >= 0"),
+        ("backward_s", math.inf, "LayerProfile.backward_s"),
+        ("selective_recompute_s", -0.1, "LayerProfile.selective_recompute_s"),
+        ("attention_forward_s", 2.0, "attention_forward_s is part of forward_s"),
+    ],
+)
+def test_layer_profile_validation(field, value, message) -> None:
+    layer = tiny_profile().layers[0]
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(layer, **{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("layers", (), "StepProfile.layers must be one or more LayerProfile"),
+        ("static_bytes", -5, "StepProfile.static_bytes"),
+        ("host_cap_bytes", 2.0**30, "StepProfile.host_cap_bytes"),
+        ("head_s", math.nan, "StepProfile.head_s"),
+        ("d2h_bytes_per_s", 0, "StepProfile.d2h_bytes_per_s must be a finite number > 0"),
+        ("h2d_bytes_per_s", math.inf, "StepProfile.h2d_bytes_per_s"),
+        ("tokens", 0, "StepProfile.tokens must be an int > 0"),
+    ],
+)
+def test_step_profile_validation(field, value, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_profile(**{field: value})
+
+
+def test_scaled() -> None:
+    layer = LayerProfile(saved_bytes=101, selective_bytes=40, input_bytes=10, forward_s=1.0, backward_s=2.0,
+                         selective_recompute_s=0.25, attention_forward_s=0.5, attention_backward_s=1.0)  # fmt: skip
+    profile = tiny_profile(layers=[layer], tokens=2)
+    doubled = profile.scaled(4)
+    assert doubled.tokens == 4
+    assert doubled.layers[0] == LayerProfile(
+        saved_bytes=202, selective_bytes=80, input_bytes=20,
+        forward_s=0.5 * 2 + 0.5 * 4, backward_s=1.0 * 2 + 1.0 * 4, selective_recompute_s=0.5,
+        attention_forward_s=2.0, attention_backward_s=4.0,
+    )  # fmt: skip
+    assert (doubled.static_bytes, doubled.host_cap_bytes) == (profile.static_bytes, profile.host_cap_bytes)
+    assert (doubled.head_bytes, doubled.backward_working_bytes) == (100, 60)
+    assert (doubled.head_s, doubled.other_s) == (2.0, 1.0)
+    assert (doubled.d2h_bytes_per_s, doubled.h2d_bytes_per_s) == (100.0, 100.0)
+    assert profile.scaled(3).layers[0].saved_bytes == 152  # 151.5 rounded up: never under the real size
+    assert profile.scaled(2) == profile
+    with pytest.raises(ValueError, match="tokens must be an int > 0"):
+        profile.scaled(0)
+
+
+# The model, on examples computed by hand (tiny_profile: 100 bytes saved, 1 s forward, 2 s backward, 100 B/s)
+
+
+def test_keep_everything() -> None:
+    predicted = simulate(tiny_profile(), "KK")
+    # Forward: 1100, 1200; head: 1000 + 200 + 50; backward: 1000 + 100 + 100 + 30, then 1000 + 100 + 30.
+    assert (predicted.peak_bytes, predicted.peak_at) == (1250, "head")
+    assert predicted.step_s == pytest.approx(0.5 + 2 * 1.0 + 1.0 + 2 * 2.0)
+    assert (predicted.host_bytes, predicted.drain_s, predicted.forward_window_bytes) == (0, 0.0, 0)
+    assert [(layer.held_bytes, layer.offloaded_bytes, layer.added_s) for layer in predicted.layers] == [
+        (100, 0, 0.0), (100, 0, 0.0)]  # fmt: skip
+    assert predicted.code == "KK"
+
+
+@pytest.mark.parametrize(
+    "code, held, offloaded, recompute_s, peak",
+    [
+        ("CK", 0, 10, 1.0, 1150),  # head: 1000 + 100 + 50
+        ("cK", 10, 0, 1.0, 1160),
+        ("SK", 40, 10, 0.25, 1190),
+        ("sK", 50, 0, 0.25, 1200),
+    ],
+)
+def test_checkpointed_first_layer(code, held, offloaded, recompute_s, peak) -> None:
+    predicted = simulate(tiny_profile(), code)
+    first = predicted.layers[0]
+    assert (first.held_bytes, first.offloaded_bytes, first.recompute_s, first.stall_s) == (held, offloaded,
+                                                                                          recompute_s, 0.0)
+    assert (predicted.peak_bytes, predicted.peak_at) == (peak, "head")
+    # The 10-byte input copy (0.1 s) hides under the second layer's forward, its reload under that layer's backward.
+    assert predicted.step_s == pytest.approx(7.5 + recompute_s)
+    assert predicted.host_bytes == predicted.forward_window_bytes == predicted.prefetch_window_bytes == offloaded
+
+
+def test_copy_hidden_by_later_forward_costs_nothing() -> None:
+    predicted = simulate(tiny_profile(), "OK")
+    # The 100-byte copy (1 s) runs under layer 1's forward; its reload (1 s) under layer 1's backward (2 s).
+    assert predicted.step_s == pytest.approx(7.5)
+    assert predicted.drain_s == 0.0
+    assert predicted.layers[0].added_s == 0.0
+    # Layer 1's backward: static + its activations + working bytes + layer 0's reload.
+    assert (predicted.peak_bytes, predicted.peak_at) == (1000 + 100 + 30 + 100, "backward layer 1")
+    assert predicted.forward_window_bytes == predicted.prefetch_window_bytes == predicted.host_bytes == 100
+
+
+def test_copy_not_hidden_costs_the_drain() -> None:
+    predicted = simulate(tiny_profile(), "KO")
+    # The last layer's copy has no forward after it: the head waits 1 s for it. Its reload is issued as the head
+    # starts, so it counts in the head's memory and finishes with the head (1 s): no stall.
+    assert predicted.drain_s == pytest.approx(1.0)
+    assert predicted.step_s == pytest.approx(7.5 + 1.0)
+    assert predicted.layers[1].stall_s == 0.0
+    assert (predicted.peak_bytes, predicted.peak_at) == (1000 + 100 + 50 + 100, "head")
+
+
+def test_late_reload_stalls() -> None:
+    predicted = simulate(tiny_profile(h2d_bytes_per_s=25.0), "OK")
+    # Layer 0's reload (4 s) is issued when layer 1's backward starts and outlasts it (2 s) by 2 s.
+    assert predicted.layers[0].stall_s == pytest.approx(2.0)
+    assert predicted.layers[0].added_s == pytest.approx(2.0)
+    assert predicted.step_s == pytest.approx(7.5 + 2.0)
+
+
+def test_copies_queue_in_order() -> None:
+    predicted = simulate(tiny_profile(d2h_bytes_per_s=50.0), "OO")
+    # Copies of 2 s each: layer 0's runs 1 -> 3 s, layer 1's waits for it, 3 -> 5 s; the forward ends at 2 s.
+    assert predicted.drain_s == pytest.approx(3.0)
+    assert predicted.forward_window_bytes == 200  # at 2 s, both copies are in flight
+    assert predicted.step_s == pytest.approx(7.5 + 3.0)
+    # Layer 1's forward starts with layer 0's copy in flight: 1000 + 100 + 100; layer 1's backward also holds
+    # layer 0's reload: 1000 + 100 + 30 + 100.
+    assert (predicted.peak_bytes, predicted.peak_at) == (1230, "backward layer 1")
+
+
+def test_copy_in_flight_can_make_the_forward_the_peak() -> None:
+    predicted = simulate(tiny_profile(d2h_bytes_per_s=10.0, head_bytes=0, backward_working_bytes=0), "OK")
+    # Layer 1 starts with layer 0's copy (10 s) in flight: 1000 + 100 + 100. Layer 1's backward reaches the same
+    # (its activations and layer 0's reload): the earliest point is named.
+    assert (predicted.peak_bytes, predicted.peak_at) == (1200, "forward layer 1")
+    assert predicted.drain_s == pytest.approx(9.0)
+
+
+def test_simulate_rejects_bad_codes() -> None:
+    for code in ("K", "KKK", "KX", "kk", ""):
+        with pytest.raises(ValueError, match="one letter per layer"):
+            simulate(tiny_profile(), code)
+
+
+def test_every_offloaded_byte_is_counted_on_the_host() -> None:
+    predicted = simulate(tiny_profile(), "OC")
+    assert predicted.host_bytes == 110
+    assert plan(tiny_profile(host_cap_bytes=0), 1200).predicted.host_bytes == 0
+
+
+# Plans on S1
+
+
+def test_s1_profile_reproduces_the_issue() -> None:
+    profile = s1_profile()
+    for code, peak_gib in (("K" * 16, 38.88), ("S" * 16, 24.88), ("C" * 16, 12.35)):
+        assert simulate(profile, code).peak_bytes / GIB == pytest.approx(peak_gib, abs=0.01)
+    assert simulate(profile, "K" * 16).step_s == pytest.approx(0.307)
+
+
+def test_budget_of_everything_changes_nothing() -> None:
+    profile = s1_profile()
+    keep_all = simulate(profile, "K" * 16)
+    for budget in (keep_all.peak_bytes, 80 * GIB):
+        result = plan(profile, budget)
+        assert result.code == "K" * 16
+        assert result.predicted == keep_all
+        assert result.forward_window_bytes == result.prefetch_window_bytes == 0
+
+
+def test_sweep_of_budgets_never_exceeds_and_never_gets_faster() -> None:
+    profile = s1_profile()
+    keep_all = simulate(profile, "K" * 16)
+    previous = None
+    for percent in range(100, 34, -1):
+        budget = keep_all.peak_bytes * percent // 100
+        result = plan(profile, budget)
+        assert result.predicted.peak_bytes <= budget
+        assert result.predicted == simulate(profile, result.code)
+        if previous is not None:
+            assert result.predicted.step_s >= previous.predicted.step_s - 1e-12, (percent, result.code)
+        previous = result
+    assert previous.predicted.step_s < simulate(profile, "C" * 16).step_s  # 35%: still faster than checkpointing
+
+
+@pytest.mark.parametrize(
+    "hand_plan",
+    ["SSSSSSSSKKKKKKKK", "S" * 16, "CCCCCCCCKKKKKKKK", "CCCCSSSSSSSSSSSS", "CCCCCCCCSSSSSSSS", "CCCCCCCCCCCCKKKK",
+     "C" * 16, "OOKKKKKKKKKKKKKK"],
+)
+def test_plan_beats_or_equals_the_issues_hand_plans(hand_plan) -> None:
+    profile = s1_profile()
+    hand = simulate(profile, hand_plan)
+    result = plan(profile, hand.peak_bytes)
+    assert result.predicted.peak_bytes <= hand.peak_bytes
+    assert result.predicted.step_s <= hand.step_s
+
+
+@pytest.mark.parametrize("layers", [4, 5])
+def test_plan_is_the_exhaustive_optimum_on_uniform_layers(layers) -> None:
+    profile = s1_profile(layers)
+    predictions = [simulate(profile, "".join(code)) for code in itertools.product(planner.ACTION_CODES, repeat=layers)]
+    low, high = lowest_peak(profile), simulate(profile, "K" * layers).peak_bytes
+    for step in range(41):
+        budget = low + (high - low) * step // 40
+        fastest = min(p.step_s for p in predictions if p.peak_bytes <= budget)
+        assert plan(profile, budget).predicted.step_s == pytest.approx(fastest, rel=1e-12)
+
+
+def test_budget_below_the_minimum_names_it() -> None:
+    profile = s1_profile()
+    minimum = simulate(profile, "C" * 16).peak_bytes
+    assert plan(profile, minimum).code == "C" * 15 + "K"  # the last layer's activations count at its backward anyway
+    with pytest.raises(ValueError) as error:
+        plan(profile, minimum - 1)
+    message = str(error.value)
+    assert f"{minimum / GIB:.2f} GiB ({minimum} bytes" in message
+    assert f"({minimum - 1} bytes)" in message
+    assert "dominated by static memory (parameters, gradients, optimizer state) 8.51 GiB" in message
+    assert "layer 15's working set" in message
+
+    with pytest.raises(ValueError, match="dominated by the head and loss 30.00 GiB"):
+        plan(s1_profile(head_bytes=30 * GIB), 20 * GIB)
+
+
+def test_no_host_room_means_no_offloading() -> None:
+    profile = s1_profile(host_cap_bytes=0)
+    assert planner._lowest_memory_code(profile) == "c" * 16
+    for percent in (40, 60, 80):
+        result = plan(profile, simulate(profile, "K" * 16).peak_bytes * percent // 100)
+        assert result.predicted.host_bytes == 0
+        assert set(result.code) <= set("Ksc")
+    # Room for 4 inputs: the lowest-memory plan offloads the first 4.
+    assert planner._lowest_memory_code(s1_profile(host_cap_bytes=256 * MIB)) == "CCCC" + "c" * 12
+
+
+def test_random_profiles_never_exceed_and_never_lose_to_full_checkpointing() -> None:
+    rng = random.Random(1234)
+    for _ in range(150):
+        profile = random_profile(rng, rng.randint(1, 12))
+        layers = len(profile.layers)
+        low, high = lowest_peak(profile), simulate(profile, "K" * layers).peak_bytes
+        full = simulate(profile, "C" * layers)
+        for budget in (low, rng.randint(low, high), high, high + GIB):
+            result = plan(profile, budget)
+            assert result.predicted.peak_bytes <= budget
+            assert result.predicted.host_bytes <= profile.host_cap_bytes
+            assert result.predicted == simulate(profile, result.code)
+            if full.peak_bytes <= budget and full.host_bytes <= profile.host_cap_bytes:
+                assert result.predicted.step_s <= full.step_s
+        with pytest.raises(ValueError, match="below the smallest peak"):
+            plan(profile, low - 1)
+
+
+def test_planning_128_layers_is_fast(monkeypatch) -> None:
+    calls = []
+    simulate_once = planner._simulate
+
+    def counted(*args):
+        calls.append(1)
+        return simulate_once(*args)
+
+    monkeypatch.setattr(planner, "_simulate", counted)
+    rng = random.Random(7)
+    for profile in (s1_profile(128), random_profile(rng, 128), random_profile(rng, 128)):
+        low, high = lowest_peak(profile), simulate(profile, "K" * 128).peak_bytes
+        for fraction in (0.0, 0.05, 0.3, 0.7, 0.99):
+            calls.clear()
+            start = time.perf_counter()
+            result = plan(profile, int(low + (high - low) * fraction))
+            assert time.perf_counter() - start < 5.0
+            assert len(calls) <= 12 * 128, len(calls)  # a few simulations per layer, each linear in the layers
+            assert len(result.layers) == 128
+
+
+# The plan as data
+
+
+def test_plan_round_trips_through_plain_data() -> None:
+    result = plan(s1_profile(), 20 * GIB)
+    assert Plan.from_dict(result.to_dict()) == result
+    assert Plan.from_dict(json.loads(json.dumps(result.to_dict()))) == result  # what a broadcast carries
+
+
+def test_plan_layers_and_windows() -> None:
+    profile = s1_profile()
+    result = plan(profile, 20 * GIB)
+    assert result.code == "CCCCCCSSSSSSSSSK"
+    assert [layer.action for layer in result.layers[5:7]] == ["full", "selective"]
+    assert all(layer.offload_input for layer in result.layers[:15]) and not result.layers[15].offload_input
+    assert result.prefetch_window_bytes == 64 * MIB  # one input reloaded at a time
+    assert result.forward_window_bytes == 64 * MIB  # each input copy (1.2 ms) ends within the next forward (5 ms)
+    assert result.tokens == profile.tokens and result.budget_bytes == 20 * GIB
+
+
+def test_format_table() -> None:
+    result = plan(s1_profile(), 20 * GIB)
+    lines = result.format_table().splitlines()
+    assert lines[0].startswith("Memory plan for 16384 tokens per step, budget 20.00 GiB: predicted peak ")
+    assert "(backward layer 15)" in lines[0] and f"step {result.predicted.step_s * 1000:.1f} ms" in lines[0]
+    assert lines[1].split() == ["layer", "action", "kept", "GiB", "offloaded", "GiB", "added", "ms"]
+    assert len(lines) == 2 + 16
+    assert lines[2].split() == ["0", "full,", "input", "offloaded", "0.00", "0.06", "5.00"]
+    assert lines[-1].split() == ["15", "keep", "1.77", "0.00", "0.00"]
+
+
+# The module itself
+
+
+def test_docstring_examples() -> None:
+    layer = LayerProfile(saved_bytes=2 * GIB, selective_bytes=GIB, input_bytes=GIB // 16, forward_s=0.005,
+                         backward_s=0.010, selective_recompute_s=0.002)  # fmt: skip
+    profile = StepProfile(layers=[layer] * 4, static_bytes=8 * GIB, head_bytes=GIB, backward_working_bytes=2 * GIB,
+                          head_s=0.04, other_s=0.03, d2h_bytes_per_s=55e9, h2d_bytes_per_s=55e9,
+                          host_cap_bytes=64 * GIB, tokens=16384)  # fmt: skip
+    failures, tried = doctest.testmod(planner, extraglobs={"profile": profile})
+    assert tried >= 7 and failures == 0
+
+
+def test_imports_only_the_standard_library() -> None:
+    tree = ast.parse(Path(planner.__file__).read_text())
+    modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert {name.split(".")[0] for name in modules} <= set(sys.stdlib_module_names) | {"__future__"}
