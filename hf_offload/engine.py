@@ -26,11 +26,12 @@ Lifetimes:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -221,6 +222,13 @@ class OffloadActivations(saved_tensors_hooks):
         self.use_pin_memory = options.use_pin_memory and self.device_type not in (None, "cpu")
         # Whether each unpack starts the next reloads; a model layer whose `prefetch_hook`s time them turns it off.
         self.prefetch_on_unpack = True
+        # The memory budget's controller (`hf_offload.budget`), attached by `get_act_offloading_ctx_manager` when
+        # `memory_budget` is set: its `plan` is the per-layer plan in force.
+        self.budget: Any = None
+        self._set_aside = 0  # depth of `set_aside()` regions
+        # The windows in force: the options', until a memory plan sizes them for its layers (`use_windows`).
+        self.forward_window_bytes = options.forward_window_bytes
+        self.prefetch_window_bytes = options.prefetch_window_bytes
 
         self._device_module = torch.get_device_module(self.device_type) if self.device_type else None
         self._lanes: dict[torch.device, _Lane] = {}
@@ -277,8 +285,11 @@ class OffloadActivations(saved_tensors_hooks):
             hook in the middle of each block instead, once that peak has passed and enough of the block's backward
             is left to hide the copy.
 
-        The hook holds its engine and step weakly: a graph that outlives either keeps neither alive.
+        The hook holds its engine and step weakly: a graph that outlives either keeps neither alive. Inside
+        `set_aside()` the hook does nothing: that backward is not the step's.
         """
+        if self._set_aside:
+            return _no_prefetch
         engine_ref, step_ref = weakref.ref(self), weakref.ref(self._step)
 
         def hook(grad: torch.Tensor) -> None:
@@ -297,6 +308,25 @@ class OffloadActivations(saved_tensors_hooks):
         and their originals are released for the loss to reuse.
         """
         return _ExemptRegion(self, ends_forward, reason)
+
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """A region outside the step: its saved tensors stay in place (uncounted) and its gradient hooks start no
+        reloads. For running a layer on the side, as the memory budget's profiler does, inside a forward."""
+        self._set_aside += 1
+        try:
+            with NoOpManager():
+                yield
+        finally:
+            self._set_aside -= 1
+
+    def use_windows(self, forward_window_bytes: int, prefetch_window_bytes: int | None) -> None:
+        """Sizes the windows for the steps to come (a memory plan's, which knows how many bytes it lets leave at
+        once). The tail stays bounded by the option `forward_window_bytes`: it is held through the head's peak."""
+        self.forward_window_bytes = OffloadOptions.rule("forward_window_bytes").check(
+            forward_window_bytes, "forward_window_bytes")
+        self.prefetch_window_bytes = OffloadOptions.rule("prefetch_window_bytes").check(
+            prefetch_window_bytes, "prefetch_window_bytes")
 
     def track_hook(self, handle: RemovableHandle) -> None:
         self._module_hooks.append(handle)
@@ -441,7 +471,7 @@ class OffloadActivations(saved_tensors_hooks):
         """Releases finished copies; if the window is still full, makes compute wait for the oldest ones."""
         self._release_finished(lane)
         while lane.inflight and (
-            lane.inflight_bytes + nbytes > self.options.forward_window_bytes
+            lane.inflight_bytes + nbytes > self.forward_window_bytes
             or (self.options.max_fwd_stash_size is not None and len(lane.inflight) >= self.options.max_fwd_stash_size)
         ):
             self._retire_oldest(lane, compute)
@@ -532,7 +562,7 @@ class OffloadActivations(saved_tensors_hooks):
             lane.inflight_bytes = 0
             lane.prefetched_bytes = lane.prefetched_copies = 0
         step.cursor = len(step.copies) - 1
-        step.prefetch_window_bytes = self.options.prefetch_window_bytes
+        step.prefetch_window_bytes = self.prefetch_window_bytes
         if step.prefetch_window_bytes is None:
             largest = max((copy.nbytes for copy in (ref() for ref in step.copies) if copy is not None), default=0)
             step.prefetch_window_bytes = max(DEFAULT_WINDOW_BYTES, _PREFETCH_WINDOW_COPIES * largest)
@@ -678,6 +708,10 @@ def top_saved_tensors_pack_hook() -> Any:
     except TypeError:  # signature without `ignore_is_tracing`
         hooks = top()
     return hooks[0] if hooks else None
+
+
+def _no_prefetch(grad: torch.Tensor) -> None:
+    """The gradient hook of a point inside `set_aside()`."""
 
 
 def _unpack(saved: Any) -> torch.Tensor:

@@ -4,7 +4,8 @@ transformers' decoder layers (`GradientCheckpointingLayer`) each read their own 
 `_gradient_checkpointing_func` at every forward, so a plan can be applied layer by layer without touching the
 model's code. For each layer, with the engine's offloading context around the model's forward:
 
-* keep: no checkpoint, and a region that keeps the layer's saved tensors where they are (counted "planned");
+* keep: no checkpoint; the layer runs inside a region that keeps its saved tensors where they are (counted
+  "planned");
 * offload: no checkpoint; every tensor the layer saves goes through the engine;
 * selective: a non-reentrant checkpoint whose policy saves the outputs of matrix products and attention and
   recomputes the rest (`torch.utils.checkpoint.create_selective_checkpoint_contexts`). The saved outputs stay in
@@ -14,6 +15,11 @@ model's code. For each layer, with the engine's offloading context around the mo
 A checkpointed layer's input is saved by the checkpoint itself, before its own hooks take over, so the engine sees
 it: it is offloaded unless the plan keeps it (`offload_input=False`), in which case the checkpoint call runs inside
 a region that keeps it.
+
+Every action is set through the two attributes alone, never through module hooks: a kept layer gets a "checkpoint
+function" that runs it unchanged inside the keeping region. A plan may then be replaced at any point, even from a
+hook of the first layer while its call is being dispatched (the budget re-plans there), since the attributes are
+read only inside the layer's forward.
 
 Every action only decides where bytes live and what is recomputed: the arithmetic is the same, so losses and
 gradients are bitwise equal under any plan (with deterministic kernels).
@@ -31,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .engine import OffloadActivations
-from .model import _ExemptHooks, find_decoder_layers
+from .model import find_decoder_layers
 
 KEEP, OFFLOAD, SELECTIVE, FULL = "keep", "offload", "selective", "full"
 ACTIONS = (KEEP, OFFLOAD, SELECTIVE, FULL)
@@ -71,20 +77,29 @@ def _selective_contexts() -> Any:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def _checkpoint_function(action: str, keep_input: bool, engine: OffloadActivations) -> Callable[..., Any]:
-    """The `_gradient_checkpointing_func` for a checkpointed layer."""
-    kwargs: dict[str, Any] = {"use_reentrant": False}
-    if action == SELECTIVE:
-        kwargs["context_fn"] = _selective_contexts
-    function = functools.partial(checkpoint, **kwargs)
-    return _InputKeepingCheckpoint(function, engine) if keep_input else function
+def selective_checkpoint_function() -> Callable[..., Any]:
+    """A `_gradient_checkpointing_func` that checkpoints selectively (its input saved wherever hooks put it)."""
+    return functools.partial(checkpoint, use_reentrant=False, context_fn=_selective_contexts)
 
 
-class _InputKeepingCheckpoint:
-    """Runs a checkpoint inside a region of the engine that keeps what is saved there: the checkpoint's input.
+def _run_as_is(function: Callable[..., Any], *args: Any) -> Any:
+    """The "checkpoint function" of a kept layer: no checkpoint at all."""
+    return function(*args)
 
-    Non-reentrant checkpointing saves its input before it pushes its own saved-tensor hooks, so only the input
-    reaches the region; everything the layer saves inside goes to the checkpoint's hooks, which sit on top.
+
+def _layer_function(action: str, offload_input: bool, engine: OffloadActivations) -> Callable[..., Any]:
+    """The `_gradient_checkpointing_func` of a kept or checkpointed layer."""
+    function = {KEEP: _run_as_is, SELECTIVE: selective_checkpoint_function(),
+                FULL: functools.partial(checkpoint, use_reentrant=False)}[action]  # fmt: skip
+    return _InKeepingRegion(function, engine) if action == KEEP or not offload_input else function
+
+
+class _InKeepingRegion:
+    """Runs a layer's function inside a region of the engine that keeps what is saved there.
+
+    For a kept layer that is everything it saves. For a checkpoint it is only the input: non-reentrant
+    checkpointing saves its input before it pushes its own saved-tensor hooks, and everything the layer saves
+    inside goes to the checkpoint's hooks, which sit on top.
     """
 
     def __init__(self, function: Callable[..., Any], engine: OffloadActivations) -> None:
@@ -104,12 +119,8 @@ class AppliedPlan:
 
     def __init__(self) -> None:
         self._restore: list[tuple[nn.Module, dict[str, Any]]] = []
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def remove(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
         for layer, attributes in reversed(self._restore):
             for name, value in attributes.items():
                 if value is _ABSENT:
@@ -135,7 +146,7 @@ def apply_layer_plan(
             checkpointing actions: whether the checkpoint's input goes to the host).
 
     Returns:
-        An `AppliedPlan` whose `remove()` restores the layers' checkpointing and takes the hooks off.
+        An `AppliedPlan` whose `remove()` restores the layers' checkpointing.
 
     Raises:
         ValueError: the number of actions differs from the number of decoder layers, or an action is unknown.
@@ -150,12 +161,7 @@ def apply_layer_plan(
     applied = AppliedPlan()
     for layer, entry in zip(layers, actions):
         applied._restore.append((layer, {name: layer.__dict__.get(name, _ABSENT) for name in _PLAN_ATTRIBUTES}))
-        checkpointed = entry.action in (SELECTIVE, FULL)
-        layer.gradient_checkpointing = checkpointed
-        if checkpointed:
-            layer._gradient_checkpointing_func = _checkpoint_function(entry.action, not entry.offload_input, engine)
-        elif entry.action == KEEP:
-            hooks = _ExemptHooks(engine, reason="planned")
-            applied._hooks.append(layer.register_forward_pre_hook(hooks.enter))
-            applied._hooks.append(layer.register_forward_hook(hooks.exit, always_call=True))
+        layer.gradient_checkpointing = entry.action != OFFLOAD
+        if entry.action != OFFLOAD:
+            layer._gradient_checkpointing_func = _layer_function(entry.action, entry.offload_input, engine)
     return applied

@@ -35,6 +35,7 @@ from torch import nn
 
 from .engine import OffloadActivations, top_saved_tensors_pack_hook
 from .options import OffloadOptions
+from .planner import parse_memory_budget
 
 __all__ = [
     "unwrap_model",
@@ -275,13 +276,11 @@ class _ExemptHooks:
 
     One instance per module registration, with a per-thread stack of entered regions, so the same module may run
     re-entrantly or in DataParallel replicas, and modules nested in exempt modules behave. The forward hook is
-    registered with ``always_call=True``, so an exception in the module still exits its region. ``reason`` is what the
-    statistics count the kept tensors as.
+    registered with ``always_call=True``, so an exception in the module still exits its region.
     """
 
-    def __init__(self, engine: OffloadActivations, reason: str = "exempt") -> None:
+    def __init__(self, engine: OffloadActivations) -> None:
         self.engine = engine
-        self.reason = reason
         self._local = threading.local()
 
     def _stack(self) -> list[Any]:
@@ -291,7 +290,7 @@ class _ExemptHooks:
         return stack
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        region = self.engine.exempt(reason=self.reason) if _engine_is_innermost(self.engine) else None
+        region = self.engine.exempt() if _engine_is_innermost(self.engine) else None
         if region is not None:
             region.__enter__()
         self._stack().append(region)
@@ -625,6 +624,10 @@ def get_act_offloading_ctx_manager(
     _install_prefetch_points(engine, unwrapped, head[1] if head is not None else None,
                              [module for _, module in find_attention_modules(unwrapped)])
     engine.track_hook(unwrapped.register_forward_pre_hook(_ReentrantCheckpointingCheck(engine).root_enter))
+    if engine.options.memory_budget is not None and engine.active:
+        from .budget import MemoryBudgetController  # it applies plans with layer_plan, which imports this module
+
+        engine.budget = MemoryBudgetController(unwrapped, engine, parse_memory_budget(engine.options.memory_budget))
     unwrapped.__dict__[_INSTALLATION_ATTR] = _Installation(weakref.ref(engine), weakref.ref(unwrapped))
     logger.info("hf_offload: tail of the forward kept from %s; Liger modules exempt: %s",
                 ", ".join(name for name, _ in tail) or "nowhere", ", ".join(name for name, _ in exempt) or "none")

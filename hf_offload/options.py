@@ -19,11 +19,13 @@ from typing import Any
 
 import torch
 
+from .planner import parse_memory_budget
+
 MIB = 2**20
 # Enough for a copy stream never to idle; small, because when copies lag the window is on top of peak memory.
 DEFAULT_WINDOW_BYTES = 128 * MIB
 
-_FLAG, _BYTES, _COUNT, _FRACTION, _DEVICE = "flag", "bytes", "count", "fraction", "device"
+_FLAG, _BYTES, _COUNT, _FRACTION, _DEVICE, _BUDGET = "flag", "bytes", "count", "fraction", "device", "budget"
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class Rule:
 
     Args:
         kind: `"flag"` (True or False), `"bytes"` (a size), `"count"` (a whole number), `"fraction"` (a number in
-            `(0, maximum]`) or `"device"` (a device type string).
+            `(0, maximum]`), `"device"` (a device type string) or `"budget"` (a memory budget, as
+            `planner.parse_memory_budget` reads it).
         minimum: the smallest size or count allowed (bytes for sizes).
         maximum: the largest fraction allowed.
         optional: whether None is allowed (and, from the command line, the word `none`).
@@ -59,7 +62,8 @@ class Rule:
 
     def type_text(self, unit: str) -> str:
         """The type of the option's values for its documentation, e.g. "`float`, MiB, or `None`"."""
-        text = {_FLAG: "`bool`", _COUNT: "`int`", _FRACTION: "`float`", _DEVICE: "`str`"}.get(self.kind)
+        text = {_FLAG: "`bool`", _COUNT: "`int`", _FRACTION: "`float`", _DEVICE: "`str`",
+                _BUDGET: "`str` or `int`"}.get(self.kind)  # fmt: skip
         if text is None:
             text = "`float`, MiB" if unit == "MiB" else "`int`, bytes"
         return text + (", or `None`" if self.optional else "")
@@ -75,6 +79,8 @@ class Rule:
             return bool
         if self.kind == _DEVICE:
             return str | None
+        if self.kind == _BUDGET:
+            return int | str | None  # the parser passes the text through (see above)
         base = float if self.kind == _FRACTION or unit == "MiB" else int
         return base | str | None if self.optional else base
 
@@ -99,6 +105,9 @@ class Rule:
         if self.kind == _DEVICE:
             if not isinstance(value, str) or not _device_type_available(value):
                 raise fail()
+            return value
+        if self.kind == _BUDGET:
+            parse_memory_budget(value, option=name)  # raises naming the option and the forms it accepts
             return value
         number = _number(value)
         if number is None:
@@ -228,10 +237,22 @@ class OffloadOptions:
         "the current accelerator (with none, offloading is inactive and says so once). `'cpu'` moves CPU tensors "
         "through a separate host buffer, which exercises the bookkeeping and statistics without a GPU (CPU test "
         "mode).", argument="device_type")  # fmt: skip
+    memory_budget: int | str | None = _option(
+        None, Rule(_BUDGET, optional=True), "A budget for the step's peak memory (max_memory_allocated: parameters, "
+        "gradients, optimizer state and activations). hf-offload profiles the first two steps, then chooses per "
+        "decoder layer whether to keep, offload, or selectively or fully checkpoint it: the fastest plan whose "
+        "predicted peak fits. `'auto'`: the device's memory less a safety margin; a size such as `'24GiB'`, "
+        "`'20000MiB'` or a number of bytes; or a share of the device such as `'60%'`. It then decides checkpointing "
+        "itself, whatever `activation_checkpointing` says. `None`: no planning.", argument="memory_budget")  # fmt: skip
 
     def __post_init__(self) -> None:
         for option in dataclasses.fields(self):
             option.metadata["rule"].check(getattr(self, option.name), option.name)
+
+    @classmethod
+    def rule(cls, name: str) -> Rule:
+        """The rule of the option `name`."""
+        return cls.__dataclass_fields__[name].metadata["rule"]
 
 
 OffloadOptions.__doc__ = OffloadOptions.__doc__.replace(

@@ -1,0 +1,423 @@
+"""The memory budget at work: profile the first steps, plan, apply the plan, re-plan when the step grows.
+
+`MemoryBudgetController` is attached by `get_act_offloading_ctx_manager` when `memory_budget` is set. It counts the
+training forwards of the model (grad enabled, model in training mode) and:
+
+1. First forward: applies the safe plan (every decoder layer fully checkpointed, its input offloaded: the lowest
+   memory that works without a plan) and, when the first layer is called, probes one layer of each kind on the very
+   arguments it receives (`_probe_layer`): the bytes it saves, the bytes a selective checkpoint would keep, the
+   times of its forward, backward and selective recompute. It measures the link's bandwidth once.
+2. Second forward, still safe: measures the step: memory held before it starts, the head and loss's peak over what
+   the forward leaves, the head's time, and the whole step's time (the rest of the step, embedding and optimizer,
+   is what the model of the safe step does not explain).
+3. Third forward: plans (`planner.plan`) for the budget, applies the plan (`layer_plan.apply_layer_plan`) and sizes
+   the engine's windows. On every later forward it re-plans, before any layer runs, if the step has more tokens than
+   it planned for or the memory held between steps has grown (optimizer state created after a gradient
+   accumulation cycle).
+
+While profiling, the device's peak-memory counter is reset at the phase boundaries it measures. Every rank plans
+the same: under `torch.distributed`, rank 0's plan is broadcast. In the CPU test mode nothing on the host has a
+peak counter: static memory is counted from the parameters, the head's peak from the tensors it saved, and the
+plan is computed and applied the same way, so its bookkeeping is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import weakref
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .engine import OffloadActivations
+from .layer_plan import FULL, AppliedPlan, apply_layer_plan, saved_by_selective_checkpoint, selective_checkpoint_function
+from .model import find_decoder_layers, find_output_head
+from .planner import LayerProfile, MemoryBudget, Plan, StepProfile, plan, simulate
+
+logger = logging.getLogger(__name__)
+
+_SAFE_ACTION = SimpleNamespace(action=FULL, offload_input=True)
+_BANDWIDTH_PROBE_BYTES = 64 * 2**20
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+# Re-plan when the memory held between steps grows by more than this (optimizer state appearing); smaller changes
+# are the allocator's noise and within the planner's margin.
+_STATIC_GROWTH_TOLERANCE = 0.02
+
+
+class _Meter:
+    """Time and memory on the engine's device, or on the host clock in the CPU test mode (no memory counters)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device = None if device_type == "cpu" else torch.get_device_module(device_type)
+
+    def mark(self) -> Any:
+        if self.device is None:
+            return time.perf_counter()
+        event = self.device.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.device is None:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+    def allocated(self) -> int | None:
+        return None if self.device is None else self.device.memory_allocated()
+
+    def peak(self) -> int | None:
+        return None if self.device is None else self.device.max_memory_allocated()
+
+    def reset_peak(self) -> None:
+        if self.device is not None:
+            self.device.reset_peak_memory_stats()
+
+    def total(self) -> int | None:
+        return None if self.device is None else self.device.get_device_properties().total_memory
+
+
+class _CountSavedBytes(saved_tensors_hooks):
+    """Keeps saved tensors in place and counts the bytes of the distinct storages they occupy (parameters aside)."""
+
+    def __init__(self, parameter_pointers: set[int]) -> None:
+        self.nbytes = 0
+        seen: set[int] = set()
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen and storage.data_ptr() not in parameter_pointers:
+                seen.add(storage.data_ptr())
+                self.nbytes += storage.nbytes()
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+
+
+class _CountSelectiveOutputs(TorchDispatchMode):
+    """Counts the bytes of the outputs a selective checkpoint would save (matmuls, attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if saved_by_selective_checkpoint(func):
+            self.nbytes += sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+
+@contextlib.contextmanager
+def _rng_untouched(device: Any):
+    """The probes run layers (dropout draws random numbers): the training's random streams must not move."""
+    cpu_state = torch.get_rng_state()
+    device_state = device.get_rng_state() if device is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if device_state is not None:
+            device.set_rng_state(device_state)
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@contextlib.contextmanager
+def _checkpointing(layer: nn.Module, function: Any | None):
+    """Runs `layer` with the given checkpoint function (None: not checkpointed), restoring its own afterwards."""
+    saved = layer.__dict__.get("gradient_checkpointing"), layer.__dict__.get("_gradient_checkpointing_func")
+    layer.gradient_checkpointing = function is not None
+    if function is not None:
+        layer._gradient_checkpointing_func = function
+    try:
+        yield
+    finally:
+        for name, value in zip(("gradient_checkpointing", "_gradient_checkpointing_func"), saved):
+            if value is None:
+                layer.__dict__.pop(name, None)
+            else:
+                setattr(layer, name, value)
+
+
+def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter) -> tuple[LayerProfile, int]:
+    """Measures one decoder layer on the arguments it was called with: kept, then selectively checkpointed.
+
+    Each measurement runs twice and keeps the second (the first pays for kernel selection and allocator growth).
+    Gradients are taken with `torch.autograd.grad`, so nothing accumulates into the parameters' `.grad`.
+
+    Returns:
+        The layer's profile, and the bytes its backward needs on top of its saved tensors (from the device's peak
+        counter; without one, the gradients of its input and parameters).
+    """
+    parameters = [p for p in layer.parameters() if p.requires_grad]
+    pointers = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    hidden, rest = args[0], args[1:]
+    # The step's KV cache (transformers makes one even in training) must not grow by the probes' keys and values.
+    kwargs = {**kwargs, **{name: None for name in _CACHE_ARGUMENTS if name in kwargs}, "use_cache": False}
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden.detach().clone().requires_grad_(True)
+        return x, _first_tensor(layer(x, *rest, **kwargs))
+
+    for _ in range(2):
+        counter, selective = _CountSavedBytes(pointers), _CountSelectiveOutputs()
+        with _checkpointing(layer, None):
+            start = meter.mark()
+            with counter, selective:
+                x, out = forward()
+            forward_end = meter.mark()
+        before_backward = meter.allocated()
+        meter.reset_peak()
+        backward_start = meter.mark()
+        torch.autograd.grad(out, [x, *parameters], torch.ones_like(out))
+        backward_end = meter.mark()
+        peak = meter.peak()
+        with _checkpointing(layer, selective_checkpoint_function()):
+            x, out = forward()
+        checkpointed_start = meter.mark()
+        torch.autograd.grad(out, [x, *parameters], torch.ones_like(out))
+        checkpointed_end = meter.mark()
+        del x, out
+    backward_s = meter.seconds(backward_start, backward_end)
+    gradient_bytes = hidden.numel() * hidden.element_size() + sum(p.numel() * p.element_size() for p in parameters)
+    profile = LayerProfile(
+        saved_bytes=counter.nbytes,
+        selective_bytes=selective.nbytes,
+        input_bytes=hidden.numel() * hidden.element_size(),
+        forward_s=meter.seconds(start, forward_end),
+        backward_s=backward_s,
+        selective_recompute_s=max(0.0, meter.seconds(checkpointed_start, checkpointed_end) - backward_s),
+    )
+    return profile, (peak - before_backward) if peak is not None else gradient_bytes
+
+
+def _layer_kind(layer: nn.Module) -> tuple:
+    """Layers of one kind (class, parameter shapes, attention type) have one profile: probing each is enough."""
+    shapes = tuple((name, tuple(p.shape), p.requires_grad) for name, p in layer.named_parameters())
+    return type(layer), shapes, getattr(layer, "attention_type", None)
+
+
+def measure_link_bandwidth(meter: _Meter, device: torch.device, pin_memory: bool) -> tuple[float, float]:
+    """Bytes per second to the host and back, timed on one 64 MiB copy each way (after a warm-up copy)."""
+    on_device = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, device=device)
+    host = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+    rates = []
+    for destination, origin in ((host, on_device), (on_device, host)):
+        destination.copy_(origin, non_blocking=True)
+        start = meter.mark()
+        destination.copy_(origin, non_blocking=True)
+        rates.append(_BANDWIDTH_PROBE_BYTES / max(meter.seconds(start, meter.mark()), 1e-9))
+    return rates[0], rates[1]
+
+
+@dataclasses.dataclass
+class _StepMeasurements:
+    """What the controller measured of the first steps, to build the profile from."""
+
+    layers: list[LayerProfile] = dataclasses.field(default_factory=list)
+    backward_working_bytes: int = 0
+    tokens: int = 0
+    d2h_bytes_per_s: float = 0.0
+    h2d_bytes_per_s: float = 0.0
+    step_start: Any = None
+    step_s: float | None = None
+    head_start: Any = None
+    head_s: float | None = None
+    held_at_head: int | None = None
+    head_bytes: int | None = None
+
+
+class MemoryBudgetController:
+    """Profiles, plans and applies a per-layer plan so that the step's peak stays under `budget`.
+
+    Args:
+        model: the unwrapped model (its decoder layers are found with `find_decoder_layers`).
+        engine: the offloading context; its device type decides what is measured.
+        budget: the parsed budget.
+
+    Raises:
+        ValueError: the model has no decoder layers a plan could act on.
+    """
+
+    def __init__(self, model: nn.Module, engine: OffloadActivations, budget: MemoryBudget) -> None:
+        self._layers = [layer for _, layer in find_decoder_layers(model)]
+        if not self._layers:
+            raise ValueError(f"memory_budget needs a transformers model with decoder layers (GradientCheckpointingLayer"
+                             f"); {type(model).__name__} has none")  # fmt: skip
+        self._model = weakref.ref(model)
+        self._engine = weakref.ref(engine)
+        self.budget = budget
+        self._meter = _Meter(engine.device_type)
+        budget.resolve(self._meter.total())  # a share of the device, or "auto", without a device fails here
+        self.plan: Plan | None = None
+        self._profile: StepProfile | None = None
+        self._applied: AppliedPlan | None = None
+        self._measured = _StepMeasurements()
+        self._forwards = 0
+        self._probing = False
+        tail = find_output_head(model)
+        engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
+        engine.track_hook(self._layers[0].register_forward_pre_hook(self._first_layer_starts, with_kwargs=True))
+        engine.track_hook(self._layers[-1].register_forward_hook(self._last_layer_ends))
+        for _, module in tail[-1:]:  # the final norm (or the head): where the head's phase begins
+            engine.track_hook(module.register_forward_pre_hook(self._head_starts))
+        engine.warn_once("budget", f"hf_offload: memory_budget={budget} is set, so hf-offload decides per decoder "
+                         "layer whether to checkpoint it (whatever activation_checkpointing says): the first two "
+                         "steps are profiled under full checkpointing, then the plan is applied")  # fmt: skip
+
+    # ------------------------------------------------------------------ hooks
+
+    def _training_forward(self, module: nn.Module) -> bool:
+        return module.training and torch.is_grad_enabled()
+
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        if not self._training_forward(module):
+            return
+        self._forwards += 1
+        if self._forwards == 1:
+            self._apply([_SAFE_ACTION] * len(self._layers), windows=None)
+        elif self._forwards == 2:
+            self._measured.step_start = self._meter.mark()
+            self._meter.reset_peak()
+        elif self._forwards == 3:
+            self._measured.step_s = self._meter.seconds(self._measured.step_start, self._meter.mark())
+            self._plan_and_apply(self._measured.tokens)
+        elif self._static_grew():
+            self._plan_and_apply(self.plan.tokens)
+
+    def _first_layer_starts(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._training_forward(layer) or not args or not isinstance(args[0], torch.Tensor):
+            return
+        tokens = args[0].shape[:-1].numel()
+        if self._probing:  # the probes call the layers too
+            return
+        if self._forwards == 1:
+            self._probing = True
+            try:
+                self._probe(args, kwargs)
+            finally:
+                self._probing = False
+        elif self.plan is not None and tokens > self.plan.tokens:  # the layers have not run yet: plan for these
+            self._plan_and_apply(tokens)
+
+    def _probe(self, args: tuple, kwargs: dict) -> None:
+        measured, engine = self._measured, self._engine()
+        hidden = args[0]
+        measured.tokens = hidden.shape[:-1].numel()
+        profiles: dict[tuple, tuple[LayerProfile, int]] = {}
+        with _rng_untouched(self._meter.device), (engine.set_aside() if engine else contextlib.nullcontext()):
+            for layer in self._layers:
+                kind = _layer_kind(layer)
+                if kind not in profiles:
+                    profiles[kind] = _probe_layer(layer, args, kwargs, self._meter)
+                measured.layers.append(profiles[kind][0])
+            measured.backward_working_bytes = max(working for _, working in profiles.values())
+            pin_memory = engine is not None and engine.use_pin_memory
+            measured.d2h_bytes_per_s, measured.h2d_bytes_per_s = measure_link_bandwidth(self._meter, hidden.device,
+                                                                                         pin_memory)  # fmt: skip
+
+    def _head_starts(self, module: nn.Module, args: Any) -> None:
+        if self._forwards != 2 or not self._training_forward(module):
+            return
+        self._measured.held_at_head = self._meter.allocated()
+        self._meter.reset_peak()
+        self._measured.head_start = self._meter.mark()
+
+    def _last_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
+        tensor = _first_tensor(output)
+        if self._forwards != 2 or not self._training_forward(layer) or not tensor.requires_grad:
+            return
+
+        def head_done(grad: torch.Tensor) -> None:  # backward reaches the last layer: the head's part is over
+            measured = self._measured
+            measured.head_s = self._meter.seconds(measured.head_start, self._meter.mark())
+            peak = self._meter.peak()
+            measured.head_bytes = None if peak is None else peak - measured.held_at_head
+
+        tensor.register_hook(head_done)
+
+    # ------------------------------------------------------------------ planning
+
+    def _static_bytes(self) -> int:
+        """Memory held through the step: what is allocated between steps, plus the gradients still to come."""
+        model = self._model()
+        parameters = list(model.parameters()) if model is not None else []
+        pending_gradients = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad and p.grad is None)
+        allocated = self._meter.allocated()
+        if allocated is None:  # CPU test mode: count what must be held
+            allocated = sum(p.numel() * p.element_size() for p in parameters)
+            allocated += sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None)
+        return allocated + pending_gradients
+
+    def _profile_now(self, tokens: int) -> StepProfile:
+        measured = self._measured
+        engine = self._engine()
+        head_bytes = measured.head_bytes
+        if head_bytes is None:  # CPU test mode: what the head and loss saved
+            head_bytes = int(engine.get_stats()["bytes_kept_exempt"]) if engine is not None else 0
+        profile = StepProfile(
+            layers=tuple(measured.layers),
+            static_bytes=self._static_bytes(),
+            head_bytes=max(head_bytes, 0),
+            backward_working_bytes=measured.backward_working_bytes,
+            head_s=measured.head_s or 0.0,
+            other_s=0.0,
+            d2h_bytes_per_s=measured.d2h_bytes_per_s,
+            h2d_bytes_per_s=measured.h2d_bytes_per_s,
+            host_cap_bytes=engine._host_pool().cap_bytes if engine is not None else 0,
+            tokens=measured.tokens,
+        )
+        if measured.step_s is not None:  # the rest of the step: what the model of the safe step does not explain
+            safe = simulate(profile, "C" * len(self._layers))
+            profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
+        return profile if tokens == profile.tokens else profile.scaled(tokens)
+
+    def _static_grew(self) -> bool:
+        return self._profile is not None and self._static_bytes() > self._profile.static_bytes * (
+            1 + _STATIC_GROWTH_TOLERANCE)  # fmt: skip
+
+    def _plan_and_apply(self, tokens: int) -> None:
+        """Plans for `tokens` per step with the memory held now, on rank 0, and applies the plan on every rank.
+
+        Raises:
+            ValueError: the budget is below the smallest peak any plan reaches (naming it and what dominates it).
+        """
+        profile = self._profile_now(tokens)
+        new_plan = _same_on_every_rank(lambda: plan(profile, self.budget.resolve(self._meter.total())))
+        self.plan, self._profile = new_plan, profile
+        engine = self._engine()
+        forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
+        self._apply(new_plan.layers, (forward_window, new_plan.prefetch_window_bytes or None))
+        logger.info("hf_offload: memory budget %s\n%s", self.budget, new_plan.format_table())
+
+    def _apply(self, actions: list[Any], windows: tuple[int, int | None] | None) -> None:
+        engine, model = self._engine(), self._model()
+        if engine is None or model is None:
+            return
+        if self._applied is not None:
+            self._applied.remove()
+        self._applied = apply_layer_plan(model, engine, actions)
+        if windows is not None:
+            engine.use_windows(*windows)
+
+
+def _same_on_every_rank(make_plan: Any) -> Plan:
+    """Rank 0's plan on every rank (ranks that checkpoint different layers can hang FSDP); the plan alone
+    otherwise."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_world_size() == 1:
+        return make_plan()
+    message = [make_plan().to_dict() if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(message, src=0)
+    return Plan.from_dict(message[0])

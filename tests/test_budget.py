@@ -1,0 +1,113 @@
+"""The memory budget end to end in CPU test mode: profile, plan, apply, re-plan, and exact arithmetic throughout."""
+
+import re
+
+import pytest
+import torch
+import transformers
+
+from hf_offload import get_act_offloading_ctx_manager
+
+LAYERS = 4
+VOCAB = 128
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")  # fmt: skip
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def train(model, context, steps: int = 5, lengths: tuple[int, ...] = (16,)) -> list[torch.Tensor]:
+    """Losses and, at the end, every gradient of a few AdamW steps (each step the next sequence length)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    results = []
+    for step in range(steps):
+        ids = torch.randint(VOCAB, (2, lengths[min(step, len(lengths) - 1)]))
+        with context:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append(loss.detach())
+        if step == steps - 1:
+            results += [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return results
+
+
+class Unchanged:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def assert_bitwise_equal(first: list[torch.Tensor], second: list[torch.Tensor]) -> None:
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def baseline() -> list[torch.Tensor]:
+    first = train(tiny_llama(), Unchanged())
+    assert_bitwise_equal(first, train(tiny_llama(), Unchanged()))  # it repeats: the comparisons mean something
+    return first
+
+
+def planned(budget) -> tuple[list[torch.Tensor], object]:
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+    return train(model, context), context
+
+
+def test_a_generous_budget_keeps_everything_and_is_exact(baseline):
+    results, context = planned(10 * 2**30)
+    assert context.budget.plan.code == "K" * LAYERS
+    assert_bitwise_equal(results, baseline)
+
+
+def test_a_tight_budget_gets_a_mixed_plan_that_fits_and_is_exact(baseline):
+    _, roomy = planned(10 * 2**30)
+    keep_all = roomy.budget.plan.predicted.peak_bytes
+    lowest = planned_minimum()
+    budget = (keep_all + lowest) // 2
+    results, context = planned(budget)
+    plan = context.budget.plan
+    assert plan.predicted.peak_bytes <= budget and plan.code != "K" * LAYERS
+    assert_bitwise_equal(results, baseline)
+
+
+def planned_minimum() -> int:
+    with pytest.raises(ValueError, match="budget") as error:
+        planned(1)
+    # The message names the budget, then the smallest peak any plan reaches, each in bytes.
+    return int(re.findall(r"\((\d+) bytes", str(error.value))[1])
+
+
+def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step():
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1KiB")
+    ids = torch.randint(VOCAB, (2, 16))
+    for _ in range(2):  # the profiled steps run under the safe plan
+        with context:
+            model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(ValueError, match="GiB") as error, context:
+        model(input_ids=ids, labels=ids)
+    assert "1KiB" in str(error.value) or "1024" in str(error.value)
+
+
+@pytest.mark.parametrize("budget", ["auto", "60%"])
+def test_a_share_of_the_device_needs_a_device(budget):
+    with pytest.raises(ValueError, match="memory"):
+        get_act_offloading_ctx_manager(tiny_llama(), device_type="cpu", memory_budget=budget)
+
+
+def test_a_longer_step_is_planned_for_before_its_layers_run():
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
+    train(model, context, steps=5, lengths=(16, 16, 16, 16, 32))
+    assert context.budget.plan.tokens == 2 * 32
