@@ -9,8 +9,6 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 from transformers import TrainerCallback, TrainerControl, TrainerState
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.utils.notebook import NotebookProgressCallback
 
 from hf_offload.engine import OffloadActivations
 from hf_offload.model import get_act_offloading_ctx_manager
@@ -21,8 +19,8 @@ from .stats_logs import accumulate, keep_headlines, log_entries
 from .trl_takeover import disable_trl_offloader
 
 _CONTEXT_METHOD = "compute_loss_context_manager"
-# transformers' callbacks that print the logs to the console.
-_CONSOLE_CALLBACKS = (ProgressCallback, PrinterCallback, NotebookProgressCallback)
+# transformers' callbacks that print the logs to the console, by name: importing the notebook one needs IPython.
+_CONSOLE_CALLBACKS = frozenset({"ProgressCallback", "PrinterCallback", "NotebookProgressCallback"})
 
 
 class _ConsoleHeadlines(TrainerCallback):
@@ -154,7 +152,8 @@ class ActivationOffloadingCallback(TrainerCallback):
     @staticmethod
     def _place_console_headlines(trainer: transformers.Trainer) -> None:
         callbacks = trainer.callback_handler.callbacks
-        console = next((i for i, callback in enumerate(callbacks) if isinstance(callback, _CONSOLE_CALLBACKS)), None)
+        console = next((i for i, callback in enumerate(callbacks) if type(callback).__name__ in _CONSOLE_CALLBACKS),
+                       None)  # fmt: skip
         if console is not None:
             callbacks.insert(console, _ConsoleHeadlines())
 

@@ -62,3 +62,10 @@ def test_the_summary_starts_on_a_line_of_its_own_after_the_progress_bar(tmp_path
     assert result.returncode == 0, result.stdout[-2000:]
     start = result.stdout.index("activation offloading over 2 step(s)")
     assert start == 0 or result.stdout[start - 1] in "\r\n", repr(result.stdout[start - 80 : start + 40])
+
+
+def test_the_trainer_integration_imports_without_ipython():
+    # transformers' notebook progress callback needs IPython, which a plain training machine may not have.
+    code = "import sys; sys.modules['IPython'] = None; import hf_offload.callbacks; print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
