@@ -279,7 +279,10 @@ class MemoryBudgetController:
     # ------------------------------------------------------------------ hooks
 
     def _training_forward(self, module: nn.Module) -> bool:
-        return module.training and torch.is_grad_enabled()
+        """A forward of the training step: not evaluation, and not a checkpoint's recomputation inside backward
+        (transformers before 5.2x checkpoints `__call__`, so the layers' hooks run again there)."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        return module.training and torch.is_grad_enabled() and not in_backward
 
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
         if not self._training_forward(module):
@@ -302,7 +305,7 @@ class MemoryBudgetController:
         tokens = args[0].shape[:-1].numel()
         if self._probing:  # the probes call the layers too
             return
-        if self._forwards == 1:
+        if self._forwards == 1 and not self._measured.layers:
             self._probing = True
             try:
                 self._probe(args, kwargs)
