@@ -3,8 +3,9 @@
 Parent process (the invocation, no torch needed to import):
   runner.py       runs the invocation: the environment probe, then one child process per mode, within the budget
   scenarios.py    the scenarios S1, S2, S3 and the CPU smoke tests: model shapes, tokens, default step counts
-  modes.py        the mode names ("ckpt+hfo", ...) and what each one means
-  report.py       derived figures (ratios, transfer floor, loss equality) and the markdown, JSON and stdout tables
+  modes.py        the mode names ("ckpt+hfo", "ckpt-every-2", "plan@50", ...) and what each one means
+  report.py       derived figures (ratios, transfer floor, loss equality, the memory-budget plans' checks) and the
+                  markdown, JSON and stdout tables
 
 Child processes (``run.py --_worker SPEC`` and ``run.py --_bandwidth SPEC``):
   worker.py       one mode of one scenario, start to finish, its result written to a JSON file

@@ -44,64 +44,113 @@ def make_train_step(model: torch.nn.Module, input_ids: torch.Tensor, params: lis
     return train_step
 
 
+class StepPeaks:
+    """Peak device memory (allocated, reserved) of each step, read at its end.
+
+    Something inside a step may reset the device's peak counters: the memory budget's profiler does, at the phase
+    boundaries it measures (it calls ``torch.cuda.reset_peak_memory_stats``). While this is entered, every such
+    reset first folds the counters into the step's running maximum, so that a step's peak is the whole step's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._reset = torch.cuda.reset_peak_memory_stats
+        self._folded = (0, 0)
+
+    def __enter__(self) -> StepPeaks:
+        torch.cuda.reset_peak_memory_stats = self._fold_then_reset
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.reset_peak_memory_stats = self._reset
+
+    def _counters(self) -> tuple[int, int]:
+        return torch.cuda.max_memory_allocated(self._device), torch.cuda.max_memory_reserved(self._device)
+
+    def _fold_then_reset(self, device: Any = None) -> None:
+        self._folded = self.step_peak()
+        self._reset(device)
+
+    def start_step(self) -> None:
+        self._folded = (0, 0)
+        self._reset(self._device)
+
+    def step_peak(self) -> tuple[int, int]:
+        allocated, reserved = self._counters()
+        return max(self._folded[0], allocated), max(self._folded[1], reserved)
+
+
 def time_steps(train_step: TrainStep, offload: Offload, warmup: int, steps: int, device: torch.device,
                res: dict[str, Any]) -> None:
-    """``warmup`` then ``steps`` timed steps, each synchronised before and after; the figures go into ``res``."""
-    times, per_step = [], []
+    """``warmup`` then ``steps`` timed steps, each synchronised before and after; the figures go into ``res``.
+    On CUDA each step's peak is recorded (``StepPeaks``), outside the timed span."""
     is_cuda = device.type == "cuda"
-    if is_cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    for i in range(warmup + steps):
-        if i == warmup and is_cuda:
+    res["warmup_steps"] = warmup
+    per_step = []
+    with (StepPeaks(device) if is_cuda else contextlib.nullcontext()) as peaks:
+        for i in range(warmup + steps):
+            if i == warmup and is_cuda:
+                synchronize(device)
+                res["static_gib"] = torch.cuda.memory_allocated(device) / GIB
+            if offload.counter is not None:
+                offload.counter.reset()
             synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            res["static_gib"] = torch.cuda.memory_allocated(device) / GIB
-        if offload.counter is not None:
-            offload.counter.reset()
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss, fp = train_step(i == 0)
-        synchronize(device)
-        dt = time.perf_counter() - t0
-        rec = {"step": i + 1, "s": dt, "loss": float(loss.float().item())}
-        if i == 0:
-            res["first_step_s"] = dt  # includes the gradient fingerprint
-            res["loss1"] = rec["loss"]
-            res["loss1_bits"] = tensor_bits(loss)
-            res["grad1_fingerprint"] = fp
+            if peaks is not None:
+                peaks.start_step()
+            t0 = time.perf_counter()
+            loss, fp = train_step(i == 0)
+            synchronize(device)
+            dt = time.perf_counter() - t0
+            rec = {"step": i + 1, "s": dt, "loss": float(loss.float().item())}
+            if peaks is not None:
+                rec["peak_bytes"], rec["peak_reserved_bytes"] = peaks.step_peak()
+            if i == 0:
+                res["first_step_s"] = dt  # includes the gradient fingerprint
+                res["loss1"] = rec["loss"]
+                res["loss1_bits"] = tensor_bits(loss)
+                res["grad1_fingerprint"] = fp
+            _record_offload(offload, rec, res)
             if is_cuda:
-                res["peak_step1_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-        if offload.counter is not None:
-            rec["bytes_out"] = offload.counter.bytes
-            rec["tensors_out"] = offload.counter.tensors
-        if offload.offloader == "hfo":
-            st = dict(offload.context.get_stats())
-            rec["bytes_out"] = int(st.get("bytes_offloaded", 0))
-            rec["tensors_out"] = int(st.get("tensors_offloaded", 0))
-            rec["pinned_bytes"] = st.get("pinned_bytes")
-            rec["compute_wait_s"] = st.get("compute_wait_s")
-            res["hfo_stats_last"] = st
-        if is_cuda:
-            rec["host_allocs"] = host_alloc_count()
-        rec["rss_gib"] = rss_gib()
-        per_step.append(rec)
-        if i >= warmup:
-            times.append(dt)
-        print(f"  step {i + 1}: {dt:.4f} s loss {rec['loss']:.6f}" +
-              (f" out {rec['bytes_out'] / GIB:.3f} GiB" if "bytes_out" in rec else ""), flush=True)
-    _summarise(times, per_step, offload.offloader, device, res)
+                rec["host_allocs"] = host_alloc_count()
+            rec["rss_gib"] = rss_gib()
+            per_step.append(rec)
+            print(f"  step {i + 1}: {dt:.4f} s loss {rec['loss']:.6f}" +
+                  (f" out {rec['bytes_out'] / GIB:.3f} GiB" if "bytes_out" in rec else "") +
+                  (f" peak {rec['peak_bytes'] / GIB:.2f} GiB" if "peak_bytes" in rec else "") +
+                  (f" plan {rec['plan']}" if rec.get("plan") else ""), flush=True)
+    _summarise(per_step, warmup, offload.offloader, res)
 
 
-def _summarise(times: list[float], per_step: list[dict[str, Any]], offloader: str, device: torch.device,
-               res: dict[str, Any]) -> None:
+def _record_offload(offload: Offload, rec: dict[str, Any], res: dict[str, Any]) -> None:
+    """What the offloader moved in the step just ended, and for ours its statistics and the plan in force."""
+    if offload.counter is not None:
+        rec["bytes_out"] = offload.counter.bytes
+        rec["tensors_out"] = offload.counter.tensors
+    if offload.offloader == "hfo":
+        st = dict(offload.context.get_stats())
+        rec["bytes_out"] = int(st.get("bytes_offloaded", 0))
+        rec["tensors_out"] = int(st.get("tensors_offloaded", 0))
+        rec["pinned_bytes"] = st.get("pinned_bytes")
+        rec["compute_wait_s"] = st.get("compute_wait_s")
+        res["hfo_stats_last"] = st
+        budget = offload.context.budget  # the memory budget's controller; None without a budget
+        if budget is not None:
+            rec["plan"] = budget.plan.code if budget.plan is not None else None  # None while profiling
+
+
+def _summarise(per_step: list[dict[str, Any]], warmup: int, offloader: str, res: dict[str, Any]) -> None:
+    timed = per_step[warmup:]
+    times = [r["s"] for r in timed]
     res["times"] = times
     res["per_step"] = per_step
     res["median_s"] = statistics.median(times)
     res["mean_s"] = statistics.fmean(times)
     res["min_s"] = min(times)
-    if device.type == "cuda":
-        res["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-        res["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+    if "peak_bytes" in per_step[0]:
+        res["peak_bytes"] = max(r["peak_bytes"] for r in timed)
+        res["peak_gib"] = res["peak_bytes"] / GIB
+        res["peak_all_gib"] = max(r["peak_bytes"] for r in per_step) / GIB  # warm-up (and profiling) included
+        res["peak_step1_gib"] = per_step[0]["peak_bytes"] / GIB
+        res["peak_reserved_gib"] = max(r["peak_reserved_bytes"] for r in timed) / GIB
     if "bytes_out" in per_step[-1]:
         res["bytes_out"] = per_step[-1]["bytes_out"]
         res["tensors_out"] = per_step[-1]["tensors_out"]

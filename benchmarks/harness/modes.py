@@ -1,15 +1,31 @@
-"""Mode names: an offloader, with or without activation checkpointing ("ckpt+hfo" is checkpointing plus ours)."""
+"""Mode names: an offloader, with or without activation checkpointing ("ckpt+hfo" is checkpointing plus ours),
+checkpointing on every K-th layer only ("ckpt-every-2+hfo"), or ours under a memory budget ("plan@50", "plan@auto")."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, TypedDict
 
 ALL_MODES = ["none", "ckpt", "ckpt+native", "trl", "trl-sync", "ckpt+trl", "hfo", "ckpt+hfo"]
-# Execution order (the report keeps the order asked for): references first, then ours, so that a run that hits its
-# time budget loses the slow third-party modes rather than the ones being tuned.
-RUN_PRIORITY = ["none", "ckpt", "ckpt+hfo", "hfo", "ckpt+trl", "trl", "ckpt+native", "trl-sync", "ckpt+trl-sync"]
 # "native" is transformers' own offload flag, "trl" / "trl-sync" TRL's offloader with / without streams, "hfo" ours.
 OFFLOADERS = ("none", "native", "trl", "trl-sync", "hfo")
+EVERY_PREFIX = "ckpt-every-"  # "ckpt-every-K": checkpointing on the decoder layers whose index % K == 0
+# "plan@P": ours with memory_budget = P% of the `none` mode's peak in the same run; "plan@auto": memory_budget="auto"
+PLAN_PREFIX = "plan@"
+# The memory budget profiles the first two forwards and plans at the third: the third step is the first planned one
+# and pays its one-off costs (new kernels, allocator growth), so a plan mode's timed steps start after it.
+PLAN_MIN_WARMUP = 3
+# Execution order (the report keeps the order asked for): references first, then ours, so that a run that hits its
+# time budget loses the slow third-party modes rather than the ones being tuned. Prefixes stand for their family.
+RUN_PRIORITY = ["none", "ckpt", PLAN_PREFIX, "ckpt+hfo", "hfo", EVERY_PREFIX, "ckpt+trl", "trl", "ckpt+native",
+                "trl-sync", "ckpt+trl-sync"]
+
+
+class MemoryBudget(TypedDict):
+    """A plan mode's budget, fixed by the parent once the reference it is a share of is known."""
+    option: int | str  # the library's memory_budget: bytes, or "auto"
+    percent: float | None  # plan@P: P; plan@auto: None
+    reference: str  # what the budget is a share of, for the report
 
 
 class ModeSpec(TypedDict):
@@ -22,29 +38,92 @@ class ModeSpec(TypedDict):
     warmup: int
     steps: int
     hfo_opts: dict[str, Any]  # engine options for our offloader
+    memory_budget: MemoryBudget | None  # plan modes only
     deterministic: bool
     result_path: str  # where the worker writes its result
     profile_path: str | None  # after the timed steps, one more step traced into this .json.gz
 
 
 class Mode(NamedTuple):
-    checkpointing: bool
+    ckpt_every: int  # 0: no checkpointing; 1: every decoder layer; K: the layers whose index % K == 0
     offloader: str  # one of OFFLOADERS
+    budget: float | str | None = None  # plan modes: a percentage of `none`'s peak, or "auto"
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.ckpt_every > 0
+
+    @property
+    def planned(self) -> bool:
+        return self.budget is not None
+
+    @property
+    def budget_percent(self) -> float | None:
+        return self.budget if isinstance(self.budget, float) else None
 
 
 def parse_mode(mode: str) -> Mode:
-    """'ckpt+trl' -> (True, 'trl'); 'ckpt' -> (True, 'none'); 'hfo' -> (False, 'hfo')."""
-    if mode == "ckpt":
-        return Mode(True, "none")
-    ckpt = mode.startswith("ckpt+")
-    off = mode[len("ckpt+"):] if ckpt else mode
-    if off not in OFFLOADERS or (off == "none" and ckpt):
-        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(ALL_MODES)} (and ckpt+trl-sync)")
-    if off == "native" and not ckpt:
+    """'ckpt+trl' -> (1, 'trl'); 'ckpt' -> (1, 'none'); 'hfo' -> (0, 'hfo'); 'ckpt-every-2+hfo' -> (2, 'hfo');
+    'plan@50' -> (0, 'hfo', 50.0), 'plan@auto' -> (0, 'hfo', 'auto'): the budget decides what is checkpointed."""
+    if mode == PLAN_PREFIX + "auto":
+        return Mode(0, "hfo", "auto")
+    if mode.startswith(PLAN_PREFIX):
+        return Mode(0, "hfo", _budget_percent(mode))
+    head, plus, off = mode.partition("+")
+    if not plus:  # "ckpt", "ckpt-every-K" or a bare offloader
+        head, off = (mode, "none") if mode.startswith("ckpt") else ("", mode)
+    every = _ckpt_every(head, mode)
+    if off not in OFFLOADERS or (off == "none" and plus):
+        raise ValueError(_unknown(mode))
+    if off == "native" and not every:
         raise ValueError("mode 'native' needs checkpointing: use 'ckpt+native'")
-    return Mode(ckpt, off)
+    return Mode(every, off)
+
+
+def _ckpt_every(head: str, mode: str) -> int:
+    if head == "":
+        return 0
+    if head == "ckpt":
+        return 1
+    k = head[len(EVERY_PREFIX):] if head.startswith(EVERY_PREFIX) else ""
+    if not k.isdigit() or int(k) < 2:
+        raise ValueError(_unknown(mode))
+    return int(k)
+
+
+def _budget_percent(mode: str) -> float:
+    try:
+        percent = float(mode[len(PLAN_PREFIX):])
+    except ValueError:
+        percent = math.nan
+    if not (math.isfinite(percent) and percent > 0):
+        raise ValueError(f"mode {mode!r}: {PLAN_PREFIX}P needs a percentage P > 0 of none's peak (e.g. plan@50), "
+                         f"or 'auto' ({PLAN_PREFIX}auto)")
+    return percent
+
+
+def _unknown(mode: str) -> str:
+    return (f"unknown mode {mode!r}; known: {', '.join(ALL_MODES)}, ckpt+trl-sync, {EVERY_PREFIX}K and "
+            f"{EVERY_PREFIX}K+OFFLOADER (K >= 2), {PLAN_PREFIX}P (P% of none's peak), {PLAN_PREFIX}auto")
+
+
+def budget_sweep(spec: str) -> list[str]:
+    """'35:95:5' -> ['plan@35', 'plan@40', ..., 'plan@95']: start and stop in percent, both included."""
+    try:
+        start, stop, step = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--budget-sweep wants START:STOP:STEP in percent, e.g. 35:95:5; got {spec!r}") from None
+    if not (0 < start <= stop and step > 0):
+        raise ValueError(f"--budget-sweep {spec!r}: needs 0 < START <= STOP and STEP > 0")
+    count = math.floor((stop - start) / step + 1e-9) + 1  # the tolerance keeps STOP when float steps land on it
+    return [f"{PLAN_PREFIX}{round(start + i * step, 6):g}" for i in range(count)]
 
 
 def run_order(modes: list[str]) -> list[str]:
-    """``modes`` in execution order (RUN_PRIORITY; modes it does not list last, in the order given)."""
-    return sorted(modes, key=lambda m: (RUN_PRIORITY.index(m) if m in RUN_PRIORITY else len(RUN_PRIORITY)))
+    """``modes`` in execution order (RUN_PRIORITY; modes it does not list last; the order given within a family).
+    `none` comes first: the plan modes' budgets are shares of its peak."""
+    def family(mode: str) -> str:
+        return next((prefix for prefix in (PLAN_PREFIX, EVERY_PREFIX) if mode.startswith(prefix)), mode)
+
+    return sorted(modes, key=lambda m: (RUN_PRIORITY.index(family(m)) if family(m) in RUN_PRIORITY
+                                        else len(RUN_PRIORITY)))

@@ -43,25 +43,44 @@ def load_offloader(offloader: str, device: torch.device) -> ContextFactory | Non
     return None
 
 
-def enable_checkpointing(model: torch.nn.Module, offload: bool) -> str:
+def enable_checkpointing(model: torch.nn.Module, offload: bool, every: int = 1) -> str:
     """Non-reentrant checkpointing through the model's own API (``activation_checkpointing_enable``, or
-    ``gradient_checkpointing_enable`` on older transformers), with its ``offload`` flag for the native mode.
-    Returns the call made, for the report."""
+    ``gradient_checkpointing_enable`` on older transformers), with its ``offload`` flag for the native mode, on
+    every ``every``-th decoder layer (its ``every_n_layers`` where it has one; else the other layers' flags are
+    turned off afterwards, which is what that argument does). Returns the call made, for the report."""
     fn = getattr(model, "activation_checkpointing_enable", None)
     kw_name = "activation_checkpointing_kwargs"
     if fn is None:
         fn = model.gradient_checkpointing_enable
         kw_name = "gradient_checkpointing_kwargs"
+    accepted = inspect.signature(fn).parameters
     kwargs: dict[str, Any] = {kw_name: {"use_reentrant": False}}
     if offload:
-        if "offload" not in inspect.signature(fn).parameters:
+        if "offload" not in accepted:
             import transformers
             raise SkipMode(f"transformers {transformers.__version__}: {fn.__name__} has no 'offload' flag")
         kwargs["offload"] = True
+    if every > 1 and "every_n_layers" in accepted:
+        kwargs["every_n_layers"] = every
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         fn(**kwargs)
-    return f"{fn.__name__}({kw_name}={{'use_reentrant': False}}{', offload=True' if offload else ''})"
+    call = f"{fn.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+    if every == 1:
+        return call
+    layers = _decoder_layers(model)
+    if "every_n_layers" not in kwargs:
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i % every == 0
+        call += f", then gradient_checkpointing=False on the decoder layers whose index % {every} != 0"
+    return call + f"; checkpointed layers {[i for i, layer in enumerate(layers) if layer.gradient_checkpointing]}"
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers in model order: the modules that read their own ``gradient_checkpointing`` flag."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 class ByteCounter:

@@ -12,9 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from . import GIB
+from .modes import PLAN_PREFIX, parse_mode
 from .scenarios import SCENARIOS
 
 Result = dict[str, Any]  # one mode's result, as its worker wrote it (plus the parent's process_s)
+
+# Issue 13's targets for the memory-budget planner. 1, 2 and 5: the step time at these budgets, (scenario, percent
+# of none's peak or "auto") -> at most this many times none's. 4: the predictions' error against the measurements.
+TARGET_X_NONE = {("S1", 50.0): 1.12, ("S1", 66.0): 1.06, ("S1", 85.0): 1.02, ("S2", 75.0): 1.08, ("S1", "auto"): 1.01}
+PEAK_ERROR_TARGET = 0.05
+TIME_ERROR_TARGET = 0.10
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,21 @@ def derive(results: list[Result], bw: dict[str, Any]) -> dict[str, list[Result]]
                 r["floor_s"] = b / (d2h * 1e9) + b / (h2d * 1e9)
             elif b == 0:
                 r["floor_s"] = 0.0
+            if "plan" in r:
+                _derive_plan(r, ref.get("none"))
     return by_scen
+
+
+def _derive_plan(r: Result, none_s: float | None) -> None:
+    """A plan mode's checks: its peak against its budget on every step (warm-up and profiling included), and the
+    plan's predictions against the measurements (error = predicted / measured - 1)."""
+    plan = r["plan"]
+    if all("peak_bytes" in step for step in r["per_step"]):  # not on CPU: no peak counter
+        r["steps_over_budget"] = [step["step"] for step in r["per_step"] if step["peak_bytes"] > plan["budget_bytes"]]
+        r["budget_held"] = not r["steps_over_budget"]
+        r["peak_error"] = plan["predicted_peak_bytes"] / r["peak_bytes"] - 1
+    r["time_error"] = plan["predicted_step_s"] / r["median_s"] - 1
+    r["predicted_x_none"] = plan["predicted_step_s"] / none_s if none_s else None
 
 
 def loss_check(rs: list[Result]) -> tuple[str, str]:
@@ -125,6 +146,85 @@ def table_rows(rs: list[Result]) -> list[str]:
     return rows
 
 
+PLAN_HEAD = ("| mode | budget % | budget GiB | plan | predicted peak GiB | peak GiB, timed steps | peak GiB, all steps "
+             "| peak <= budget, every step | predicted s/step | measured s/step | predicted x none | x none | x ckpt | "
+             "peak error | time error | issue target |")
+
+
+def _plans(rs: list[Result]) -> list[Result]:
+    return [r for r in rs if parse_mode(r["mode"]).planned]
+
+
+def plan_rows(rs: list[Result]) -> list[str]:
+    """The table of a scenario's plan modes (empty when it has none)."""
+    plans = _plans(rs)
+    if not plans:
+        return []
+    rows = [PLAN_HEAD, "|" + "---|" * (PLAN_HEAD.count(" | ") + 1)]
+    for r in plans:
+        budget = _budget_bytes(r)
+        head = (f"| {r['mode']} | {r['mode'][len(PLAN_PREFIX):]} | "
+                f"{fmt(budget / GIB if budget else None, '{:.2f}')} |")
+        if r.get("status") != "ok":
+            why = r.get("error") or "; ".join(r.get("notes", [])) or ""
+            rows.append(f"{head} {r.get('status')}: {why} |" + " |" * 12)
+            continue
+        plan = r["plan"]
+        held = r.get("budget_held")
+        rows.append(
+            f"{head} `{plan['code']}` | {plan['predicted_peak_bytes'] / GIB:.2f} | "
+            f"{fmt(r.get('peak_gib'), '{:.2f}')} | {fmt(r.get('peak_all_gib'), '{:.2f}')} | "
+            f"{'n/a' if held is None else 'yes' if held else 'NO: steps ' + str(r['steps_over_budget'])} | "
+            f"{plan['predicted_step_s']:.3f} | {r['median_s']:.3f} | {fmt(r.get('predicted_x_none'), '{:.2f}')} | "
+            f"{fmt(r.get('x_none'), '{:.2f}')} | {fmt(r.get('x_ckpt'), '{:.2f}')} | "
+            f"{fmt(r.get('peak_error'), '{:+.1%}')} | {fmt(r.get('time_error'), '{:+.1%}')} | {_target(r)} |")
+    return rows
+
+
+def _budget_bytes(r: Result) -> int | None:
+    """A plan mode's budget in bytes: as the library resolved it where it planned, else as it was given."""
+    if "plan" in r:
+        return r["plan"]["budget_bytes"]
+    option = (r.get("memory_budget") or {}).get("option")
+    return option if isinstance(option, int) else None
+
+
+def _target(r: Result) -> str:
+    """Targets 1, 2 and 5 of issue 13, where this plan mode's budget is one they name."""
+    target = TARGET_X_NONE.get((r["scenario"], parse_mode(r["mode"]).budget))
+    if target is None:
+        return ""
+    x = r.get("x_none")
+    return f"<= {target:.2f}x none: " + ("n/a" if x is None else "met" if x <= target else "MISSED")
+
+
+def plan_checks(rs: list[Result]) -> list[str]:
+    """Targets 3 and 4 of issue 13 over a scenario's plan modes, one line each (empty without plan modes)."""
+    plans = _plans(rs)
+    if not plans:
+        return []
+    ok = [r for r in plans if r.get("status") == "ok"]
+    measured = [r for r in ok if "budget_held" in r]
+    over = [f"{r['mode']} (steps {r['steps_over_budget']})" for r in measured if not r["budget_held"]]
+    failed = [f"{r['mode']} ({r.get('status')})" for r in plans if r.get("status") not in ("ok", "infeasible")]
+    infeasible = [r["mode"] for r in plans if r.get("status") == "infeasible"]
+    peak_ok = [r for r in measured if abs(r["peak_error"]) <= PEAK_ERROR_TARGET]
+    time_ok = [r for r in ok if abs(r["time_error"]) <= TIME_ERROR_TARGET]
+    if ok and not measured:
+        held = "not measured (no peak counter on this device)"
+    else:
+        held = f"{len(measured) - len(over)} of {len(measured)} plan runs"
+        held += f"; over: {', '.join(over)}" if over else ""
+    return [
+        f"peak <= budget on every step, warm-up and profiling included: {held}",
+        f"infeasible (the planner's error): {', '.join(infeasible) or 'none'}; did not finish otherwise: "
+        f"{', '.join(failed) or 'none'}",
+        f"predicted peak within {PEAK_ERROR_TARGET:.0%} of the measured (timed steps): {len(peak_ok)} of "
+        f"{len(measured)}; predicted step time within {TIME_ERROR_TARGET:.0%} of the median: {len(time_ok)} of "
+        f"{len(ok)}",
+    ]
+
+
 def mode_details(r: Result) -> str | None:
     """The bullet under a scenario's table with what the table has no column for (None when there is nothing)."""
     bits = []
@@ -147,6 +247,9 @@ def mode_details(r: Result) -> str | None:
             bits.append(r["ckpt_call"])
         if r.get("liger_call"):
             bits.append(r["liger_call"])
+        codes = [step["plan"] for step in r["per_step"] if step.get("plan")]
+        if len(set(codes)) > 1:
+            bits.append("re-planned during the run: " + " -> ".join(dict.fromkeys(codes)))
     return f"- `{r['mode']}`: " + "; ".join(bits) if bits else None
 
 
@@ -191,8 +294,8 @@ def _markdown(meta: dict[str, Any], bw: dict[str, Any], by_scen: dict[str, list[
         f"{'forward and backward' if meta['span'] == 'step' else 'forward only'}; "
         f"median of the timed steps after warm-up, torch.cuda.synchronize around each step (optimizer step "
         f"included); peak = "
-        f"torch.cuda.max_memory_allocated over the timed steps; static = allocated between steps (weights, "
-        f"optimizer state)",
+        f"torch.cuda.max_memory_allocated over the timed steps (read per step); static = allocated between steps "
+        f"(weights, optimizer state)",
     ]
     if meta.get("hfo_opts"):
         lines.append(f"- hf_offload options: `{meta['hfo_opts']}`")
@@ -215,6 +318,7 @@ def _markdown(meta: dict[str, Any], bw: dict[str, Any], by_scen: dict[str, list[
         loss_line, grad_line = loss_check(rs)
         lines += ["", f"- {loss_line}"] + ([f"- {grad_line}"] if grad_line else [])
         lines += [d for d in (mode_details(r) for r in rs) if d]
+        lines += _plan_section(rs)
     if meta.get("profiles"):
         lines += ["", "## Profiles (torch.profiler chrome traces of one step after warm-up; open in "
                       "chrome://tracing or ui.perfetto.dev)", ""]
@@ -229,15 +333,32 @@ def _markdown(meta: dict[str, Any], bw: dict[str, Any], by_scen: dict[str, list[
     return "\n".join(lines)
 
 
+def _plan_section(rs: list[Result]) -> list[str]:
+    """The memory-budget plans of a scenario (issue 13): how they were run, their table and the targets' checks."""
+    rows = plan_rows(rs)
+    if not rows:
+        return []
+    reference = next((r["memory_budget"]["reference"] for r in rs
+                      if r.get("memory_budget") and r["memory_budget"]["percent"] is not None), "none's peak")
+    warmups = "/".join(str(w) for w in sorted({r["warmup_steps"] for r in rs if "plan" in r})) or "—"
+    return [
+        "", "### Memory-budget plans", "",
+        f"plan@P budgets P% of {reference}. Plan modes run {warmups} warm-up steps: the library profiles two under "
+        "full checkpointing and plans at the third. Peaks are each step's `max_memory_allocated`, also where the "
+        "profiler resets the counter inside a step; error = predicted / measured - 1 (peak: the timed steps'; "
+        "time: the median).", "",
+    ] + rows + [""] + [f"- {line}" for line in plan_checks(rs)]
+
+
 def short_table(results: list[Result]) -> str:
-    hdr = f"{'scenario':9} {'mode':14} {'status':8} {'s/step':>8} {'x none':>7} {'x ckpt':>7} {'peak GiB':>9} " \
+    hdr = f"{'scenario':9} {'mode':18} {'status':10} {'s/step':>8} {'x none':>7} {'x ckpt':>7} {'peak GiB':>9} " \
           f"{'out GiB':>8} {'floor s':>8} {'loss1':>12}"
     out = [hdr, "-" * len(hdr)]
     for r in results:
         ok = r.get("status") == "ok"
         b = r.get("bytes_out")
         out.append(
-            f"{r['scenario']:9} {r['mode']:14} {r.get('status', '?'):8} "
+            f"{r['scenario']:9} {r['mode']:18} {r.get('status', '?'):10} "
             f"{fmt(r.get('median_s') if ok else None, '{:8.3f}'):>8} {fmt(r.get('x_none'), '{:7.2f}'):>7} "
             f"{fmt(r.get('x_ckpt'), '{:7.2f}'):>7} {fmt(r.get('peak_gib'), '{:9.1f}'):>9} "
             f"{fmt(b / GIB if b is not None else None, '{:8.2f}', 'n/a'):>8} "
@@ -249,7 +370,11 @@ def print_summary(results: list[Result], scenarios: list[str]) -> None:
     """The short table and each scenario's loss check, on stdout."""
     print(short_table(results))
     for scen in scenarios:
-        loss_line, grad_line = loss_check([r for r in results if r["scenario"] == scen])
+        rs = [r for r in results if r["scenario"] == scen]
+        loss_line, grad_line = loss_check(rs)
         print(f"{scen}: {loss_line}")
         if grad_line:
             print(f"{scen}: {grad_line}")
+        rows = plan_rows(rs)
+        if rows:
+            print("\n".join([f"{scen} memory-budget plans:"] + rows + plan_checks(rs)))

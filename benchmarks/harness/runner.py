@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import re
 import shutil
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import REPO, RUN_SCRIPT
-from .modes import ModeSpec, parse_mode, run_order
+from . import GIB, REPO, RUN_SCRIPT
+from .modes import PLAN_MIN_WARMUP, MemoryBudget, ModeSpec, parse_mode, run_order
 from .report import ReportFiles, Result, copy_to_out, fmt, print_summary, write_report
 from .scenarios import SCENARIOS
 
@@ -41,6 +42,8 @@ class RunConfig:
     bw_bytes: int
     no_bandwidth: bool
     deterministic: bool
+    plan_cpu_reference_bytes: int | None  # on CPU, what plan@P budgets P% of (no peak counter to measure none's)
+    tag: str | None  # appended to the reports' names: one scenario's modes split across invocations
     command: str  # as recorded in the report
 
 
@@ -58,6 +61,8 @@ def run(config: RunConfig, started_at: float) -> int:
     stem = f"{date}-{_slug(device_name)}-{'-'.join(config.scenarios)}"
     if config.modes == [] and config.profile_modes:
         stem += "-profile"
+    if config.tag:
+        stem += f"-{_slug(config.tag)}"
     files = ReportFiles.at(config.out_dir, stem)
     files.log.write_text(probe_log.read_text() if probe_log.exists() else "")
     _print_probe(bw, time.time() - t0)
@@ -75,20 +80,20 @@ def run(config: RunConfig, started_at: float) -> int:
     results: list[Result] = []
     for scen in config.scenarios:
         for mode in run_order(config.modes):
-            res = _run_mode(config, scen, mode, steps_by_scenario[scen], files.log, tmp_dir, deadline)
+            res = _run_mode(config, scen, mode, steps_by_scenario[scen], files.log, tmp_dir, deadline, results)
             results.append(res)
             st = res.get("status")
             if st == "ok":
                 summary = (f"{res['median_s']:.3f} s/step, peak {fmt(res.get('peak_gib'), '{:.1f}')} GiB, "
-                           f"loss1 {res.get('loss1')!r}")
+                           f"loss1 {res.get('loss1')!r}" + (f", plan {res['plan']['code']}" if "plan" in res else ""))
             else:
                 summary = res.get("error") or "; ".join(res.get("notes", []))
             print(f"[{scen} {mode}] {st}: {summary} ({res.get('process_s', 0):.0f} s)", flush=True)
             results.sort(key=lambda r: (config.scenarios.index(r["scenario"]), config.modes.index(r["mode"])))
             write_report(files, meta, bw, results, final=False)
         for mode in config.profile_modes:
-            trace_path = config.out_dir / f"{stem}-{scen}-{mode.replace('+', '_')}-trace.json.gz"
-            res = _run_mode(config, scen, mode, steps_by_scenario[scen], files.log, tmp_dir, deadline,
+            trace_path = config.out_dir / f"{stem}-{scen}-{_file_part(mode)}-trace.json.gz"
+            res = _run_mode(config, scen, mode, steps_by_scenario[scen], files.log, tmp_dir, deadline, results,
                             trace_path)
             st = res.get("status")
             print(f"[{scen} {mode} profile] {st}: {res.get('profile_path') or res.get('error') or res.get('notes')}"
@@ -147,20 +152,28 @@ def _print_probe(bw: dict[str, Any], seconds: float) -> None:
 
 
 def _run_mode(config: RunConfig, scen: str, mode: str, warmup_and_steps: tuple[int, int], log_path: Path,
-              tmp_dir: Path, deadline: float, trace_path: Path | None = None) -> Result:
+              tmp_dir: Path, deadline: float, done: list[Result], trace_path: Path | None = None) -> Result:
     """One mode in its child process (with ``trace_path``: warm-up, one plain step, then the traced step). Modes
-    the scenario does not run, and modes past the budget, are skipped without starting a process."""
-    if SCENARIOS[scen].force_ckpt and not parse_mode(mode).checkpointing:
-        return {"scenario": scen, "mode": mode, "status": "skipped",
-                "notes": [f"scenario {scen} runs with checkpointing on: only ckpt* modes"]}
+    the scenario does not run, plan modes without a budget (``done``: the results so far) and modes past the budget
+    are skipped without starting a process."""
+    parsed = parse_mode(mode)
+    skipped: Result = {"scenario": scen, "mode": mode, "status": "skipped", "notes": []}
+    if SCENARIOS[scen].force_ckpt and not parsed.checkpointing:
+        return skipped | {"notes": [f"scenario {scen} runs with checkpointing on: only ckpt* modes"]}
+    budget = None
+    if parsed.planned:
+        budget = _memory_budget(config, scen, parsed.budget, done)
+        if isinstance(budget, str):
+            return skipped | {"notes": [budget]}
     left = deadline - time.time()
     if left < 20:
-        return {"scenario": scen, "mode": mode, "status": "skipped", "notes": ["time budget spent"]}
+        return skipped | {"notes": ["time budget spent"]}
     warmup, steps = warmup_and_steps
     spec: ModeSpec = {
         "scenario": scen, "mode": mode, "device": config.device, "seed": config.seed, "span": config.span,
-        "warmup": warmup, "steps": 1 if trace_path else steps, "hfo_opts": config.hfo_opts,
-        "deterministic": config.deterministic, "result_path": str(tmp_dir / f"{scen}-{mode.replace('+', '_')}.json"),
+        "warmup": max(warmup, PLAN_MIN_WARMUP) if parsed.planned else warmup, "steps": 1 if trace_path else steps,
+        "hfo_opts": config.hfo_opts, "memory_budget": budget, "deterministic": config.deterministic,
+        "result_path": str(tmp_dir / f"{scen}-{_file_part(mode)}.json"),
         "profile_path": str(trace_path) if trace_path else None,
     }
     if os.path.exists(spec["result_path"]):
@@ -172,7 +185,32 @@ def _run_mode(config: RunConfig, scen: str, mode: str, warmup_and_steps: tuple[i
         res = {"scenario": scen, "mode": mode, "status": "timeout" if err.startswith("timeout") else "error",
                "error": err, "notes": []}
     res["process_s"] = time.time() - t
+    if budget is not None:
+        res["memory_budget"] = budget
     return res
+
+
+def _memory_budget(config: RunConfig, scen: str, budget: float | str, done: list[Result]) -> MemoryBudget | str:
+    """A plan mode's budget: ``budget`` percent of the peak of `none` in this run (on CPU, of
+    ``--plan-cpu-reference-bytes``), or "auto". Returns why there is none instead, when the reference is missing."""
+    if budget == "auto":
+        if config.device == "cpu":
+            return "no budget: 'auto' is a share of the device's memory, and the CPU test mode has no device"
+        return {"option": "auto", "percent": None, "reference": "the device's memory, less the library's margin"}
+    if config.device == "cpu":
+        if config.plan_cpu_reference_bytes is None:
+            return ("no budget: on CPU there is no peak counter to measure none's peak; give "
+                    "--plan-cpu-reference-bytes N (plan@P then budgets P% of N) and --hfo-opt device_type=cpu")
+        reference, what = config.plan_cpu_reference_bytes, "--plan-cpu-reference-bytes"
+    else:
+        none = next((r for r in done if r["scenario"] == scen and r["mode"] == "none"), None)
+        if none is None:
+            return "no budget: plan@P budgets P% of none's peak, and `none` did not run first in this run: add it"
+        if none.get("status") != "ok":
+            return f"no budget: plan@P budgets P% of none's peak, and `none` did not finish ({none.get('status')})"
+        reference, what = none["peak_bytes"], "none's peak (timed steps)"
+    return {"option": math.floor(reference * budget / 100), "percent": budget,
+            "reference": f"{what}: {reference} bytes ({reference / GIB:.2f} GiB)"}
 
 
 def _run_child(kind: str, spec: ModeSpec | dict[str, Any], log_path: Path, timeout: float,
@@ -204,6 +242,11 @@ def _run_child(kind: str, spec: ModeSpec | dict[str, Any], log_path: Path, timeo
         sig = f"signal {-rc}" if rc < 0 else f"exit {rc}"
         hint = " (killed: host out of memory?)" if rc in (-9, 137) else ""
         return None, f"crashed, {sig}{hint}"
+
+
+def _file_part(mode: str) -> str:
+    """A mode's name in a file name: "ckpt+hfo" -> "ckpt_hfo", "plan@50" -> "plan-50" (what $OUT hands back)."""
+    return mode.replace("+", "_").replace("@", "-")
 
 
 def _slug(s: str) -> str:

@@ -4,6 +4,7 @@ file that the parent reads (a crash or a timeout leaves none)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 from typing import Any
@@ -42,7 +43,7 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
     model = build_model(scenario, spec["seed"], device)
     res["attn_implementation"] = model.config._attn_implementation
     if mode.checkpointing:
-        res["ckpt_call"] = enable_checkpointing(model, offload=(mode.offloader == "native"))
+        res["ckpt_call"] = enable_checkpointing(model, offload=(mode.offloader == "native"), every=mode.ckpt_every)
     if scenario.lora:
         model = apply_lora(model)
     model.train()
@@ -52,18 +53,54 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
     optimizer, res["optimizer"] = make_optimizer(params, notes)
     input_ids = make_input_ids(scenario, spec["seed"], device)
 
-    offload = start_offload(mode.offloader, factory, model, spec.get("hfo_opts", {}))
+    hfo_opts = dict(spec.get("hfo_opts", {}))
+    if mode.planned:
+        hfo_opts["memory_budget"] = spec["memory_budget"]["option"]
+    offload = start_offload(mode.offloader, factory, model, hfo_opts)
     if mode.offloader == "hfo":
         res["hfo_active"] = bool(getattr(offload.context, "active", True))
         if not res["hfo_active"]:
             notes.append("hf_offload inactive on this device (identity hooks)")
+    if mode.planned and offload.context.budget is None:
+        raise SkipMode("no memory budget: hf_offload is inactive on this device (on CPU, its test mode plans: "
+                       "--hfo-opt device_type=cpu)")
     res["bytes_counted"] = offload.bytes_counted
 
     train_step = make_train_step(model, input_ids, params, optimizer, offload.context, spec["span"])
-    time_steps(train_step, offload, spec["warmup"], spec["steps"], device, res)
+    try:
+        time_steps(train_step, offload, spec["warmup"], spec["steps"], device, res)
+    except ValueError as e:
+        if mode.planned and _raised_by_planner(e):
+            raise Infeasible(str(e)) from e
+        raise
+    if mode.planned:
+        res["plan"] = _plan_summary(offload.context.budget.plan)
+        print(res["plan"]["table"], flush=True)
     if spec.get("profile_path"):
         res["profile_streams"] = trace_step(train_step, device, spec["profile_path"])
         res["profile_path"] = spec["profile_path"]
+
+
+class Infeasible(Exception):
+    """The planner refused the budget: it is below the smallest peak any plan reaches (the message says what
+    dominates it). Reported as 'infeasible', not as a crash: for a budget too small, that error is the target."""
+
+
+def _raised_by_planner(error: ValueError) -> bool:
+    """Whether the error comes from the planner itself (its innermost frame is in hf_offload.planner)."""
+    import hf_offload.planner
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and os.path.realpath(frames[-1].filename) == os.path.realpath(hf_offload.planner.__file__)
+
+
+def _plan_summary(plan: Any) -> dict[str, Any]:
+    """The plan in force at the end (an ``hf_offload.planner.Plan``): its code and what it predicts."""
+    predicted = plan.predicted
+    return {"code": plan.code, "budget_bytes": plan.budget_bytes, "tokens": plan.tokens,
+            "predicted_peak_bytes": predicted.peak_bytes, "predicted_peak_at": predicted.peak_at,
+            "predicted_step_s": predicted.step_s, "predicted_host_bytes": predicted.host_bytes,
+            "table": plan.format_table()}
 
 
 def main(spec: ModeSpec) -> int:
@@ -79,6 +116,10 @@ def main(spec: ModeSpec) -> int:
     except SkipMode as e:
         res["status"] = "skipped"
         res["notes"].append(str(e))
+    except Infeasible as e:
+        res["status"] = "infeasible"
+        res["error"] = str(e)
+        print(f"infeasible: {e}", flush=True)
     except Exception as e:
         res["status"] = "error"
         res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
