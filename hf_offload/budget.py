@@ -352,8 +352,9 @@ class MemoryBudgetController:
 
     # ------------------------------------------------------------------ planning
 
-    def _static_bytes(self) -> int:
-        """Memory held through the step: what is allocated between steps, plus the gradients still to come."""
+    def _static_bytes(self) -> tuple[int, int]:
+        """Memory held through the step (what is allocated between steps), and the gradients backward will create
+        (none exist in the forward unless a gradient accumulation step kept them, and then they are held)."""
         model = self._model()
         parameters = list(model.parameters()) if model is not None else []
         pending_gradients = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad and p.grad is None)
@@ -361,7 +362,7 @@ class MemoryBudgetController:
         if allocated is None:  # CPU test mode: count what must be held
             allocated = sum(p.numel() * p.element_size() for p in parameters)
             allocated += sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None)
-        return allocated + pending_gradients
+        return allocated, pending_gradients
 
     def _profile_now(self, tokens: int) -> StepProfile:
         measured = self._measured
@@ -369,9 +370,11 @@ class MemoryBudgetController:
         head_bytes = measured.head_bytes
         if head_bytes is None:  # CPU test mode: what the head and loss saved
             head_bytes = int(engine.get_stats()["bytes_kept_exempt"]) if engine is not None else 0
+        static_bytes, gradient_bytes = self._static_bytes()
         profile = StepProfile(
             layers=tuple(measured.layers),
-            static_bytes=self._static_bytes(),
+            static_bytes=static_bytes,
+            gradient_bytes=gradient_bytes,
             head_bytes=max(head_bytes, 0),
             backward_working_bytes=measured.backward_working_bytes,
             head_s=measured.head_s or 0.0,
@@ -387,8 +390,10 @@ class MemoryBudgetController:
         return profile if tokens == profile.tokens else profile.scaled(tokens)
 
     def _static_grew(self) -> bool:
-        return self._profile is not None and self._static_bytes() > self._profile.static_bytes * (
-            1 + _STATIC_GROWTH_TOLERANCE)  # fmt: skip
+        if self._profile is None:
+            return False
+        planned = self._profile.static_bytes + self._profile.gradient_bytes
+        return sum(self._static_bytes()) > planned * (1 + _STATIC_GROWTH_TOLERANCE)
 
     def _plan_and_apply(self, tokens: int) -> None:
         """Plans for `tokens` per step with the memory held now, on rank 0, and applies the plan on every rank.

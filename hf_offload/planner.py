@@ -29,7 +29,7 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     (FIFO, at `h2d_bytes_per_s`), issued when layer i+1's backward starts (the head's start, for the last layer).
     Layer i's backward starts when layer i+1's has ended and its reload has finished (the difference is a stall),
     and lasts `backward_s` + its recompute (full: `forward_s`, selective: `selective_recompute_s`). Memory =
-    static + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it exists
+    static + `gradient_bytes` (counted whole: most gradients exist by then) + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it exists
     during its backward) + `backward_working_bytes` + the reload of layer i-1 (issued as layer i's backward starts).
   * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`.
   * Step time = `other_s` + the layers' forwards + the drain + `head_s` + the layers' backwards, recomputes and
@@ -259,7 +259,10 @@ class StepProfile:
 
     Args:
         layers: one `LayerProfile` per decoder layer, in forward order.
-        static_bytes: memory held through the whole step: parameters, gradients, optimizer state.
+        static_bytes: memory held through the whole step: parameters, optimizer state (and gradients, when a
+            gradient accumulation step starts with them).
+        gradient_bytes: gradients that backward creates: absent in the forward and at the head's peak, counted
+            at every backward point (where most of them exist).
         head_bytes: the head's and loss's peak on top of everything held when the forward ends.
         backward_working_bytes: transient gradient buffers of one layer's backward, on top of its activations.
         head_s: the head and loss, forward and backward.
@@ -280,12 +283,13 @@ class StepProfile:
     h2d_bytes_per_s: float
     host_cap_bytes: int
     tokens: int
+    gradient_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers or not all(isinstance(layer, LayerProfile) for layer in self.layers):
             raise ValueError(f"StepProfile.layers must be one or more LayerProfile, got {self.layers!r}")
-        for name in ("static_bytes", "head_bytes", "backward_working_bytes", "host_cap_bytes"):
+        for name in ("static_bytes", "gradient_bytes", "head_bytes", "backward_working_bytes", "host_cap_bytes"):
             _check_bytes("StepProfile", name, getattr(self, name))
         for name in ("head_s", "other_s"):
             _check_seconds("StepProfile", name, getattr(self, name))
@@ -498,7 +502,8 @@ def _simulate(profile: StepProfile, options: Sequence[_Option]) -> _Run:
             if reloads_done_at > start:
                 start = reloads_done_at
         stalls[i] = start - previous_end
-        memory = static + held_before + saved + working + (options[i - 1].offloaded if i else 0)
+        reload_ahead = options[i - 1].offloaded if i else 0
+        memory = static + profile.gradient_bytes + held_before + saved + working + reload_ahead
         if memory > peak:
             peak, peak_phase, peak_layer = memory, "backward", i
         reload_issued_at = start
@@ -728,7 +733,7 @@ def _lowest_memory_code(profile: StepProfile) -> str:
 
 def _infeasible(profile: StepProfile, budget_bytes: int, code: str, run: _Run) -> ValueError:
     """The error for a budget below the lowest-memory plan's peak, with what that peak is made of."""
-    static = profile.static_bytes
+    static = profile.static_bytes + (profile.gradient_bytes if run.peak_phase == "backward" else 0)
     if run.peak_phase == "head":
         at_peak = ("the head and loss", profile.head_bytes)
     else:

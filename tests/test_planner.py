@@ -506,3 +506,13 @@ def test_imports_only_the_standard_library() -> None:
     modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert {name.split(".")[0] for name in modules} <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_gradients_count_in_backward_only():
+    # Keep everything: forward peak at layer 1 = 1000 + 100 + 100; head = 1000 + 200 + 50; backward layer 1 =
+    # 1000 + 100 + 100 + 30. Gradients created in backward raise only the backward points.
+    without = simulate(tiny_profile(), "KK")
+    assert (without.peak_bytes, without.peak_at) == (1250, "head")
+    with_gradients = simulate(tiny_profile(gradient_bytes=40), "KK")
+    assert (with_gradients.peak_bytes, with_gradients.peak_at) == (1270, "backward layer 1")
+    assert simulate(tiny_profile(gradient_bytes=10), "KK").peak_bytes == 1250  # the head still peaks
