@@ -731,7 +731,7 @@ def _lowest_memory_code(profile: StepProfile) -> str:
     return "".join(letters)
 
 
-def _infeasible(profile: StepProfile, budget_bytes: int, code: str, run: _Run) -> ValueError:
+def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, code: str, run: _Run) -> ValueError:
     """The error for a budget below the lowest-memory plan's peak, with what that peak is made of."""
     static = profile.static_bytes + (profile.gradient_bytes if run.peak_phase == "backward" else 0)
     if run.peak_phase == "head":
@@ -751,8 +751,10 @@ def _infeasible(profile: StepProfile, budget_bytes: int, code: str, run: _Run) -
     return ValueError(
         f"the memory budget of {_gib(budget_bytes)} ({budget_bytes} bytes) is below the smallest peak this step "
         f"can reach, {_gib(run.peak_bytes)} ({run.peak_bytes} bytes; plan {code!r}, peak at {_peak_at(run)}), "
-        f"dominated by {largest_name} {_gib(largest_bytes)}, then {rest}. Raise the budget, or shorten the "
-        "sequences or the batch."
+        f"dominated by {largest_name} {_gib(largest_bytes)}, then {rest}"
+        + (f"; plans keep {_gib(margin_bytes)} below the budget for the prediction's error, so the smallest budget "
+           f"that works is {_gib(run.peak_bytes + margin_bytes)}" if margin_bytes else "")
+        + ". Raise the budget, or shorten the sequences or the batch."
     )
 
 
@@ -796,7 +798,7 @@ def _polish(letters: list[str], run: _Run, seconds: list[dict[str, float]], run_
     return letters, run
 
 
-def plan(profile: StepProfile, budget_bytes: int) -> Plan:
+def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan:
     """The per-layer actions with the shortest predicted step whose predicted peak fits the budget.
 
     Greedy, then polished. The greedy changes one layer at a time from keeping everything, taking first the
@@ -813,6 +815,7 @@ def plan(profile: StepProfile, budget_bytes: int) -> Plan:
     Args:
         profile: the measured step.
         budget_bytes: the budget for the step's peak, in bytes.
+        margin_bytes: how far below the budget the predicted peak must stay (for the prediction's error).
 
     Returns:
         The plan. When keeping everything fits, every layer keeps.
@@ -842,7 +845,7 @@ def plan(profile: StepProfile, budget_bytes: int) -> Plan:
         return _simulate(profile, [layer[letter] for layer, letter in zip(options, letters)])
 
     def fits(run: _Run) -> bool:
-        return run.peak_bytes <= budget_bytes and run.host_bytes <= profile.host_cap_bytes
+        return run.peak_bytes + margin_bytes <= budget_bytes and run.host_bytes <= profile.host_cap_bytes
 
     def finish(letters: Sequence[str], run: _Run) -> Plan:
         code = "".join(letters)
@@ -856,7 +859,7 @@ def plan(profile: StepProfile, budget_bytes: int) -> Plan:
     lowest = list(_lowest_memory_code(profile))
     lowest_run = run_of(lowest)
     if not fits(lowest_run):
-        raise _infeasible(profile, budget_bytes, "".join(lowest), lowest_run)
+        raise _infeasible(profile, budget_bytes, margin_bytes, "".join(lowest), lowest_run)
     seconds = _own_seconds(profile, options)
 
     candidates = [_polish(lowest, lowest_run, seconds, run_of, fits)]

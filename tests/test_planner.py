@@ -516,3 +516,14 @@ def test_gradients_count_in_backward_only():
     with_gradients = simulate(tiny_profile(gradient_bytes=40), "KK")
     assert (with_gradients.peak_bytes, with_gradients.peak_at) == (1270, "backward layer 1")
     assert simulate(tiny_profile(gradient_bytes=10), "KK").peak_bytes == 1250  # the head still peaks
+
+
+def test_a_margin_keeps_the_predicted_peak_below_the_budget():
+    profile = s1_profile()
+    budget = int(0.66 * simulate(profile, "K" * 16).peak_bytes)
+    margin = GIB
+    assert plan(profile, budget, margin).predicted.peak_bytes + margin <= budget
+    assert plan(profile, budget, margin).predicted.step_s >= plan(profile, budget).predicted.step_s
+    lowest = simulate(profile, "C" * 16).peak_bytes
+    with pytest.raises(ValueError, match="smallest budget that works is"):
+        plan(profile, lowest + margin // 2, margin)
