@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     metas = [json.loads(path.read_text())["meta"] for path in args.results]
     devices = sorted({m.get("device_name", "?") for m in metas})
     dates = sorted({m.get("date", "?") for m in metas})
-    plot(points, args.out, args.percent, f"{', '.join(devices)}; {', '.join(dates)}; benchmarks/run.py "
-                                         f"({', '.join(path.name for path in args.results)})")
+    # One file name per line: a run split across calls names several, which would not fit on one line.
+    plot(points, args.out, args.percent, f"{', '.join(devices)}; {', '.join(dates)}; benchmarks/run.py:\n"
+                                         + "\n".join(path.name for path in args.results))
     print(f"wrote {args.out}: " + "; ".join(f"{s} {len(m)} modes" for s, m in sorted(points.items())))
     return 0
 

@@ -15,7 +15,7 @@ from hf_offload.model import get_act_offloading_ctx_manager
 from hf_offload.stats import format_summary
 
 from .arguments import ActivationOffloadingArguments
-from .stats_logs import accumulate, keep_headlines, log_entries
+from .stats_logs import LOG_PREFIX, accumulate, keep_headlines, log_entries
 from .trl_takeover import disable_trl_offloader
 
 _CONTEXT_METHOD = "compute_loss_context_manager"
@@ -55,6 +55,7 @@ class ActivationOffloadingCallback(TrainerCallback):
       trainer instance's `compute_loss_context_manager`, which `training_step` enters around `compute_loss`: only
       the training forward passes run under it, and backward brings the tensors back whenever it runs. A TRL
       trainer's own offloader (`maybe_activation_offload_context`) is replaced by a no-op.
+    - `on_step_end` prints the memory plan (with `activation_offloading_memory_budget`) when a new one is in force.
     - `on_log` adds `offload/...` entries (counters summed since the previous log) to each training log: all of them
       for the log history and the reporting integrations, the headline ones (`stats_logs.HEADLINE_KEYS`) for the
       console.
@@ -71,6 +72,7 @@ class ActivationOffloadingCallback(TrainerCallback):
         self._context: OffloadActivations | None = None
         self._replaced_method: Callable[[], Any] | None = None  # an instance attribute that our wrapper shadows
         self._stats: dict[str, float] = {}
+        self._shown_plan: Any = None  # the memory plan last printed, so that each new one is printed once
 
     @property
     def stats(self) -> dict[str, float]:
@@ -119,10 +121,23 @@ class ActivationOffloadingCallback(TrainerCallback):
         interval = self._context.consume_stats()
         accumulate(self._stats, interval)
         entries = log_entries(interval, _peak_memory_bytes(self._context.device_type))
+        memory_plan = self._context.budget.plan if self._context.budget is not None else None
+        if memory_plan is not None:
+            entries[LOG_PREFIX + "plan_predicted_peak_gib"] = round(memory_plan.predicted.peak_bytes / 2**30, 3)
+            entries[LOG_PREFIX + "plan_predicted_step_s"] = round(memory_plan.predicted.step_s, 4)
         logs.update(entries)
         # Trainer.log appends its record to the history just before this event, as a copy of `logs`.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(entries)
+
+    def on_step_end(
+        self, args: ActivationOffloadingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # With a memory budget, the plan appears after the profiled steps (and again after a re-plan).
+        memory_plan = self._context.budget.plan if self._context is not None and self._context.budget else None
+        if memory_plan is not None and memory_plan is not self._shown_plan and state.is_world_process_zero:
+            tqdm.write(memory_plan.format_table())
+        self._shown_plan = memory_plan
 
     def on_train_end(
         self, args: ActivationOffloadingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

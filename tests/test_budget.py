@@ -111,3 +111,26 @@ def test_a_longer_step_is_planned_for_before_its_layers_run():
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
     train(model, context, steps=5, lengths=(16, 16, 16, 16, 32))
     assert context.budget.plan.tokens == 2 * 32
+
+
+def test_the_trainer_takes_a_budget_from_its_arguments_prints_the_plan_and_stays_exact(tmp_path, tokenizer,
+                                                                                      lm_dataset, capsys):  # fmt: skip
+    from helpers import COMMON_ARGS, CPU_TEST_MODE, tiny_model, train_losses
+
+    from hf_offload import TrainingArguments
+
+    def run(**offloading):
+        args = TrainingArguments(str(tmp_path), **{**COMMON_ARGS, "eval_strategy": "no", "max_steps": 5}, **offloading)
+        collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        trainer = transformers.Trainer(model=tiny_model(tokenizer), args=args, train_dataset=lm_dataset,
+                                       data_collator=collator)  # fmt: skip
+        trainer.train()
+        return trainer
+
+    baseline = run()
+    planned = run(activation_offloading=True, activation_offloading_memory_budget="1GiB", **CPU_TEST_MODE)
+    assert train_losses(planned) == train_losses(baseline)
+    assert "Memory plan for" in capsys.readouterr().out
+    planned_logs = [record for record in planned.state.log_history if "offload/plan_predicted_peak_gib" in record]
+    # gradient_accumulation_steps=2: the two profiled forwards are the first of the 5 steps; steps 2 to 5 log a plan.
+    assert len(planned_logs) == 4

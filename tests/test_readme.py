@@ -29,7 +29,8 @@ def test_each_snippet_runs_as_written_in_a_fresh_interpreter(snippet, tmp_path):
 def table_rows() -> dict[str, str]:
     """The options table: field or engine option -> the row's meaning column."""
     rows = {}
-    for line in README.splitlines():
+    options_section = README.split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
+    for line in options_section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) == 4 and (cells[0] or cells[1]).startswith("`") and cells[3] != "meaning":
             rows[(cells[0] or cells[1]).strip("`")] = cells[3]
