@@ -159,8 +159,9 @@ def main(argv=None):
     if _cuda(args) and not torch.cuda.is_available():
         print("peak_1b: no CUDA device, nothing to measure")
         return 0
-    import hf_offload
     import transformers
+
+    import hf_offload
 
     t_start = time.perf_counter()
     options = json.loads(args.options)
@@ -212,7 +213,7 @@ def main(argv=None):
             print(f"{r['config']:<14}  {r.get('error')}")
             continue
 
-        def f(key, scale=1.0, fmt="{:.2f}"):
+        def f(key, scale=1.0, fmt="{:.2f}", r=r):
             v = r.get(key)
             return fmt.format(v / scale) if isinstance(v, (int, float)) else "-"
 

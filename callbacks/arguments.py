@@ -93,10 +93,11 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
         Raises:
             ValueError: naming the argument, the values it accepts and the value given.
         """
-        return OffloadOptions(**{
-            option.name: option.metadata["rule"].check(getattr(self, argument), argument, option.metadata["argument_unit"])
-            for argument, option in _argument_options()
-        })  # fmt: skip
+        values = {}
+        for argument, option in _argument_options():
+            rule, unit = option.metadata["rule"], option.metadata["argument_unit"]
+            values[option.name] = rule.check(getattr(self, argument), argument, unit)
+        return OffloadOptions(**values)
 
     def _checkpointing_kwargs(self) -> list[str]:
         """Names of the checkpointing kwargs fields in use, or none when checkpointing is off.

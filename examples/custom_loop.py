@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
-
 from example_utils import (
     TEXT_COLUMN,
     DataArguments,
@@ -23,6 +22,7 @@ from example_utils import (
     load_text_dataset,
     parse_arguments,
 )
+
 from hf_offload import ActivationOffloadingArguments, format_summary, get_act_offloading_ctx_manager
 
 

@@ -12,7 +12,6 @@ import sys
 from dataclasses import dataclass, field
 
 import transformers
-
 from example_utils import (
     TEXT_COLUMN,
     DataArguments,
@@ -21,6 +20,7 @@ from example_utils import (
     load_text_dataset,
     parse_arguments,
 )
+
 from hf_offload import TrainingArguments
 
 

@@ -17,8 +17,8 @@ import peft
 import torch
 import transformers
 import trl
-
 from example_utils import DataArguments, ModelArguments, load_model_and_tokenizer, load_text_dataset, parse_arguments
+
 from hf_offload.callbacks.trl import SFTConfig
 
 

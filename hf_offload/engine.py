@@ -31,7 +31,8 @@ import logging
 import threading
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -215,7 +216,8 @@ class OffloadActivations(saved_tensors_hooks):
 
     def __init__(self, *args: Any, options: OffloadOptions | None = None, **kwargs: Any) -> None:
         if options is not None and (args or kwargs):
-            raise TypeError("OffloadActivations takes either options=OffloadOptions(...) or individual options, not both")
+            raise TypeError("OffloadActivations takes either options=OffloadOptions(...) or individual options, "
+                            "not both")
         self.options = options if options is not None else OffloadOptions(*args, **kwargs)
         options = self.options
         self.device_type = options.device_type or current_accelerator_type()
@@ -352,7 +354,8 @@ class OffloadActivations(saved_tensors_hooks):
             # silently stop applying inside this region.
             self.warn_once("nested", "an activation offloading context was entered inside another one: tensors "
                             "saved in the inner region are handled by the inner context only (its own pinned pool, "
-                            "windows and statistics). Use one context, and NoOpManager() to exempt a region.")  # fmt: skip
+                            "windows and statistics). Use one context, and NoOpManager() to exempt a "
+                            "region.")  # fmt: skip
         super().__enter__()
         return self
 
@@ -379,7 +382,8 @@ class OffloadActivations(saved_tensors_hooks):
                 return self._offload(tensor)
             # Empty placeholders (non-reentrant checkpointing saves one per layer on the CPU) say nothing about
             # where the model is.
-            if reason == "not_on_accelerator" and tensor.numel() * tensor.element_size() >= self.options.min_offload_size:
+            nbytes = tensor.numel() * tensor.element_size()
+            if reason == "not_on_accelerator" and nbytes >= self.options.min_offload_size:
                 self.warn_once(reason, f"tensors saved on {tensor.device.type} are not offloaded (offloading "
                                 f"moves {self.device_type} tensors): is the model on the CPU?")  # fmt: skip
             self._stats.kept(reason, tensor.numel() * tensor.element_size())
@@ -428,7 +432,8 @@ class OffloadActivations(saved_tensors_hooks):
         if shared is not None:
             shared_storage, shared_copy = shared[0](), shared[1]()
             if (shared_storage is storage and shared_copy is not None and shared_copy.dtype == tensor.dtype
-                    and shared_copy.start <= start and start + numel <= shared_copy.start + shared_copy.numel):  # fmt: skip
+                    and shared_copy.start <= start
+                    and start + numel <= shared_copy.start + shared_copy.numel):  # fmt: skip
                 self._stats.kept("duplicate", nbytes)
                 self._step.copies.append(shared[1])
                 return self._saved(shared_copy, tensor)

@@ -27,8 +27,9 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn

@@ -258,7 +258,9 @@ class OffloadOptions:
 OffloadOptions.__doc__ = OffloadOptions.__doc__.replace(
     "{args}",
     "\n".join(
-        format_option_doc(option.name, option.metadata["rule"].type_text("bytes"), option.default, option.metadata["help"])
+        format_option_doc(
+            option.name, option.metadata["rule"].type_text("bytes"), option.default, option.metadata["help"]
+        )
         for option in dataclasses.fields(OffloadOptions)
     ),
 )

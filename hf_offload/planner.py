@@ -29,7 +29,8 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     (FIFO, at `h2d_bytes_per_s`), issued when layer i+1's backward starts (the head's start, for the last layer).
     Layer i's backward starts when layer i+1's has ended and its reload has finished (the difference is a stall),
     and lasts `backward_s` + its recompute (full: `forward_s`, selective: `selective_recompute_s`). Memory =
-    static + `gradient_bytes` (counted whole: most gradients exist by then) + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it exists
+    static + `gradient_bytes` (counted whole: most gradients exist by then) + what the layers before it hold
+    + its `saved_bytes` (kept, reloaded or recomputed, all of it exists
     during its backward) + `backward_working_bytes` + the reload of layer i-1 (issued as layer i's backward starts).
   * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`.
   * Step time = `other_s` + the layers' forwards + the drain + `head_s` + the layers' backwards, recomputes and

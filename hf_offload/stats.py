@@ -158,7 +158,8 @@ def format_summary(stats: dict[str, int | float], device_type: str = "cuda") -> 
         + (" in CPU test mode (CPU tensors copied to a separate host buffer; no GPU involved):" if test_mode else ":"),
         f"  moved to host memory per step: {_size(stats.get('bytes_offloaded', 0) / steps)} "
         f"({stats.get('tensors_offloaded', 0) / steps:.0f} tensors)",
-        f"  {'kept in place' if test_mode else f'kept on the {device}'} per step:" + ("\n" + "\n".join(kept) if kept else " nothing"),
+        f"  {'kept in place' if test_mode else f'kept on the {device}'} per step:"
+        + ("\n" + "\n".join(kept) if kept else " nothing"),
         f"  reloads in backward: {ready}",
         f"  compute waited for copies: {1000.0 * stats.get('compute_wait_s', 0.0) / steps:.2f} ms per step",
         f"  {'host buffer' if test_mode else 'pinned host memory'} held (a pool reused every step): "

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Sets up .venv if needed, then runs the CPU test suite (tests/gpu/ is skipped without a GPU).
+# Sets up .venv if needed, checks the code with ruff (pyproject.toml's [tool.ruff]), then runs the CPU test suite
+# (tests/gpu/ is skipped without a GPU).
 # pytest exits non-zero when a test fails and also when no test ran at all (exit code 5).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck disable=SC1091
 . scripts/setup.sh
+python -m ruff check .
 python -m pytest -q "$@"

@@ -14,8 +14,9 @@ VOCAB = 128
 
 def tiny_llama() -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")  # fmt: skip
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                      attn_implementation="eager")  # fmt: skip
     return transformers.LlamaForCausalLM(config).train()
 
 

@@ -4,17 +4,17 @@ TRL's trainers and configurations are tested in `test_trl.py`.
 """
 
 import contextlib
-import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+# The examples, importable because `helpers` put their folder on the path.
+import custom_loop
 import pytest
+import sft_trainer
 import transformers
-
-from hf_offload import TrainingArguments
-from hf_offload.callbacks import registration
+import trl_sft_lora
 from helpers import (
     COMMON_ARGS,
     CPU_TEST_MODE,
@@ -30,10 +30,8 @@ from helpers import (
     wrapped,
 )
 
-# The examples, importable because `helpers` put their folder on the path.
-import custom_loop
-import sft_trainer
-import trl_sft_lora
+from hf_offload import TrainingArguments
+from hf_offload.callbacks import registration
 
 
 class HookProbe(transformers.TrainerCallback):

@@ -19,7 +19,8 @@ CODES = {"K": ("keep", False), "O": ("offload", True), "S": ("selective", True),
 def tiny_llama(attention: str) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation=attention)  # fmt: skip
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      attn_implementation=attention)  # fmt: skip
     return transformers.LlamaForCausalLM(config).train()
 
 

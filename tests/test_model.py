@@ -99,7 +99,8 @@ def our_hooks(model: nn.Module) -> list[tuple[nn.Module, str]]:
     for module in model.modules():
         for kind, hooks in (("pre", module._forward_pre_hooks), ("post", module._forward_hooks)):
             found += [(module, kind) for hook in hooks.values()
-                      if isinstance(getattr(hook, "__self__", None), (hf_model._ExemptHooks, hf_model._PrefetchPoints))]  # fmt: skip
+                      if isinstance(getattr(hook, "__self__", None),
+                                    (hf_model._ExemptHooks, hf_model._PrefetchPoints))]  # fmt: skip
     return found
 
 
@@ -608,7 +609,8 @@ def test_prefetch_points_fire_at_the_head_and_in_the_middle_of_each_block_backwa
     after that unpack and before the next block's. Gradients stay exact."""
     model = tiny_llama()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        kwargs = {"use_reentrant": checkpointing == "reentrant"}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     batch = llama_batch()
     ref_loss, ref_grads = _llama_step(model, batch)
 

@@ -134,7 +134,8 @@ def test_every_option_from_the_command_line():
 
 
 def test_none_on_the_command_line_restores_a_default_of_none():
-    args = parse("--activation_offloading_prefetch_window_mib", "none", "--activation_offloading_max_pinned_mib", "None")
+    args = parse("--activation_offloading_prefetch_window_mib", "none",
+                 "--activation_offloading_max_pinned_mib", "None")  # fmt: skip
     assert args.offload_options().prefetch_window_bytes is None and args.offload_options().max_pinned_bytes is None
 
 

@@ -107,7 +107,7 @@ def paired_runs(fault) -> None:
 
 def evaluation_with_grad(model, engine) -> None:
     with engine:
-        model(**batch(99)).loss  # never backpropagated
+        _ = model(**batch(99)).loss  # never backpropagated
 
 
 def evaluation_without_grad(model, engine) -> None:

@@ -20,6 +20,18 @@ import pytest
 import torch
 import transformers
 import trl
+from helpers import (
+    COMMON_ARGS,
+    CPU_TEST_MODE,
+    MAX_LENGTH,
+    assert_offload_stats_logged,
+    assert_same_weights,
+    head_hooks,
+    offloading_callbacks,
+    tiny_model,
+    train_losses,
+    wrapped,
+)
 from peft import LoraConfig
 
 import hf_offload.callbacks
@@ -33,18 +45,6 @@ from hf_offload.callbacks.trl import (
     RewardConfig,
     RLOOConfig,
     SFTConfig,
-)
-from helpers import (
-    COMMON_ARGS,
-    CPU_TEST_MODE,
-    MAX_LENGTH,
-    assert_offload_stats_logged,
-    assert_same_weights,
-    head_hooks,
-    offloading_callbacks,
-    tiny_model,
-    train_losses,
-    wrapped,
 )
 
 # ---------------------------------------------------------------------------------------------------- configurations

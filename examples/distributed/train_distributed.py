@@ -208,7 +208,8 @@ def main(argv=None) -> int:
 
     # transformers renamed gradient_checkpointing to activation_checkpointing (the old name is a deprecated alias);
     # use whichever this version has.
-    ckpt = "activation_checkpointing" if hasattr(TrainingArguments, "activation_checkpointing") else "gradient_checkpointing"
+    new_name = hasattr(TrainingArguments, "activation_checkpointing")
+    ckpt = "activation_checkpointing" if new_name else "gradient_checkpointing"
     extra = {"activation_offloading_device_type": cli.device_type} if cli.device_type else {}
     if cli.device_type == "cpu":  # the CPU test mode trains on the CPU too (gloo), even under a GPU launcher
         extra["use_cpu"] = True
@@ -275,7 +276,9 @@ def main(argv=None) -> int:
         "offload_stats": stats,
         "param_audit": {"eligible_checked": audit.eligible, "violations": len(audit.violations),
                         "examples": audit.violations[:5]},  # fmt: skip
-        "versions": {name: __import__(name).__version__ for name in ("torch", "transformers", "accelerate", "hf_offload")},
+        "versions": {
+            name: __import__(name).__version__ for name in ("torch", "transformers", "accelerate", "hf_offload")
+        },
         "problems": problems,
     }
     path = rank_file(cli.out, rank)

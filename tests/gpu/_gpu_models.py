@@ -10,7 +10,8 @@ import contextlib
 import dataclasses
 import warnings
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -50,8 +50,9 @@ def pytest_report_header(config):
     lines = [f"tests/gpu: torch {torch.__version__}, cuda available: {_cuda()}, "
              f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG')}"]
     try:
-        import hf_offload
         import transformers
+
+        import hf_offload
 
         lines.append(f"tests/gpu: hf_offload from {pathlib.Path(hf_offload.__file__).parent}, "
                      f"transformers {transformers.__version__}")

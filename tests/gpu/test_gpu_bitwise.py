@@ -7,14 +7,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
 from _gpu_models import ARCHS, CKPT_MODES, MORE_ARCHS, Case, reference_is_reproducible, run_case
 
 # The full matrix: arch x dtype x checkpointing x full/LoRA x streams, context around the forward only (the
 # Trainer.compute_loss path). 5 x 2 x 3 x 2 x 2 = 120 tiny cases.
 MATRIX = [
-    Case(arch=a, dtype=d, ckpt=c, lora=l, use_streams=s, span="fwd")
-    for a, d, c, l, s in itertools.product(ARCHS, ("fp32", "bf16"), CKPT_MODES, (False, True), (True, False))
+    Case(arch=a, dtype=d, ckpt=c, lora=lora, use_streams=s, span="fwd")
+    for a, d, c, lora, s in itertools.product(ARCHS, ("fp32", "bf16"), CKPT_MODES, (False, True), (True, False))
 ]
 
 

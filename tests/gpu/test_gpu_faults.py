@@ -8,9 +8,7 @@ import gc
 
 import pytest
 import torch
-
-from _gpu_models import (assert_bitwise_equal, assert_offloaded, build_model, dispose, make_batch, make_ctx,
-                         run_steps)
+from _gpu_models import assert_bitwise_equal, assert_offloaded, build_model, dispose, make_batch, make_ctx, run_steps
 
 SIZE = dict(hidden=256, layers=3, seq=256)  # the fault goes into layer 1: layer 0 has offloaded by then
 

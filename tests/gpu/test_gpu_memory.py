@@ -4,7 +4,6 @@ memory grows over many steps (no leak, pool reused)."""
 from __future__ import annotations
 
 import pytest
-
 from _gpu_models import assert_offloaded, build_model, dispose, make_batch, make_ctx, peak_step_memory, run_steps
 
 MiB = 1 << 20

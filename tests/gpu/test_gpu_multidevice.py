@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from _gpu_models import (HookAudit, assert_bitwise_equal, assert_offloaded, assert_same_weights, build_model, dispose,
-                         make_batch, make_ctx, run_steps, split_across_devices)
+from _gpu_models import (
+    HookAudit,
+    assert_bitwise_equal,
+    assert_offloaded,
+    assert_same_weights,
+    build_model,
+    dispose,
+    make_batch,
+    make_ctx,
+    run_steps,
+    split_across_devices,
+)
 
 needs_two = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                reason="needs at least 2 CUDA devices")

@@ -4,9 +4,9 @@ the block's first unpack: the next block's input is then allocated after the rec
 from __future__ import annotations
 
 import pytest
+from _gpu_models import build_model, dispose, make_batch, make_ctx, peak_step_memory
 
 import hf_offload.model as hf_model
-from _gpu_models import build_model, dispose, make_batch, make_ctx, peak_step_memory
 
 MiB = 1 << 20
 # Activations dominate (small vocabulary; LoRA, so no full-size gradients pile up towards the end of backward);
