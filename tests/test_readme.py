@@ -47,3 +47,10 @@ def test_the_options_table_has_every_option_with_the_help_the_command_line_shows
         assert rows[option.name] == option.metadata["help"], option.name
     assert len(rows) == len(arguments) + len(engine_only)
     assert all(name.startswith(ARGUMENT_PREFIX) or name == "activation_offloading" for name in arguments)
+
+
+def test_install_says_how_to_install_what_exists():
+    # hf-offload is not on PyPI: "pip install hf-offload" would fail, so the README installs from the clone.
+    install = README.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"^pip install .*$", install, flags=re.MULTILINE)
+    assert commands and all(command.startswith("pip install -e ") for command in commands)
