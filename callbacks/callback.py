@@ -63,6 +63,10 @@ class ActivationOffloadingCallback(TrainerCallback):
       on lines of its own (above an open progress bar).
 
     With no accelerator the context is inactive (the engine says so once) and nothing is wrapped.
+
+    Args:
+        trainer: the trainer whose `compute_loss` runs under the context; held weakly. Its arguments must be
+            [`ActivationOffloadingArguments`] (the callback reads `activation_offloading` and `offload_options()`).
     """
 
     def __init__(self, trainer: transformers.Trainer) -> None:
@@ -82,6 +86,16 @@ class ActivationOffloadingCallback(TrainerCallback):
     def on_train_begin(
         self, args: ActivationOffloadingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        """Build the offloading context for the trainer's model and wrap its `compute_loss_context_manager`.
+
+        Does nothing when `args.activation_offloading` is False, or when the context is inactive (no accelerator).
+
+        Args:
+            args: the training arguments, with hf-offload's fields.
+            state: the trainer's state.
+            control: the trainer's control flags.
+            **kwargs: the other objects the trainer passes to its callbacks (unused).
+        """
         self._detach()  # a previous train() that raised never reached on_train_end
         self._stats = {}
         if not args.activation_offloading:
@@ -115,6 +129,18 @@ class ActivationOffloadingCallback(TrainerCallback):
         logs: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
+        """Add the `offload/...` entries of the interval since the previous log to a training log.
+
+        Evaluation logs and the final metrics (logs without `"loss"`) get no entries. The entries go into `logs`
+        and into the matching record of `state.log_history`.
+
+        Args:
+            args: the training arguments.
+            state: the trainer's state, whose last log record gets the entries too.
+            control: the trainer's control flags.
+            logs: the log being emitted, updated in place.
+            **kwargs: the other objects the trainer passes to its callbacks (unused).
+        """
         # Training progress logs carry "loss"; evaluation logs and the final metrics do not, and get no entries.
         if self._context is None or logs is None or "loss" not in logs:
             return
@@ -133,6 +159,14 @@ class ActivationOffloadingCallback(TrainerCallback):
     def on_step_end(
         self, args: ActivationOffloadingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        """Print the memory plan, on the main process, when a new one is in force (with a memory budget only).
+
+        Args:
+            args: the training arguments.
+            state: the trainer's state.
+            control: the trainer's control flags.
+            **kwargs: the other objects the trainer passes to its callbacks (unused).
+        """
         # With a memory budget, the plan appears after the profiled steps (and again after a re-plan).
         memory_plan = self._context.budget.plan if self._context is not None and self._context.budget else None
         if memory_plan is not None and memory_plan is not self._shown_plan and state.is_world_process_zero:
@@ -142,6 +176,14 @@ class ActivationOffloadingCallback(TrainerCallback):
     def on_train_end(
         self, args: ActivationOffloadingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        """Print the run's summary on the main process, then unwrap the trainer and remove the context's hooks.
+
+        Args:
+            args: the training arguments.
+            state: the trainer's state.
+            control: the trainer's control flags.
+            **kwargs: the other objects the trainer passes to its callbacks (unused).
+        """
         if self._context is None:
             return
         accumulate(self._stats, self._context.consume_stats())

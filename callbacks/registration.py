@@ -19,7 +19,10 @@ _MARKER = "__hf_offload_registers_callback__"
 
 
 def install() -> None:
-    """Wraps `transformers.Trainer.__init__` to register the callback; a no-op if already wrapped."""
+    """Wrap `transformers.Trainer.__init__` so that it ends with `register`; a no-op if already wrapped.
+
+    Called once when `hf_offload.callbacks` is imported.
+    """
     original_init = transformers.Trainer.__init__
     if getattr(original_init, _MARKER, False):
         return
@@ -34,7 +37,14 @@ def install() -> None:
 
 
 def register(trainer: transformers.Trainer) -> None:
-    """Adds an ActivationOffloadingCallback to `trainer` if its arguments ask for offloading and it has none."""
+    """Add an `ActivationOffloadingCallback` to `trainer` if its arguments ask for offloading and it has none.
+
+    The callback goes first, so that the log entries it adds reach every other callback; TRL's own offloader is
+    then kept from being built (`trl_takeover.claim_trl_offloader`).
+
+    Args:
+        trainer: a trainer at the end of its `__init__`.
+    """
     args = trainer.args
     if not (isinstance(args, ActivationOffloadingArguments) and args.activation_offloading):
         return

@@ -23,7 +23,7 @@ HEADLINE_KEYS = (
 
 
 def log_entries(stats: Mapping[str, float], peak_memory_bytes: int | None = None) -> dict[str, float]:
-    """`offload/...` entries for one logging interval of `OffloadActivations.consume_stats()`.
+    """Return the `offload/...` entries for one logging interval of `OffloadActivations.consume_stats()`.
 
     Args:
         stats: the counters, summed over the interval, which may span several steps (a step is one forward and its

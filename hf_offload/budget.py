@@ -218,7 +218,18 @@ def _layer_kind(layer: nn.Module) -> tuple:
 
 
 def measure_link_bandwidth(meter: _Meter, device: torch.device, pin_memory: bool) -> tuple[float, float]:
-    """Bytes per second to the host and back, timed on one 64 MiB copy each way (after a warm-up copy)."""
+    """Measure the bandwidth between the device and the host, each way.
+
+    Each direction is timed on one 64 MiB copy, after a warm-up copy of the same size.
+
+    Args:
+        meter: the clock: timing events on the engine's device, or the host clock in the CPU test mode.
+        device: the device to copy from and to.
+        pin_memory: whether the host buffer is pinned, as the engine's pool is.
+
+    Returns:
+        `(device_to_host, host_to_device)`, in bytes per second.
+    """
     on_device = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, device=device)
     host = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
     rates = []

@@ -67,10 +67,19 @@ def _kept(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class NoOpManager(saved_tensors_hooks):
-    """Suspends offloading inside its region.
+    """Context manager that suspends offloading inside its region.
 
     Only the innermost `saved_tensors_hooks` context sees a saved tensor, so hooks that keep tensors in place,
     pushed inside an offloading context, keep that region's tensors where they are.
+
+    Example:
+
+    ```python
+    with OffloadActivations():
+        hidden = trunk(inputs)
+        with NoOpManager():  # the head's activations stay on the device
+            logits = head(hidden)
+    ```
     """
 
     def __init__(self) -> None:
@@ -266,19 +275,27 @@ class OffloadActivations(saved_tensors_hooks):
 
     @property
     def active(self) -> bool:
+        """Whether the context offloads anything: False without an accelerator (saved tensors then stay put)."""
         return self.device_type is not None
 
     def update_model_params(self, model: torch.nn.Module) -> None:
-        """Never offload the storages of this model's parameters and buffers (re-read at every step, so that
-        FSDP's re-gathered parameters and a model moved between devices are recognised)."""
+        """Never offload the storages of this model's parameters and buffers.
+
+        The storages are re-read at every step, so that FSDP's re-gathered parameters and a model moved between
+        devices are recognised. Only the model is kept, weakly.
+
+        Args:
+            model: the model (the outermost wrapper, which owns FSDP1's flat parameters).
+        """
         self._model_ref = weakref.ref(model)
         self._refresh_parameter_pointers()
 
     def prefetch_hook(self) -> Callable[[torch.Tensor], None]:
-        """A gradient hook, for a tensor of the forward being packed, that starts the next reloads of that forward's
-        backward when backward reaches the tensor (as an unpack does, and also before the first unpack).
+        """Return a gradient hook that starts the next reloads when backward reaches a tensor of this forward.
 
-        For model layers, which know better than unpacks when reloads fit:
+        The hook is meant for a tensor of the forward being packed: when backward reaches it, it starts the next
+        reloads of that forward's backward, as an unpack does, and also before the first unpack. It is for model
+        layers, which know better than unpacks when reloads fit:
           * The output head's backward runs right after the loss's, the step's memory peak without checkpointing,
             and before the first unpack; the link would otherwise idle through it.
           * With checkpointing, backward unpacks one tensor per block, its input, just as the block's
@@ -289,6 +306,18 @@ class OffloadActivations(saved_tensors_hooks):
 
         The hook holds its engine and step weakly: a graph that outlives either keeps neither alive. Inside
         `set_aside()` the hook does nothing: that backward is not the step's.
+
+        Returns:
+            A function of the gradient, for `tensor.register_hook`.
+
+        Example:
+
+        ```python
+        def attention_done(module, args, output):
+            output[0].register_hook(engine.prefetch_hook())
+
+        attention.register_forward_hook(attention_done)
+        ```
         """
         if self._set_aside:
             return _no_prefetch
@@ -302,19 +331,45 @@ class OffloadActivations(saved_tensors_hooks):
         return hook
 
     def exempt(self, ends_forward: bool = False, reason: str = "exempt") -> NoOpManager:
-        """A region (a new context object each call, so regions can nest) whose tensors stay in place and are
-        counted as kept for `reason` (a key of `stats.KEPT_REASONS`).
+        """Return a region whose saved tensors stay in place and are counted as kept.
 
-        `ends_forward=True` marks the tail of the forward (final norm, head, loss): memory peaks there, so on
-        entering it the compute stream waits for the copies still in flight (in GPU time they are usually done)
-        and their originals are released for the loss to reuse.
+        Each call makes a new context object, so regions can nest. `ends_forward=True` marks the tail of the forward
+        (final norm, head, loss): memory peaks there, so on entering it the compute stream waits for the copies
+        still in flight (in GPU time they are usually done) and their originals are released for the loss to reuse.
+
+        Args:
+            ends_forward: whether the region is the tail of the forward.
+            reason: the key of `stats.KEPT_REASONS` its tensors are counted under.
+
+        Returns:
+            The region, a [`NoOpManager`] that reports what it kept to this engine.
+
+        Example:
+
+        ```python
+        with engine:
+            hidden = trunk(inputs)
+            with engine.exempt(ends_forward=True):
+                loss = head(hidden, labels)
+        ```
         """
         return _ExemptRegion(self, ends_forward, reason)
 
     @contextlib.contextmanager
     def set_aside(self) -> Iterator[None]:
-        """A region outside the step: its saved tensors stay in place (uncounted) and its gradient hooks start no
-        reloads. For running a layer on the side, as the memory budget's profiler does, inside a forward."""
+        """Run a region outside the step: its saved tensors stay in place, uncounted.
+
+        For running a layer on the side inside a forward, as the memory budget's profiler does. The gradient hooks
+        that `prefetch_hook` returns inside the region start no reloads.
+
+        Example:
+
+        ```python
+        with engine.set_aside():
+            out = layer(hidden.detach().requires_grad_())
+            torch.autograd.grad(out.sum(), list(layer.parameters()))
+        ```
+        """
         self._set_aside += 1
         try:
             with NoOpManager():
@@ -323,27 +378,70 @@ class OffloadActivations(saved_tensors_hooks):
             self._set_aside -= 1
 
     def use_windows(self, forward_window_bytes: int, prefetch_window_bytes: int | None) -> None:
-        """Sizes the windows for the steps to come (a memory plan's, which knows how many bytes it lets leave at
-        once). The tail stays bounded by the option `forward_window_bytes`: it is held through the head's peak."""
+        """Size the copy windows for the steps to come.
+
+        Used by a memory plan, which knows how many bytes it lets leave at once. The tail stays bounded by the
+        option `forward_window_bytes`: it is held through the head's peak.
+
+        Args:
+            forward_window_bytes: the forward copies in flight, in bytes (> 0).
+            prefetch_window_bytes: what backward reloads ahead of need, in bytes; `None` sizes it per step.
+
+        Raises:
+            ValueError: a value outside the rule of the option of the same name.
+        """
         self.forward_window_bytes = OffloadOptions.rule("forward_window_bytes").check(
             forward_window_bytes, "forward_window_bytes")
         self.prefetch_window_bytes = OffloadOptions.rule("prefetch_window_bytes").check(
             prefetch_window_bytes, "prefetch_window_bytes")
 
     def track_hook(self, handle: RemovableHandle) -> None:
+        """Keep a module hook's handle, so that `remove_hooks` takes the hook off with the others.
+
+        Args:
+            handle: what `register_forward_hook` (or another `register_*` method) returned.
+        """
         self._module_hooks.append(handle)
 
     def remove_hooks(self) -> None:
+        """Remove every module hook installed for this context (by `get_act_offloading_ctx_manager`); idempotent.
+
+        Example:
+
+        ```python
+        engine = get_act_offloading_ctx_manager(model)
+        ...
+        engine.remove_hooks()  # the context's module hooks are off the model again
+        ```
+        """
         for handle in self._module_hooks:
             handle.remove()
         self._module_hooks.clear()
 
     def get_stats(self) -> dict[str, int | float]:
-        """Counters of the most recent step (its forward and, once run, its backward)."""
+        """Return the counters of the most recent step: its forward and, once run, its backward.
+
+        Reading stall times waits for the step's outstanding timing events.
+
+        Returns:
+            `steps`, `tensors_offloaded`, `bytes_offloaded`, `tensors_kept_<reason>` / `bytes_kept_<reason>` for
+            each reason of `stats.KEPT_REASONS`, `prefetch_hits`, `prefetch_misses`, `inflight_hits`,
+            `compute_wait_s` and `pinned_bytes`.
+
+        Example:
+
+        ```python
+        print(format_summary(engine.get_stats(), engine.device_type))
+        ```
+        """
         return self._stats.step.as_dict(self._pinned_bytes())
 
     def consume_stats(self) -> dict[str, int | float]:
-        """Counters summed over the steps since the last call; resets them."""
+        """Return the counters summed over the steps since the last call, and reset them.
+
+        Returns:
+            The same keys as `get_stats`; `pinned_bytes` is the pool's size now, not a sum.
+        """
         return self._stats.consume_total(self._pinned_bytes())
 
     def __enter__(self) -> OffloadActivations:
@@ -687,7 +785,12 @@ class OffloadActivations(saved_tensors_hooks):
             self._parameter_pointers = parameter_storages([*model.parameters(), *model.buffers()])
 
     def warn_once(self, key: str, message: str) -> None:
-        """Logs `message` as a warning the first time this engine is asked to with `key`."""
+        """Log `message` as a warning the first time this engine is asked to with `key`.
+
+        Args:
+            key: what the warning is about; later calls with the same key log nothing.
+            message: the warning.
+        """
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message)
@@ -704,7 +807,7 @@ def _first_unfinished(end_of_forward: list[tuple[int, Any, Any]]) -> int | None:
 
 
 def top_saved_tensors_pack_hook() -> Any:
-    """The pack hook on top of this thread's saved-tensor hooks stack, None when empty, ``...`` when unknown."""
+    """The pack hook on top of this thread's saved-tensor hooks stack, None when empty, `...` when unknown."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:  # older torch: cannot tell
         return ...

@@ -121,6 +121,7 @@ class AppliedPlan:
         self._restore: list[tuple[nn.Module, dict[str, Any]]] = []
 
     def remove(self) -> None:
+        """Restore each layer's `gradient_checkpointing` and `_gradient_checkpointing_func`; idempotent."""
         for layer, attributes in reversed(self._restore):
             for name, value in attributes.items():
                 if value is _ABSENT:
@@ -137,7 +138,7 @@ _PLAN_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func")
 def apply_layer_plan(
     model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction]
 ) -> AppliedPlan:
-    """Sets each decoder layer of `model` to its action in `actions` (one per layer, in forward order).
+    """Set each decoder layer of `model` to its action in `actions` (one per layer, in forward order).
 
     Args:
         model: the (unwrapped) model whose decoder layers `find_decoder_layers` finds.

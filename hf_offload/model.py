@@ -2,21 +2,21 @@
 
 This module answers four questions for the engine, which itself knows nothing about models:
 
-1. *Which module is the model?*  Trainers hand us models wrapped by DDP, FSDP, DeepSpeed, ``torch.compile`` and
-   PEFT; the head lives on the innermost one (:func:`unwrap_model`).
+1. *Which module is the model?*  Trainers hand us models wrapped by DDP, FSDP, DeepSpeed, `torch.compile` and
+   PEFT; the head lives on the innermost one (`unwrap_model`).
 2. *What is the tail of the forward?*  The output head and the final norm run last in the forward, so their saved
    tensors are the first ones backward needs: moving them to the host and straight back only costs bandwidth, and
-   the head's input/logits are often the largest tensors of the step (:func:`find_output_head`).
-3. *What must never be offloaded?*  The tail above, and every Liger kernel module (:func:`find_liger_modules`).
+   the head's input/logits are often the largest tensors of the step (`find_output_head`).
+3. *What must never be offloaded?*  The tail above, and every Liger kernel module (`find_liger_modules`).
 4. *When should reloads start?*  From the head's backward, right after the loss's memory peak; with checkpointing, a
    block's input while the block's attention runs backward, after its recomputed MLP activations are freed
-   (:func:`find_attention_modules`, :class:`_PrefetchPoints`).
+   (`find_attention_modules`, `_PrefetchPoints`).
 
-:func:`get_act_offloading_ctx_manager` puts these together: it builds the engine and installs, on every exempt
+`get_act_offloading_ctx_manager` puts these together: it builds the engine and installs, on every exempt
 module, a pair of forward hooks that suspend offloading while that module runs, and on the head and every block's
 attention a hook that times the reloads.
 
-Only ``torch`` is imported at module level: wrappers from optional libraries (PEFT, DeepSpeed, accelerate, dynamo)
+Only `torch` is imported at module level: wrappers from optional libraries (PEFT, DeepSpeed, accelerate, dynamo)
 are recognised by class name, so importing hf-offload never imports them.
 """
 
@@ -69,7 +69,7 @@ _DOT_MODULE_WRAPPERS = frozenset(
 
 
 def _class_names(obj: object, module_prefix: str | None = None) -> set[str]:
-    """Names of the classes in ``type(obj)``'s MRO, optionally only those defined under ``module_prefix``."""
+    """Names of the classes in `type(obj)`'s MRO, optionally only those defined under `module_prefix`."""
     return {
         cls.__name__
         for cls in type(obj).__mro__
@@ -78,13 +78,13 @@ def _class_names(obj: object, module_prefix: str | None = None) -> set[str]:
 
 
 def _child(obj: object, attr: str) -> nn.Module | None:
-    """``obj.<attr>`` when it is an ``nn.Module``, else None."""
+    """`obj.<attr>` when it is an `nn.Module`, else None."""
     value = getattr(obj, attr, None)
     return value if isinstance(value, nn.Module) else None
 
 
 def _unwrap_once(model: nn.Module) -> nn.Module | None:
-    """One level of unwrapping, or None when ``model`` is not a wrapper we know."""
+    """One level of unwrapping, or None when `model` is not a wrapper we know."""
     if _class_names(model) & _DOT_MODULE_WRAPPERS:
         return _child(model, "module")
     if "OptimizedModule" in _class_names(model, "torch."):  # torch.compile(model)
@@ -102,10 +102,22 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """Return the innermost model: the one whose attributes name the head and the final norm.
 
     Peels, until nothing changes, the wrappers a training stack puts around a model: DDP / DataParallel / FSDP1 /
-    DeepSpeed engines (``.module``), ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``) and PEFT
-    (``PeftModel -> base_model (LoraModel ...) -> model``). Wrappers nest in any order (DDP around a compiled PEFT
+    DeepSpeed engines (`.module`), `torch.compile`'s `OptimizedModule` (`._orig_mod`) and PEFT
+    (`PeftModel -> base_model (LoraModel ...) -> model`). Wrappers nest in any order (DDP around a compiled PEFT
     model), hence the loop. Anything else is returned unchanged; in particular a plain module that merely has an
-    attribute called ``module`` is not a wrapper.
+    attribute called `module` is not a wrapper.
+
+    Args:
+        model: the model, bare or wrapped.
+
+    Returns:
+        The innermost model, or `model` itself when it is not a wrapper.
+
+    Example:
+
+    ```python
+    model = unwrap_model(trainer.model_wrapped)  # the transformers model under DDP, torch.compile and PEFT
+    ```
     """
     seen: set[int] = set()
     while id(model) not in seen:
@@ -150,7 +162,7 @@ _MAX_TRUNK_DEPTH = 3
 
 
 def _get_path(model: nn.Module, path: str) -> nn.Module | None:
-    """The module at dotted ``path`` under ``model``, or None when some step is missing or not an ``nn.Module``."""
+    """The module at dotted `path` under `model`, or None when some step is missing or not an `nn.Module`."""
     obj: Any = model
     parts = path.split(".")
     for i, part in enumerate(parts):
@@ -172,7 +184,7 @@ def _find_head(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def _trunk(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
-    """``(path, module, is_decoder)`` for the model and its trunk containers, breadth first, root first."""
+    """`(path, module, is_decoder)` for the model and its trunk containers, breadth first, root first."""
     prefix = getattr(model, "base_model_prefix", None)
     children = ((prefix,) if isinstance(prefix, str) and prefix else ()) + _TRUNK_CHILDREN
     found: list[tuple[str, nn.Module, bool]] = []
@@ -206,16 +218,27 @@ def _find_final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def find_output_head(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Return the tail of the forward to keep on the device: ``[(name, module)]``, head first, then final norm.
+    """Return the tail of the forward to keep on the device: the output head, then the final norm.
 
-    The head is the first of ``lm_head``, ``output`` / ``output.linear``, ``decoder.lm_head`` / ``decoder.output``,
-    ``head``, ``classifier``, ``score``, ``qa_outputs``, ``cls`` found on the unwrapped model. The final norm
-    (``final_layer_norm``, ``final_layernorm``, ``final_norm``, ``ln_f``, ``norm_f``, ``norm``, ``layernorm``;
-    ``layer_norm`` in a decoder) is searched on the model and down its trunk (``base_model_prefix``, ``model``,
-    ``transformer``, ``language_model``, ``decoder``, ``backbone``) but never in an encoder: T5's
-    ``encoder.final_layer_norm`` runs early, its ``decoder.final_layer_norm`` runs last.
+    The head is the first of `lm_head`, `output` / `output.linear`, `decoder.lm_head` / `decoder.output`,
+    `head`, `classifier`, `score`, `qa_outputs`, `cls` found on the unwrapped model. The final norm
+    (`final_layer_norm`, `final_layernorm`, `final_norm`, `ln_f`, `norm_f`, `norm`, `layernorm`;
+    `layer_norm` in a decoder) is searched on the model and down its trunk (`base_model_prefix`, `model`,
+    `transformer`, `language_model`, `decoder`, `backbone`) but never in an encoder: T5's
+    `encoder.final_layer_norm` runs early, its `decoder.final_layer_norm` runs last.
 
-    Names are relative to :func:`unwrap_model` of ``model``. Empty when nothing matched.
+    Args:
+        model: the model, bare or wrapped (it is unwrapped with `unwrap_model` first).
+
+    Returns:
+        `[(name, module)]`, head first, then final norm; names are relative to `unwrap_model(model)`. Empty when
+        nothing matched.
+
+    Example:
+
+    ```python
+    [name for name, _ in find_output_head(model)]  # ["lm_head", "model.norm"] for a Llama causal LM
+    ```
     """
     model = unwrap_model(model)
     found: list[tuple[str, nn.Module]] = []
@@ -232,12 +255,19 @@ def _is_liger(name: str, module: nn.Module) -> bool:
 
 
 def find_liger_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every Liger module of the unwrapped model: its class (or a base class) is defined under ``liger_kernel``, or
-    its qualified name in the model contains ``liger`` (case-insensitive).
+    """Return every Liger kernel module of the unwrapped model.
 
-    Liger kernels are fused Triton autograd functions that manage their own saved tensors (some compute gradients in
-    the forward and store them in place); they are kept out of offloading, as TRL does. The model itself is never
-    matched: exempting the root would switch offloading off for the whole model.
+    A module is a Liger module when its class (or a base class) is defined under `liger_kernel`, or its qualified
+    name in the model contains `liger` (case-insensitive). Liger kernels are fused Triton autograd functions that
+    manage their own saved tensors (some compute gradients in the forward and store them in place); they are kept
+    out of offloading, as TRL does. The model itself is never matched: exempting the root would switch offloading
+    off for the whole model.
+
+    Args:
+        model: the model, bare or wrapped (it is unwrapped with `unwrap_model` first).
+
+    Returns:
+        `[(name, module)]` in `named_modules()` order, names relative to `unwrap_model(model)`; empty without Liger.
     """
     model = unwrap_model(model)
     return [(name, module) for name, module in model.named_modules() if name and _is_liger(name, module)]
@@ -259,7 +289,7 @@ def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
 
 
 def _engine_is_innermost(engine: OffloadActivations) -> bool:
-    """Whether tensors saved right now would reach ``engine``'s pack hook.
+    """Whether tensors saved right now would reach `engine`'s pack hook.
 
     Only then is there anything to suspend. When another saved-tensor hook sits on top (non-reentrant activation
     checkpointing inside a decoder layer, or another exempt region), pushing a NoOp region would *bypass* that hook:
@@ -277,7 +307,7 @@ class _ExemptHooks:
 
     One instance per module registration, with a per-thread stack of entered regions, so the same module may run
     re-entrantly or in DataParallel replicas, and modules nested in exempt modules behave. The forward hook is
-    registered with ``always_call=True``, so an exception in the module still exits its region.
+    registered with `always_call=True`, so an exception in the module still exits its region.
     """
 
     def __init__(self, engine: OffloadActivations) -> None:
@@ -319,8 +349,8 @@ class _TailHooks(_ExemptHooks):
     """Suspends offloading from the first tail module (final norm or head) to the end of the model's forward.
 
     What runs after the head inside the model's forward is the loss (HF models compute it from the logits), or,
-    with Liger's fused linear cross-entropy, the head itself: that kernel reads ``lm_head.weight`` and never
-    calls ``lm_head.forward``, but the final norm still runs first. All of it is needed first by backward, so
+    with Liger's fused linear cross-entropy, the head itself: that kernel reads `lm_head.weight` and never
+    calls `lm_head.forward`, but the final norm still runs first. All of it is needed first by backward, so
     the region stays open until the model's forward returns. A tail module called outside the model's forward
     gets an ordinary per-module region.
     """
@@ -372,17 +402,36 @@ _ATTENTION_NAMES = frozenset({"self_attn", "attn", "attention", "self_attention"
 
 
 def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The attention module of every block of the unwrapped model (outermost matches of ``_ATTENTION_NAMES``)."""
+    """Return the attention module of every block of the unwrapped model.
+
+    A module is an attention module when its attribute name is one of `self_attn`, `attn`, `attention`,
+    `self_attention` or `SelfAttention`; only the outermost matches are kept (a match nested in another is
+    covered by it). Backward reaches a pre-norm block's attention after the block's MLP, which is
+    where `get_act_offloading_ctx_manager` times the reloads under checkpointing.
+
+    Args:
+        model: the model, bare or wrapped (it is unwrapped with `unwrap_model` first).
+
+    Returns:
+        `[(name, module)]`, names relative to `unwrap_model(model)`; empty when no block has a matching child.
+    """
     model = unwrap_model(model)
     found = [(name, module) for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in _ATTENTION_NAMES]
     return _outermost(found)
 
 
 def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks whose checkpointing transformers controls per layer, in forward order.
+    """Return the repeated blocks whose checkpointing transformers controls per layer, in forward order.
 
     They are the instances of `GradientCheckpointingLayer` (matched by class name in the MRO, so transformers is not
     imported). A model without them (custom models, old remote code) has no layers to plan.
+
+    Args:
+        model: the model whose modules are searched (not unwrapped: pass the unwrapped model for relative names).
+
+    Returns:
+        `[(name, module)]` in `named_modules()` order, which is forward order for transformers models; empty when
+        the model has no such layers.
     """
     return [
         (name, module)
@@ -409,7 +458,7 @@ def _checkpointing_on(model: nn.Module) -> bool:
 class _PrefetchPoints:
     """Starts reloads from points of the backward that unpacks do not see: the head, and each block's attention.
 
-    A forward hook on each such module registers the engine's ``prefetch_hook`` on its output (a tensor hook
+    A forward hook on each such module registers the engine's `prefetch_hook` on its output (a tensor hook
     changes nothing in the graph), which starts the next reloads when backward reaches that output:
 
     * The head. Backward's first unpack comes only after the loss's and the head's backward, the step's memory peak
@@ -418,7 +467,7 @@ class _PrefetchPoints:
     * Each block's attention, with checkpointing. A block unpacks its input once, as its recomputation starts; a
       reload prefetched there would sit on top of the recomputed activations, the peak of the step. At the
       attention's gradient the MLP's activations are gone and the attention's backward (the long part at long
-      context) hides the copy; unpacks then stop prefetching (``prefetch_on_unpack``). Under reentrant
+      context) hides the copy; unpacks then stop prefetching (`prefetch_on_unpack`). Under reentrant
       checkpointing the first forward saves no graph; the hook is then registered by the recomputation, whose inner
       backward fires it at the same point. Without checkpointing every saved tensor is unpacked, and unpacks keep
       prefetching as usual; so do they when some decoder layers are not checkpointed (a per-layer plan), whose
@@ -460,8 +509,8 @@ REENTRANT_CHECKPOINTING_ADVICE = (
 def _uses_reentrant_checkpointing(model: nn.Module) -> bool:
     """Whether a checkpointed layer of a transformers model checkpoints reentrantly.
 
-    transformers stores each layer's checkpoint function as a partial of torch's ``checkpoint`` with the user's
-    kwargs; without ``use_reentrant`` torch (up to at least 2.13) defaults to the reentrant kind.
+    transformers stores each layer's checkpoint function as a partial of torch's `checkpoint` with the user's
+    kwargs; without `use_reentrant` torch (up to at least 2.13) defaults to the reentrant kind.
     """
     for module in model.modules():
         function = getattr(module, "_gradient_checkpointing_func", None)
@@ -523,7 +572,7 @@ def _remove_stale_exempt_hooks(model: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class _Installation:
-    """What :func:`get_act_offloading_ctx_manager` left on a model, stored as ``model._hf_offload_engine``.
+    """What `get_act_offloading_ctx_manager` left on a model, stored as `model._hf_offload_engine`.
 
     Weak references: the record must keep neither the engine (and its pinned host memory) alive after the user drops
     it, nor the model; a deep copy of the model keeps pointing at the *original* owner, which tells us not to remove
@@ -574,18 +623,18 @@ def get_act_offloading_ctx_manager(
     options: OffloadOptions | None = None,
     **kwargs: Any,
 ) -> OffloadActivations:
-    """Build the activation offloading context for ``model``: a drop-in for TRL's function of the same name.
+    """Build the activation offloading context for `model`: a drop-in for TRL's function of the same name.
 
-    The engine is told the parameter storages of ``model`` (the outermost wrapper: FSDP1 keeps the root's flat
-    parameter there, not on the inner model), and the tail of the forward (:func:`find_output_head`) plus every Liger
-    module (:func:`find_liger_modules`) get hooks that suspend offloading while they run. Calling it again on the same
-    model replaces the previous context's hooks instead of stacking them; ``engine.remove_hooks()`` takes every hook
+    The engine is told the parameter storages of `model` (the outermost wrapper: FSDP1 keeps the root's flat
+    parameter there, not on the inner model), and the tail of the forward (`find_output_head`) plus every Liger
+    module (`find_liger_modules`) get hooks that suspend offloading while they run. Calling it again on the same
+    model replaces the previous context's hooks instead of stacking them; `engine.remove_hooks()` takes every hook
     off again.
 
     Args:
-        model: the model, bare or wrapped (DDP, FSDP, DeepSpeed, ``torch.compile``, PEFT).
-        *args, **kwargs: the engine's options, as for [`OffloadActivations`]: TRL's four (``use_pin_memory``,
-            ``use_streams``, ``min_offload_size``, ``max_fwd_stash_size``) may be positional.
+        model: the model, bare or wrapped (DDP, FSDP, DeepSpeed, `torch.compile`, PEFT).
+        *args, **kwargs: the engine's options, as for [`OffloadActivations`]: TRL's four (`use_pin_memory`,
+            `use_streams`, `min_offload_size`, `max_fwd_stash_size`) may be positional.
         warn_if_no_head: warn once per process when no output head is found.
         options: an [`OffloadOptions`] instead of individual options.
 
@@ -593,7 +642,7 @@ def get_act_offloading_ctx_manager(
         The context manager (an [`OffloadActivations`]).
 
     Raises:
-        TypeError: ``model`` is not a ``torch.nn.Module``, or an option is unknown.
+        TypeError: `model` is not a `torch.nn.Module`, or an option is unknown.
         ValueError: an option is outside its rule.
 
     Example:

@@ -85,7 +85,15 @@ class Rule:
         return base | str | None if self.optional else base
 
     def check(self, value: Any, name: str, unit: str = "bytes") -> Any:
-        """Validates `value` given for the option called `name` in `unit`; returns it in the engine's unit (bytes).
+        """Validate `value` given for the option called `name` in `unit`.
+
+        Args:
+            value: the value as the user gave it (a number, or the command line's text).
+            name: the option's or argument's name, for the error message.
+            unit: `"bytes"` or `"MiB"`, the unit `value` is in.
+
+        Returns:
+            The value in the engine's unit (bytes for sizes); None for an optional option left unset.
 
         Raises:
             ValueError: naming `name`, the allowed values in `unit`, and the value given.
@@ -251,7 +259,17 @@ class OffloadOptions:
 
     @classmethod
     def rule(cls, name: str) -> Rule:
-        """The rule of the option `name`."""
+        """Return the rule of one option.
+
+        Args:
+            name: the option's field name, e.g. `"forward_window_bytes"`.
+
+        Returns:
+            Its [`Rule`]; `rule(name).check(value, name)` validates a value as the constructor does.
+
+        Raises:
+            KeyError: `name` is not an option.
+        """
         return cls.__dataclass_fields__[name].metadata["rule"]
 
 

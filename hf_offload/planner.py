@@ -379,6 +379,7 @@ class LayerPlan:
 
     @property
     def code(self) -> str:
+        """The layer's letter in a plan code (see `ACTION_CODES`)."""
         return _CODE_OF_ACTION[(self.action, self.offload_input)]
 
     @property
@@ -413,6 +414,7 @@ class Prediction:
 
     @property
     def code(self) -> str:
+        """One letter per layer, as `simulate` takes it."""
         return "".join(layer.code for layer in self.layers)
 
 
@@ -601,6 +603,7 @@ class Plan:
 
     @property
     def layers(self) -> tuple[LayerPlan, ...]:
+        """Per layer, in forward order, its action and what is predicted of it."""
         return self.predicted.layers
 
     @property
@@ -638,7 +641,14 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """The plan that `to_dict` described."""
+        """Return the plan that `to_dict` described.
+
+        Args:
+            data: what `to_dict` returned (after a JSON or pickle round trip, too).
+
+        Returns:
+            A plan equal to the one `data` was made from.
+        """
         predicted = dict(data["predicted"])
         predicted["layers"] = tuple(LayerPlan(**layer) for layer in predicted["layers"])
         return cls(budget_bytes=data["budget_bytes"], tokens=data["tokens"], predicted=Prediction(**predicted))
