@@ -147,7 +147,7 @@ class ActivationOffloadingCallback(TrainerCallback):
         interval = self._context.consume_stats()
         accumulate(self._stats, interval)
         entries = log_entries(interval, _peak_memory_bytes(self._context.device_type))
-        memory_plan = self._context.budget.plan if self._context.budget is not None else None
+        memory_plan = self._memory_plan()
         if memory_plan is not None:
             entries[LOG_PREFIX + "plan_predicted_peak_gib"] = round(memory_plan.predicted.peak_bytes / 2**30, 3)
             entries[LOG_PREFIX + "plan_predicted_step_s"] = round(memory_plan.predicted.step_s, 4)
@@ -168,7 +168,7 @@ class ActivationOffloadingCallback(TrainerCallback):
             **kwargs: the other objects the trainer passes to its callbacks (unused).
         """
         # With a memory budget, the plan appears after the profiled steps (and again after a re-plan).
-        memory_plan = self._context.budget.plan if self._context is not None and self._context.budget else None
+        memory_plan = self._memory_plan()
         if memory_plan is not None and memory_plan is not self._shown_plan and state.is_world_process_zero:
             tqdm.write(memory_plan.format_table())
         self._shown_plan = memory_plan
@@ -213,6 +213,11 @@ class ActivationOffloadingCallback(TrainerCallback):
                        None)  # fmt: skip
         if console is not None:
             callbacks.insert(console, _ConsoleHeadlines())
+
+    def _memory_plan(self) -> Any:
+        """The memory budget's plan in force (`hf_offload.planner.Plan`), or None without a budget or before it."""
+        budget = self._context.budget if self._context is not None else None
+        return budget.plan if budget is not None else None
 
     def _get_trainer(self) -> transformers.Trainer:
         trainer = self._trainer()
