@@ -39,14 +39,13 @@ from torch.utils._pytree import tree_flatten
 
 from .engine import OffloadActivations
 from .layer_plan import (
-    FULL,
     AppliedPlan,
     apply_layer_plan,
     saved_by_selective_checkpoint,
     selective_checkpoint_function,
 )
 from .model import find_decoder_layers, find_output_head
-from .planner import LayerProfile, MemoryBudget, Plan, StepProfile, plan, simulate
+from .planner import FULL, LayerProfile, MemoryBudget, Plan, StepProfile, plan, simulate
 
 logger = logging.getLogger(__name__)
 

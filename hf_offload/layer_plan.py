@@ -38,8 +38,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .engine import OffloadActivations
 from .model import find_decoder_layers
+from .planner import FULL, KEEP, OFFLOAD, SELECTIVE
 
-KEEP, OFFLOAD, SELECTIVE, FULL = "keep", "offload", "selective", "full"
 ACTIONS = (KEEP, OFFLOAD, SELECTIVE, FULL)
 
 # What a selective checkpoint saves: the outputs of the ops that cost the most to recompute per byte they occupy.
