@@ -41,10 +41,11 @@ from .engine import OffloadActivations
 from .layer_plan import (
     AppliedPlan,
     apply_layer_plan,
+    checkpointing_as,
     saved_by_selective_checkpoint,
     selective_checkpoint_function,
 )
-from .model import find_decoder_layers, find_output_head
+from .model import find_decoder_layers, find_output_head, first_tensor
 from .planner import FULL, LayerProfile, MemoryBudget, Plan, StepProfile, plan, simulate
 
 logger = logging.getLogger(__name__)
@@ -137,27 +138,6 @@ def _rng_untouched(device: Any):
             device.set_rng_state(device_state)
 
 
-def _first_tensor(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-@contextlib.contextmanager
-def _checkpointing(layer: nn.Module, function: Any | None):
-    """Runs `layer` with the given checkpoint function (None: not checkpointed), restoring its own afterwards."""
-    saved = layer.__dict__.get("gradient_checkpointing"), layer.__dict__.get("_gradient_checkpointing_func")
-    layer.gradient_checkpointing = function is not None
-    if function is not None:
-        layer._gradient_checkpointing_func = function
-    try:
-        yield
-    finally:
-        for name, value in zip(("gradient_checkpointing", "_gradient_checkpointing_func"), saved):
-            if value is None:
-                layer.__dict__.pop(name, None)
-            else:
-                setattr(layer, name, value)
-
-
 def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter) -> tuple[LayerProfile, int]:
     """Measures one decoder layer on the arguments it was called with: kept, then selectively checkpointed.
 
@@ -176,11 +156,11 @@ def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter) -> 
 
     def forward() -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden.detach().clone().requires_grad_(True)
-        return x, _first_tensor(layer(x, *rest, **kwargs))
+        return x, first_tensor(layer(x, *rest, **kwargs))
 
     for _ in range(2):
         counter, selective = _CountSavedBytes(pointers), _CountSelectiveOutputs()
-        with _checkpointing(layer, None):
+        with checkpointing_as(layer, None):
             start = meter.mark()
             with counter, selective:
                 x, out = forward()
@@ -191,7 +171,7 @@ def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter) -> 
         torch.autograd.grad(out, [x, *parameters], torch.ones_like(out))
         backward_end = meter.mark()
         peak = meter.peak()
-        with _checkpointing(layer, selective_checkpoint_function()):
+        with checkpointing_as(layer, selective_checkpoint_function()):
             x, out = forward()
         checkpointed_start = meter.mark()
         torch.autograd.grad(out, [x, *parameters], torch.ones_like(out))
@@ -357,8 +337,8 @@ class MemoryBudgetController:
         self._measured.head_start = self._meter.mark()
 
     def _last_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
-        tensor = _first_tensor(output)
-        if self._forwards != 2 or not self._training_forward(layer) or not tensor.requires_grad:
+        tensor = first_tensor(output)
+        if self._forwards != 2 or not self._training_forward(layer) or tensor is None or not tensor.requires_grad:
             return
 
         def head_done(grad: torch.Tensor) -> None:  # backward reaches the last layer: the head's part is over

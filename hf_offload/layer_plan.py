@@ -27,9 +27,10 @@ gradients are bitwise equal under any plan (with deterministic kernels).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -114,6 +115,41 @@ class _InKeepingRegion:
             return self.function(*args, **kwargs)
 
 
+_ABSENT = object()
+_PLAN_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
+def _layer_attributes(layer: nn.Module) -> dict[str, Any]:
+    """The layer's own checkpointing attributes (absent ones too: the class default then applies)."""
+    return {name: layer.__dict__.get(name, _ABSENT) for name in _PLAN_ATTRIBUTES}
+
+
+def _restore_layer(layer: nn.Module, attributes: dict[str, Any]) -> None:
+    for name, value in attributes.items():
+        if value is _ABSENT:
+            layer.__dict__.pop(name, None)
+        else:
+            setattr(layer, name, value)
+
+
+@contextlib.contextmanager
+def checkpointing_as(layer: nn.Module, function: Callable[..., Any] | None) -> Iterator[None]:
+    """Runs `layer` with `function` as its checkpoint function (None: not checkpointed), then restores its own.
+
+    Args:
+        layer: a decoder layer (`find_decoder_layers`).
+        function: a `_gradient_checkpointing_func`, or None to run the layer without checkpointing.
+    """
+    saved = _layer_attributes(layer)
+    layer.gradient_checkpointing = function is not None
+    if function is not None:
+        layer._gradient_checkpointing_func = function
+    try:
+        yield
+    finally:
+        _restore_layer(layer, saved)
+
+
 class AppliedPlan:
     """What `apply_layer_plan` changed, so that `remove()` can restore the layers exactly."""
 
@@ -123,16 +159,8 @@ class AppliedPlan:
     def remove(self) -> None:
         """Restore each layer's `gradient_checkpointing` and `_gradient_checkpointing_func`; idempotent."""
         for layer, attributes in reversed(self._restore):
-            for name, value in attributes.items():
-                if value is _ABSENT:
-                    layer.__dict__.pop(name, None)
-                else:
-                    setattr(layer, name, value)
+            _restore_layer(layer, attributes)
         self._restore.clear()
-
-
-_ABSENT = object()
-_PLAN_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func")
 
 
 def apply_layer_plan(
@@ -161,7 +189,7 @@ def apply_layer_plan(
         raise ValueError(f"unknown layer actions {unknown}: a layer's action is one of {list(ACTIONS)}")
     applied = AppliedPlan()
     for layer, entry in zip(layers, actions):
-        applied._restore.append((layer, {name: layer.__dict__.get(name, _ABSENT) for name in _PLAN_ATTRIBUTES}))
+        applied._restore.append((layer, _layer_attributes(layer)))
         layer.gradient_checkpointing = entry.action != OFFLOAD
         if entry.action != OFFLOAD:
             layer._gradient_checkpointing_func = _layer_function(entry.action, entry.offload_input, engine)

@@ -440,7 +440,7 @@ def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def _first_tensor(output: Any) -> torch.Tensor | None:
+def first_tensor(output: Any) -> torch.Tensor | None:
     """The module's main output: the tensor itself, or the first element of a tuple (attention returns weights too)."""
     if isinstance(output, (tuple, list)) and output:
         output = output[0]
@@ -490,7 +490,7 @@ class _PrefetchPoints:
 
     def point_exit(self, module: nn.Module, args: Any, output: Any) -> None:
         engine = self._engine()
-        tensor = _first_tensor(output)
+        tensor = first_tensor(output)
         if engine is not None and tensor is not None and tensor.requires_grad:
             tensor.register_hook(engine.prefetch_hook())
 
