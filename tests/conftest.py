@@ -5,9 +5,15 @@ importing transformers and datasets.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The examples are imported by test files as modules (`import custom_loop`); `helpers` adds their folder too, but
+# a test file's imports are sorted, and an example may come first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 # The models here are tiny, so one thread computes them fastest; on a machine shared with other jobs, threads that
 # wait for each other at every small operation made the TRL tests up to 20x slower.

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# The examples, importable because `helpers` put their folder on the path.
+# The examples, importable because `conftest` put their folder on the path.
 import custom_loop
 import pytest
 import sft_trainer
