@@ -178,7 +178,7 @@ def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter) -> 
         checkpointed_end = meter.mark()
         del x, out
     backward_s = meter.seconds(backward_start, backward_end)
-    gradient_bytes = hidden.numel() * hidden.element_size() + sum(p.numel() * p.element_size() for p in parameters)
+    parameter_gradient_bytes = sum(p.numel() * p.element_size() for p in parameters)
     profile = LayerProfile(
         saved_bytes=counter.nbytes,
         selective_bytes=selective.nbytes,
@@ -186,8 +186,11 @@ def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter) -> 
         forward_s=meter.seconds(start, forward_end),
         backward_s=backward_s,
         selective_recompute_s=max(0.0, meter.seconds(checkpointed_start, checkpointed_end) - backward_s),
+        parameter_gradient_bytes=parameter_gradient_bytes,
     )
-    return profile, (peak - before_backward) if peak is not None else gradient_bytes
+    if peak is None:  # no peak counter: the gradients of its input and parameters
+        return profile, hidden.numel() * hidden.element_size() + parameter_gradient_bytes
+    return profile, peak - before_backward
 
 
 def _layer_kind(layer: nn.Module) -> tuple:
@@ -274,6 +277,11 @@ class MemoryBudgetController:
         engine.warn_once("budget", f"hf_offload: memory_budget={budget} is set, so hf-offload decides per decoder "
                          "layer whether to checkpoint it (whatever activation_checkpointing says): the first two "
                          "steps are profiled under full checkpointing, then the plan is applied")  # fmt: skip
+
+    @property
+    def profile(self) -> StepProfile | None:
+        """The measured step the plan in force was made from (scaled to its tokens); None before the first plan."""
+        return self._profile
 
     # ------------------------------------------------------------------ hooks
 
@@ -411,10 +419,11 @@ class MemoryBudgetController:
         self.plan, self._profile = new_plan, profile
         engine = self._engine()
         forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
-        self._apply(new_plan.layers, (forward_window, new_plan.prefetch_window_bytes or None))
+        self._apply(new_plan.layers, (forward_window, new_plan.prefetch_window_bytes or None,
+                                      new_plan.head_prefetch_window_bytes or None))
         logger.info("hf_offload: memory budget %s\n%s", self.budget, new_plan.format_table())
 
-    def _apply(self, actions: list[Any], windows: tuple[int, int | None] | None) -> None:
+    def _apply(self, actions: list[Any], windows: tuple[int, int | None, int | None] | None) -> None:
         engine, model = self._engine(), self._model()
         if engine is None or model is None:
             return

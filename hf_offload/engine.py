@@ -240,6 +240,7 @@ class OffloadActivations(saved_tensors_hooks):
         # The windows in force: the options', until a memory plan sizes them for its layers (`use_windows`).
         self.forward_window_bytes = options.forward_window_bytes
         self.prefetch_window_bytes = options.prefetch_window_bytes
+        self.head_prefetch_window_bytes: int | None = None
 
         self._device_module = torch.get_device_module(self.device_type) if self.device_type else None
         self._lanes: dict[torch.device, _Lane] = {}
@@ -290,7 +291,7 @@ class OffloadActivations(saved_tensors_hooks):
         self._model_ref = weakref.ref(model)
         self._refresh_parameter_pointers()
 
-    def prefetch_hook(self) -> Callable[[torch.Tensor], None]:
+    def prefetch_hook(self, window_bytes: int | None = None) -> Callable[[torch.Tensor], None]:
         """Return a gradient hook that starts the next reloads when backward reaches a tensor of this forward.
 
         The hook is meant for a tensor of the forward being packed: when backward reaches it, it starts the next
@@ -306,6 +307,11 @@ class OffloadActivations(saved_tensors_hooks):
 
         The hook holds its engine and step weakly: a graph that outlives either keeps neither alive. Inside
         `set_aside()` the hook does nothing: that backward is not the step's.
+
+        Args:
+            window_bytes: reloads outstanding that this hook may start, at most (never more than the step's prefetch
+                window); None: the step's window. The output head's hook passes a narrow one when a memory plan
+                prefetches far ahead, since the loss's peak is then still close.
 
         Returns:
             A function of the gradient, for `tensor.register_hook`.
@@ -326,7 +332,7 @@ class OffloadActivations(saved_tensors_hooks):
         def hook(grad: torch.Tensor) -> None:
             engine, step = engine_ref(), step_ref()
             if engine is not None and step is not None:
-                engine._prefetch_from_hook(step)
+                engine._prefetch_from_hook(step, window_bytes)
 
         return hook
 
@@ -377,15 +383,18 @@ class OffloadActivations(saved_tensors_hooks):
         finally:
             self._set_aside -= 1
 
-    def use_windows(self, forward_window_bytes: int, prefetch_window_bytes: int | None) -> None:
+    def use_windows(self, forward_window_bytes: int, prefetch_window_bytes: int | None,
+                    head_prefetch_window_bytes: int | None = None) -> None:  # fmt: skip
         """Size the copy windows for the steps to come.
 
-        Used by a memory plan, which knows how many bytes it lets leave at once. The tail stays bounded by the
-        option `forward_window_bytes`: it is held through the head's peak.
+        Used by a memory plan, which knows how many bytes it lets leave and come back at once. The tail stays
+        bounded by the option `forward_window_bytes`: it is held through the head's peak.
 
         Args:
             forward_window_bytes: the forward copies in flight, in bytes (> 0).
             prefetch_window_bytes: what backward reloads ahead of need, in bytes; `None` sizes it per step.
+            head_prefetch_window_bytes: what the output head's backward may reload ahead, at most; None: as much as
+                the prefetch window.
 
         Raises:
             ValueError: a value outside the rule of the option of the same name.
@@ -394,6 +403,8 @@ class OffloadActivations(saved_tensors_hooks):
             forward_window_bytes, "forward_window_bytes")
         self.prefetch_window_bytes = OffloadOptions.rule("prefetch_window_bytes").check(
             prefetch_window_bytes, "prefetch_window_bytes")
+        self.head_prefetch_window_bytes = OffloadOptions.rule("prefetch_window_bytes").check(
+            head_prefetch_window_bytes, "head_prefetch_window_bytes")
 
     def track_hook(self, handle: RemovableHandle) -> None:
         """Keep a module hook's handle, so that `remove_hooks` takes the hook off with the others.
@@ -612,12 +623,11 @@ class OffloadActivations(saved_tensors_hooks):
 
     # ------------------------------------------------------------------ backward
 
-    def _prefetch_from_hook(self, step: _Step) -> None:
+    def _prefetch_from_hook(self, step: _Step, window_bytes: int | None) -> None:
         with self._lock:
-            if step.backward_started:
-                self._prefetch(step)
-            else:
-                self._begin_backward(step)
+            if not step.backward_started:
+                self._begin_backward(step, prefetch=False)
+            self._prefetch(step, window_bytes)
 
     def _unpack(self, saved: _SavedTensor) -> torch.Tensor:
         with self._lock:
@@ -653,7 +663,7 @@ class OffloadActivations(saved_tensors_hooks):
             # of the original storage, a reloaded buffer at 0.
             return torch.as_strided(span, saved.size, saved.stride, span.storage_offset() + saved.offset)
 
-    def _begin_backward(self, step: _Step) -> None:
+    def _begin_backward(self, step: _Step, prefetch: bool = True) -> None:
         """The first unpack or prefetch hook of a step: keep unfinished copies' originals, start prefetching."""
         step.backward_started = True
         self._phase = _BACKWARD
@@ -669,7 +679,8 @@ class OffloadActivations(saved_tensors_hooks):
         if step.prefetch_window_bytes is None:
             largest = max((copy.nbytes for copy in (ref() for ref in step.copies) if copy is not None), default=0)
             step.prefetch_window_bytes = max(DEFAULT_WINDOW_BYTES, _PREFETCH_WINDOW_COPIES * largest)
-        self._prefetch(step)
+        if prefetch:
+            self._prefetch(step)
 
     def _mark_end_of_forward(self, step: _Step, drain: bool) -> None:
         """Records, once per step, which copies were still in flight when the forward ended.
@@ -692,24 +703,26 @@ class OffloadActivations(saved_tensors_hooks):
             if drain:
                 self._drain_inflight(lane)
 
-    def _prefetch(self, step: _Step) -> None:
-        """Reloads the next copies backward will need (walking down `step.copies`), up to the prefetch window.
+    def _prefetch(self, step: _Step, window_bytes: int | None = None) -> None:
+        """Reloads the next copies backward will need (walking down `step.copies`), up to the prefetch window
+        (or `window_bytes`, if narrower).
 
         Without checkpointing, as many as the window holds: a reload cannot start before the compute stream
         reaches the point where it was issued (see `_reload`), so with a single copy ahead the H2D stream idles
         whenever a backward node computes longer than its copy takes. With checkpointing (`prefetch_on_unpack` off), one
         copy: the next block's input, and nothing more on top of that block's recomputation."""
+        window = step.prefetch_window_bytes if window_bytes is None else min(window_bytes, step.prefetch_window_bytes)
         while step.cursor >= 0:
             copy = step.copies[step.cursor]()
             if copy is None or copy.source is not None or copy.reloaded is not None or copy.consumed:
                 step.cursor -= 1
                 continue
             lane = copy.lane
-            if lane.d2h is None or step.prefetch_window_bytes == 0:
+            if lane.d2h is None or window == 0:
                 return
             if not self.prefetch_on_unpack and lane.prefetched_copies:
                 return
-            if lane.prefetched_bytes and lane.prefetched_bytes + copy.nbytes > step.prefetch_window_bytes:
+            if lane.prefetched_bytes and lane.prefetched_bytes + copy.nbytes > window:
                 return  # full; a copy larger than the window still goes alone
             self._reload(copy, lane.compute_stream())
             copy.prefetched = True

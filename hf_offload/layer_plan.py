@@ -1,4 +1,4 @@
-"""Applying a per-layer plan to a model's decoder layers: keep, offload, selective or full checkpoint.
+"""Applying a per-layer plan to decoder layers: keep, offload, selective (kept or offloaded) or full checkpoint.
 
 transformers' decoder layers (`GradientCheckpointingLayer`) each read their own `gradient_checkpointing` flag and
 `_gradient_checkpointing_func` at every forward, so a plan can be applied layer by layer without touching the
@@ -10,6 +10,9 @@ model's code. For each layer, with the engine's offloading context around the mo
 * selective: a non-reentrant checkpoint whose policy saves the outputs of matrix products and attention and
   recomputes the rest (`torch.utils.checkpoint.create_selective_checkpoint_contexts`). The saved outputs stay in
   the checkpoint's own cache on the GPU: saved-tensor hooks never see them;
+* selective offload: the same checkpoint and policy, but the saved outputs go through the engine (its pinned pool,
+  streams, windows and prefetch) instead of that cache, so the layer holds nothing on the GPU between its forward
+  and backward, and backward reloads the outputs and recomputes only the cheap ops (`_SelectiveOffload`);
 * full: a non-reentrant checkpoint, which saves only the layer's input.
 
 A checkpointed layer's input is saved by the checkpoint itself, before its own hooks take over, so the engine sees
@@ -29,32 +32,37 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
 
-from .engine import OffloadActivations
+from .engine import OffloadActivations, top_saved_tensors_pack_hook
 from .model import find_decoder_layers
-from .planner import FULL, KEEP, OFFLOAD, SELECTIVE
+from .planner import FULL, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD
 
-ACTIONS = (KEEP, OFFLOAD, SELECTIVE, FULL)
+ACTIONS = (KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL)
 
 # What a selective checkpoint saves: the outputs of the ops that cost the most to recompute per byte they occupy.
 # Everything else (norms, activations, rotary embeddings, residual adds) is recomputed.
+_SAVED_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                   "_scaled_dot_product_flash_attention_for_cpu",
+                   "_flash_attention_forward", "_efficient_attention_forward")  # fmt: skip
 _SAVED_BY_SELECTIVE_CHECKPOINT = frozenset(
-    op
-    for op in (
-        getattr(torch.ops.aten, name, None)
-        for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                     "_scaled_dot_product_flash_attention_for_cpu",
-                     "_flash_attention_forward", "_efficient_attention_forward")  # fmt: skip
-    )
-    if op is not None
+    op for op in (getattr(torch.ops.aten, name, None) for name in _SAVED_OP_NAMES) if op is not None
 )
 
 
@@ -90,6 +98,8 @@ def _run_as_is(function: Callable[..., Any], *args: Any) -> Any:
 
 def _layer_function(action: str, offload_input: bool, engine: OffloadActivations) -> Callable[..., Any]:
     """The `_gradient_checkpointing_func` of a kept or checkpointed layer."""
+    if action == SELECTIVE_OFFLOAD:  # it keeps its input itself: a keeping region around it would hide the engine
+        return _SelectiveOffload(engine, offload_input)
     function = {KEEP: _run_as_is, SELECTIVE: selective_checkpoint_function(),
                 FULL: functools.partial(checkpoint, use_reentrant=False)}[action]  # fmt: skip
     return _InKeepingRegion(function, engine) if action == KEEP or not offload_input else function
@@ -113,6 +123,228 @@ class _InKeepingRegion:
             return self.function(*args, **kwargs)
         with engine.exempt(reason="planned"):
             return self.function(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Selective offload
+# --------------------------------------------------------------------------------------------------------------------
+
+# Without early stop, a recomputation runs to the end of the layer and so takes every output the forward stashed,
+# the layer's last matrix product included (only the ops after the last tensor autograd saves read it). With early
+# stop that output's copy would never be unpacked, yet the engine prefetches it like any other and counts it against
+# the prefetch window until it is unpacked: a few layers later the window would stay full. torch takes the keyword
+# from 2.9 on; before, the global switch does the same (it is read once, when `checkpoint` makes its frame).
+_EARLY_STOP_KEYWORD = "early_stop" in inspect.signature(checkpoint).parameters
+
+
+def _without_early_stop() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if _EARLY_STOP_KEYWORD else set_checkpoint_early_stop(False)
+
+
+def _stashed(op: Any) -> bool:
+    """Whether a selective offload sends `op`'s outputs through the engine: those a selective checkpoint saves,
+    unless an output aliases an input (an `out=` variant), whose memory belongs to the caller."""
+    return saved_by_selective_checkpoint(op) and not any(ret.alias_info is not None for ret in op._schema.returns)
+
+
+@functools.cache
+def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument `op` writes into (in-place and `out=` variants)."""
+    schema = getattr(op, "_schema", None)  # higher-order operators have none
+    arguments = schema.arguments if schema is not None else ()
+    return tuple((i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _rng_state(device: torch.device) -> Any:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def _set_rng_state(device: torch.device, state: Any) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+class _Packed:
+    """A tensor output, as the engine's pack hook returned it (the handle of its host copy, or the tensor kept)."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self, saved: Any) -> None:
+        self.saved = saved
+
+
+class _Call:
+    """One call of a stashed op: its outputs (tensors packed, the rest as they are) and, for an op that may draw
+    random numbers (attention with dropout), the device and generator state it left behind."""
+
+    __slots__ = ("outputs", "rng")
+
+    def __init__(self, outputs: Any, rng: tuple[torch.device, Any] | None) -> None:
+        self.outputs = outputs
+        self.rng = rng
+
+
+class _Stash:
+    """What one selective offload's forward stashed, per op, in call order: shared by its two dispatch modes.
+
+    Held by the recompute mode, which the checkpoint's frame holds (in its recompute function), which autograd's
+    graph holds: once backward has run or the graph is dropped, the stash and every handle still in it go, and with
+    them their host copies. A recomputation takes each call's entry by its index (as torch 2.13's own cache does, not
+    its 2.11 FIFO): a second backward (`retain_graph`) recomputes from the start again and must not be handed the
+    outputs of later calls, and an entry taken once is empty, so that call runs again instead.
+    """
+
+    __slots__ = ("calls", "__weakref__")
+
+    def __init__(self) -> None:
+        self.calls: defaultdict[Any, list[_Call | None]] = defaultdict(list)
+
+    def take(self, op: Any, index: int) -> _Call | None:
+        calls = self.calls.get(op)
+        if calls is None or index >= len(calls):
+            return None
+        call, calls[index] = calls[index], None
+        return call
+
+    def __len__(self) -> int:
+        """The calls stashed and not taken yet."""
+        return sum(call is not None for calls in self.calls.values() for call in calls)
+
+
+class _StashingMode(TorchDispatchMode):
+    """The forward of a selective offload: runs every op, and hands the outputs of those a selective checkpoint saves
+    to the engine's pack hook, as if autograd had saved them, keeping only what the hook returns."""
+
+    def __init__(self, stash: _Stash, pack: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self._stash = stash
+        self._pack = pack
+        # The storages of the stashed outputs, to refuse an in-place write into one: its copy may still be reading
+        # it on the side stream, and backward would be handed the value from before the write.
+        self._storages: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self._storages and _written_arguments(func):
+            self._refuse_writes(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if _stashed(func):
+            rng = None
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                device = next((a.device for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
+                rng = (device, _rng_state(device)) if device is not None else None
+            self._stash.calls[func].append(_Call(tree_map(self._packed, out), rng))
+        return out
+
+    def _packed(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if type(value) is torch.Tensor and value.untyped_storage().nbytes():
+            storage = value.untyped_storage()
+            self._storages[storage.data_ptr()] = weakref.ref(storage)
+        return _Packed(self._pack(value.detach()))
+
+    def _refuse_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        for position, name in _written_arguments(func):
+            value = args[position] if position < len(args) else kwargs.get(name)
+            for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                if type(tensor) is not torch.Tensor:
+                    continue
+                storage = tensor.untyped_storage()
+                stashed = self._storages.get(storage.data_ptr())
+                if stashed is not None and stashed() is storage:
+                    raise RuntimeError(
+                        f"{func} writes in place into the output of a matrix product or attention that a "
+                        f"'{SELECTIVE_OFFLOAD}' checkpoint has handed to the offloading engine: its copy would not "
+                        "see the write (a selective checkpoint refuses this too). Give this layer another action."
+                    )
+
+
+class _UnstashingMode(TorchDispatchMode):
+    """The recomputation of a selective offload: the stashed ops do not run, their outputs come back from the engine
+    (through its unpack hook, as autograd's saved tensors do); every other op runs again."""
+
+    def __init__(self, stash: _Stash, unpack: Callable[[Any], torch.Tensor]) -> None:
+        super().__init__()
+        self._stash = stash
+        self._unpack = unpack  # needs no engine: each handle holds its own
+        self._calls: defaultdict[Any, int] = defaultdict(int)
+
+    def __enter__(self) -> _UnstashingMode:
+        self._calls.clear()  # each recomputation (one per backward) starts from the region's first call
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _stashed(func):
+            index = self._calls[func]
+            self._calls[func] = index + 1
+            call = self._stash.take(func, index)
+            if call is not None:
+                outputs = tree_map(lambda leaf: self._unpack(leaf.saved) if isinstance(leaf, _Packed) else leaf,
+                                   call.outputs)  # fmt: skip
+                # The op does not run, so it draws no random numbers: the ops after it must find the generator
+                # where the forward left it (the checkpoint restores it only at the region's start).
+                if call.rng is not None:
+                    _set_rng_state(*call.rng)
+                return outputs
+        return func(*args, **(kwargs or {}))
+
+
+def _stash_contexts(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> Any:
+    """A `context_fn` for `checkpoint`: a new stash, and the forward and recompute modes that share it."""
+    stash = _Stash()
+    return _StashingMode(stash, pack), _UnstashingMode(stash, unpack)
+
+
+def _on_top(engine: OffloadActivations) -> bool:
+    """Whether `engine`'s hooks are the innermost saved-tensor hooks, those a tensor saved here would go through."""
+    top = top_saved_tensors_pack_hook()
+    if top is ... or top is engine.pack_hook:  # ...: this torch cannot tell; assume the plan runs where it is meant to
+        return True
+    engine_ref = getattr(top, "offloading_engine", None)  # the hook itself, if the attribute has been wrapped since
+    return engine_ref is not None and engine_ref() is engine
+
+
+class _SelectiveOffload:
+    """The `_gradient_checkpointing_func` of a layer under "selective_offload".
+
+    A non-reentrant checkpoint with the selective policy whose `context_fn` gives each call its own pair of dispatch
+    modes sharing one stash: the forward one hands each saved output to the engine's pack hook, the recompute one
+    gives back what the unpack hook returns and runs the other ops. The engine then treats those outputs as any saved
+    tensor: copied out through its forward window, reloaded ahead of need, kept where its rules keep tensors (the
+    tail, small tensors, the host pool's cap).
+
+    The outputs go to the engine only when its hooks are the innermost ones, where the layer's other saved tensors
+    would go: under a region that keeps tensors (`set_aside`, `exempt`), outside the engine's context, with the
+    engine gone, or while compiling, the layer is checkpointed as under "selective" (torch's own cache).
+
+    Attributes:
+        offloads_saved_tensors: True. Tells other modules (`hf_offload.model`'s prefetch points), without importing
+            this one, that this checkpoint sends the engine many tensors per layer, each needing its reload ahead,
+            rather than its input alone.
+    """
+
+    offloads_saved_tensors = True
+
+    def __init__(self, engine: OffloadActivations, offload_input: bool = True) -> None:
+        self._engine = weakref.ref(engine)  # a model that outlives the engine must not keep it alive
+        self.offload_input = offload_input
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        engine = self._engine()
+        if engine is None or not _on_top(engine) or torch.compiler.is_compiling():
+            return checkpoint(function, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
+        context_fn = functools.partial(_stash_contexts, engine.pack_hook, engine.unpack_hook)
+        early_stop = {"early_stop": False} if _EARLY_STOP_KEYWORD else {}
+        # The checkpoint saves its input through the hooks in place when it is called; its modes go to the engine
+        # directly, so a keeping region for the input changes nothing else.
+        keep_input = engine.exempt(reason="planned") if not self.offload_input else contextlib.nullcontext()
+        with keep_input, _without_early_stop():
+            return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **early_stop, **kwargs)
 
 
 _ABSENT = object()
@@ -163,9 +395,7 @@ class AppliedPlan:
         self._restore.clear()
 
 
-def apply_layer_plan(
-    model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction]
-) -> AppliedPlan:
+def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction]) -> AppliedPlan:
     """Set each decoder layer of `model` to its action in `actions` (one per layer, in forward order).
 
     Args:

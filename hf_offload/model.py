@@ -463,7 +463,8 @@ class _PrefetchPoints:
 
     * The head. Backward's first unpack comes only after the loss's and the head's backward, the step's memory peak
       without checkpointing. The head's backward runs just after that peak (its input gradient is small), and at
-      a large vocabulary it takes long enough to reload the last layer's activations.
+      a large vocabulary it takes long enough to reload the last layer's activations. A memory plan that reloads
+      far ahead narrows what the head may start (`engine.head_prefetch_window_bytes`): the peak is still close.
     * Each block's attention, with checkpointing. A block unpacks its input once, as its recomputation starts; a
       reload prefetched there would sit on top of the recomputed activations, the peak of the step. At the
       attention's gradient the MLP's activations are gone and the attention's backward (the long part at long
@@ -471,7 +472,9 @@ class _PrefetchPoints:
       checkpointing the first forward saves no graph; the hook is then registered by the recomputation, whose inner
       backward fires it at the same point. Without checkpointing every saved tensor is unpacked, and unpacks keep
       prefetching as usual; so do they when some decoder layers are not checkpointed (a per-layer plan), whose
-      many saved tensors each need their reload ahead.
+      many saved tensors each need their reload ahead, or are checkpointed by a function that hands the engine the
+      tensors the checkpoint saves, not only its input (a per-layer plan's selective offload; such a function says
+      so by its attribute `offloads_saved_tensors`): their recomputation unpacks all of those at once.
     """
 
     def __init__(self, engine: OffloadActivations, layers: list[nn.Module]) -> None:
@@ -483,16 +486,32 @@ class _PrefetchPoints:
         if engine is None:
             return
         if self._layers:
-            every_layer_checkpointed = all(getattr(layer, "gradient_checkpointing", False) for layer in self._layers)
+            input_only = all(self._input_only(layer) for layer in self._layers)
         else:
-            every_layer_checkpointed = _checkpointing_on(module)
-        engine.prefetch_on_unpack = not every_layer_checkpointed
+            input_only = _checkpointing_on(module)
+        engine.prefetch_on_unpack = not input_only
+
+    @staticmethod
+    def _input_only(layer: nn.Module) -> bool:
+        """Whether the engine sees at most this layer's input: the layer is checkpointed (or kept, through a
+        "checkpoint function" of the plan), and its checkpoint function does not send it what the checkpoint saves."""
+        if not getattr(layer, "gradient_checkpointing", False):
+            return False
+        return not getattr(getattr(layer, "_gradient_checkpointing_func", None), "offloads_saved_tensors", False)
 
     def point_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._prefetch_at(output, head=False)
+
+    def head_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        """As `point_exit`, within the engine's head window: a memory plan that prefetches far ahead keeps the
+        head's reloads narrow, since the loss's peak is then still close."""
+        self._prefetch_at(output, head=True)
+
+    def _prefetch_at(self, output: Any, head: bool) -> None:
         engine = self._engine()
         tensor = first_tensor(output)
         if engine is not None and tensor is not None and tensor.requires_grad:
-            tensor.register_hook(engine.prefetch_hook())
+            tensor.register_hook(engine.prefetch_hook(engine.head_prefetch_window_bytes if head else None))
 
     def __deepcopy__(self, memo: dict) -> _PrefetchPoints:
         return self  # as for _ExemptHooks: never copy the engine with a model
@@ -550,7 +569,9 @@ def _install_prefetch_points(engine: OffloadActivations, model: nn.Module, head:
     points = _PrefetchPoints(engine, [layer for _, layer in find_decoder_layers(model)])
     if attention:  # with no blocks found, unpacks keep prefetching
         engine.track_hook(model.register_forward_pre_hook(points.root_enter))
-    for module in ([head] if head is not None else []) + attention:
+    if head is not None:
+        engine.track_hook(head.register_forward_hook(points.head_exit))
+    for module in attention:
         engine.track_hook(module.register_forward_hook(points.point_exit))
 
 

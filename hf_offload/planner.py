@@ -10,28 +10,35 @@ Actions, one per decoder layer, each with a one-letter code:
   * offload (`O`): everything the layer saves goes to the host after its forward and comes back for its backward.
   * selective checkpoint (`S` input offloaded, `s` input kept): the outputs of matmuls and attention stay on the
     GPU (the checkpoint keeps them in its own cache), the rest is recomputed in backward.
+  * selective checkpoint, offloaded (`X`): as `S`, but the saved outputs go to the host with the input.
   * full checkpoint (`C` input offloaded, `c` input kept): only the input is saved; the whole forward is
     recomputed in backward.
 
 The model, which the GPU measurements must confirm (bytes, seconds; layer i's numbers from its `LayerProfile`):
-  * Bytes. Between its forward and its backward a layer holds on the GPU: keep `saved_bytes`; offload 0; selective
-    `selective_bytes` (+ `input_bytes` if it keeps its input); full 0 (+ `input_bytes` if kept). It sends to the
-    host: offload `saved_bytes`; `S` and `C` `input_bytes`; the others nothing.
+  * Bytes. Between its forward and its backward a layer holds on the GPU: keep `saved_bytes`; offload and `X` 0;
+    selective `selective_bytes` (+ `input_bytes` if it keeps its input); full 0 (+ `input_bytes` if kept). It sends
+    to the host: offload `saved_bytes`; `X` `selective_bytes + input_bytes`; `S` and `C` `input_bytes`; the others
+    nothing.
   * Forward. Layers run in order. A layer's offloaded bytes are queued on one device-to-host stream when its
     forward ends (FIFO, at `d2h_bytes_per_s`) and leave the GPU when their copy finishes. Compute never waits for
     a copy except at the end of the forward, where every copy is drained before the head runs: that wait is
     exposed time. Memory while layer i computes = static + what the layers before it hold + their copies not
     finished when layer i starts + layer i's `saved_bytes` (all its activations exist while it computes, even
     when it is checkpointed).
-  * Head. Memory = static + what every layer holds + `head_bytes` + the reload of the last layer, which is issued
-    when the head starts.
-  * Backward, layer i from the last to the first. Its offloaded bytes come back on one host-to-device stream
-    (FIFO, at `h2d_bytes_per_s`), issued when layer i+1's backward starts (the head's start, for the last layer).
-    Layer i's backward starts when layer i+1's has ended and its reload has finished (the difference is a stall),
-    and lasts `backward_s` + its recompute (full: `forward_s`, selective: `selective_recompute_s`). Memory =
-    static + `gradient_bytes` (counted whole: most gradients exist by then) + what the layers before it hold
-    + its `saved_bytes` (kept, reloaded or recomputed, all of it exists
-    during its backward) + `backward_working_bytes` + the reload of layer i-1 (issued as layer i's backward starts).
+  * Reloads. The offloaded layers come back one after another, from the last to the first, on one host-to-device
+    stream (FIFO, at `h2d_bytes_per_s`), as far ahead as the prefetch window allows: a layer's reload is issued
+    when the head starts or a layer's backward starts, if the reloads issued and not yet used fit the window with
+    it (or none are outstanding). The window is at least the largest layer's reload (one layer ahead); the planner
+    widens it as far as the budget allows, which hides long reloads behind several layers' backward. While the
+    head runs, the window stays at its narrowest: the loss's peak is then still close.
+  * Head. Memory = static + what every layer holds + `head_bytes` + the reloads outstanding, counted as
+    min(narrowest window, every reload): the engine fills its window copy by copy, not layer by layer.
+  * Backward, layer i from the last to the first. Its backward starts when layer i+1's has ended and its reload
+    has finished (the difference is a stall), and lasts `backward_s` + its recompute (full: `forward_s`,
+    selective: `selective_recompute_s`). Memory = static + the gradients that exist by then (`gradient_bytes` less
+    the `parameter_gradient_bytes` of the layers before it, whose backward is still to come) + what the layers
+    before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it exists
+    during its backward) + `backward_working_bytes` + min(window, the reloads of the layers before it).
   * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`.
   * Step time = `other_s` + the layers' forwards + the drain + `head_s` + the layers' backwards, recomputes and
     stalls. Peak = the largest memory of all the points above.
@@ -59,7 +66,7 @@ GIB = 2**30
 AUTO_MARGIN_FRACTION = 0.05
 AUTO_MARGIN_MIN_BYTES = 2 * GIB
 
-KEEP, OFFLOAD, SELECTIVE, FULL = "keep", "offload", "selective", "full"
+KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL = "keep", "offload", "selective", "selective_offload", "full"
 
 # Code letter -> (action, whether the layer's input leaves the GPU).
 ACTION_CODES: dict[str, tuple[str, bool]] = {
@@ -69,6 +76,7 @@ ACTION_CODES: dict[str, tuple[str, bool]] = {
     "s": (SELECTIVE, False),
     "C": (FULL, True),
     "c": (FULL, False),
+    "X": (SELECTIVE_OFFLOAD, True),
 }
 _CODE_OF_ACTION = {action: code for code, action in ACTION_CODES.items()}
 
@@ -231,6 +239,7 @@ class LayerProfile:
         selective_recompute_s: what a selective checkpoint recomputes in backward.
         attention_forward_s: the part of `forward_s` that grows with the square of the tokens.
         attention_backward_s: the part of `backward_s` that grows with the square of the tokens.
+        parameter_gradient_bytes: the gradients of its trainable parameters, which its backward creates.
     """
 
     saved_bytes: int
@@ -241,9 +250,10 @@ class LayerProfile:
     selective_recompute_s: float
     attention_forward_s: float = 0.0
     attention_backward_s: float = 0.0
+    parameter_gradient_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("saved_bytes", "selective_bytes", "input_bytes"):
+        for name in ("saved_bytes", "selective_bytes", "input_bytes", "parameter_gradient_bytes"):
             _check_bytes("LayerProfile", name, getattr(self, name))
         for name in ("forward_s", "backward_s", "selective_recompute_s", "attention_forward_s",
                      "attention_backward_s"):  # fmt: skip
@@ -262,8 +272,8 @@ class StepProfile:
         layers: one `LayerProfile` per decoder layer, in forward order.
         static_bytes: memory held through the whole step: parameters, optimizer state (and gradients, when a
             gradient accumulation step starts with them).
-        gradient_bytes: gradients that backward creates: absent in the forward and at the head's peak, counted
-            at every backward point (where most of them exist).
+        gradient_bytes: gradients that backward creates: absent in the forward and at the head's peak; at a layer's
+            backward, all but those of the layers before it (`LayerProfile.parameter_gradient_bytes`).
         head_bytes: the head's and loss's peak on top of everything held when the forward ends.
         backward_working_bytes: transient gradient buffers of one layer's backward, on top of its activations.
         head_s: the head and loss, forward and backward.
@@ -302,7 +312,7 @@ class StepProfile:
     def scaled(self, tokens: int) -> StepProfile:
         """The same step at another number of tokens.
 
-        Activation bytes grow in proportion to the tokens (rounded up), static bytes do not; times grow in
+        Activation bytes grow in proportion to the tokens (rounded up), static and gradient bytes do not; times grow in
         proportion too, except the attention parts, which grow with the square.
 
         Args:
@@ -328,7 +338,8 @@ class StepProfile:
             return (total - attention) * ratio + attention * ratio * ratio
 
         layers = tuple(
-            LayerProfile(
+            dataclasses.replace(  # parameter gradients do not grow with the tokens
+                layer,
                 saved_bytes=grow(layer.saved_bytes),
                 selective_bytes=grow(layer.selective_bytes),
                 input_bytes=grow(layer.input_bytes),
@@ -400,7 +411,7 @@ class Prediction:
         drain_s: compute's wait for the copies at the end of the forward.
         host_bytes: bytes on the host at the end of the forward.
         forward_window_bytes: the most bytes in flight to the host at once, counting a copy from its queueing.
-        prefetch_window_bytes: the largest single reload (reloads run one layer ahead, one at a time).
+        prefetch_window_bytes: the reloads issued ahead of need, at most (0 when nothing is offloaded).
     """
 
     layers: tuple[LayerPlan, ...]
@@ -452,13 +463,20 @@ def _layer_options(layer: LayerProfile) -> dict[str, _Option]:
         "O": _Option(0, saved, 0.0, *times),
         "S": _Option(selective, inputs, layer.selective_recompute_s, *times),
         "s": _Option(selective + inputs, 0, layer.selective_recompute_s, *times),
+        "X": _Option(0, selective + inputs, layer.selective_recompute_s, *times),
         "C": _Option(0, inputs, layer.forward_s, *times),
         "c": _Option(inputs, 0, layer.forward_s, *times),
     }
 
 
-def _simulate(profile: StepProfile, options: Sequence[_Option]) -> _Run:
-    """The model of the module docstring, walked through once in time order. The planner's hot loop."""
+def _simulate(profile: StepProfile, options: Sequence[_Option], window: int | None = None,
+              limit: int | None = None) -> _Run:  # fmt: skip
+    """The model of the module docstring, walked through once in time order. The planner's hot loop.
+
+    The prefetch window is `window` (at least the largest reload), or with `limit` (a peak not to exceed) the widest
+    that keeps the peak within it, or else the narrowest: the peak's points are computed before the reloads are
+    timed, and each bounds the window by the room it leaves.
+    """
     static = profile.static_bytes
     peak, peak_phase, peak_layer = -1, "", -1
 
@@ -483,33 +501,68 @@ def _simulate(profile: StepProfile, options: Sequence[_Option]) -> _Run:
                 forward_window = copying_bytes
         held_before += held
 
+    # The points after the forward: memory without the reloads, and the reloads still to come there.
+    reloads_total = sum(option.offloaded for option in options)
+    narrowest = max(option.offloaded for option in options)
+    # The head's reloads stay within the narrowest window (the engine widens it once the layers' backward begins),
+    # so that they never pile onto the loss's peak.
+    points = [(static + held_before + profile.head_bytes, min(narrowest, reloads_total), "head", -1)]
+    below = reloads_total
+    # Gradients still to come at layer i's backward: those of the layers before it, as far as they are pending.
+    gradients_to_come = min(profile.gradient_bytes, sum(layer.parameter_gradient_bytes for layer in profile.layers))
+    after_forward = static + profile.gradient_bytes + profile.backward_working_bytes
+    for i in range(len(options) - 1, -1, -1):
+        held, offloaded, _, saved, _, _ = options[i]
+        held_before -= held
+        below -= offloaded
+        gradients_to_come = max(0, gradients_to_come - profile.layers[i].parameter_gradient_bytes)
+        points.append((after_forward - gradients_to_come + held_before + saved, below, "backward", i))
+    if window is None:
+        window = narrowest
+        if limit is not None:
+            widest = reloads_total
+            for memory, to_come, _, _ in points:
+                if limit - memory < to_come:
+                    widest = min(widest, limit - memory)
+            window = max(window, widest)
+    window = max(window, narrowest)
+    for memory, to_come, phase, layer in points:
+        memory += min(window, to_come)
+        if memory > peak:
+            peak, peak_phase, peak_layer = memory, phase, layer
+
     drain = copies_done_at - now if copies_done_at > now else 0.0
     head_start = now + drain
-    memory = static + held_before + profile.head_bytes + options[-1].offloaded
-    if memory > peak:
-        peak, peak_phase, peak_layer = memory, "head", -1
-
     stalls = [0.0] * len(options)
-    working = profile.backward_working_bytes
-    reload_issued_at = head_start
-    reloads_done_at = 0.0
+    reloads = [i for i in range(len(options) - 1, -1, -1) if options[i].offloaded]  # in the order they come back
+    reload_done = [0.0] * len(options)
+    next_reload, outstanding, h2d_free_at = 0, 0, 0.0
+
+    def issue(at: float, ahead: int) -> None:
+        """Issues the next reloads at time `at`, while those outstanding fit `ahead` bytes."""
+        nonlocal next_reload, outstanding, h2d_free_at
+        while next_reload < len(reloads):
+            layer = reloads[next_reload]
+            nbytes = options[layer].offloaded
+            if outstanding and outstanding + nbytes > ahead:
+                return
+            h2d_free_at = (h2d_free_at if h2d_free_at > at else at) + nbytes / profile.h2d_bytes_per_s
+            reload_done[layer] = h2d_free_at
+            outstanding += nbytes
+            next_reload += 1
+
+    issue(head_start, narrowest)
     previous_end = head_start + profile.head_s  # end of the backward after this layer's (the head's, first)
     for i in range(len(options) - 1, -1, -1):
-        held, offloaded, recompute_s, saved, _, backward_s = options[i]
-        held_before -= held
+        _, offloaded, recompute_s, _, _, backward_s = options[i]
         start = previous_end
         if offloaded:
-            if reload_issued_at > reloads_done_at:
-                reloads_done_at = reload_issued_at
-            reloads_done_at += offloaded / profile.h2d_bytes_per_s
-            if reloads_done_at > start:
-                start = reloads_done_at
+            issue(start, window)  # a no-op unless every earlier reload is used: then this one goes now
+            if reload_done[i] > start:
+                start = reload_done[i]
+            outstanding -= offloaded
         stalls[i] = start - previous_end
-        reload_ahead = options[i - 1].offloaded if i else 0
-        memory = static + profile.gradient_bytes + held_before + saved + working + reload_ahead
-        if memory > peak:
-            peak, peak_phase, peak_layer = memory, "backward", i
-        reload_issued_at = start
+        issue(start, window)
         previous_end = start + backward_s + recompute_s
 
     return _Run(
@@ -518,9 +571,9 @@ def _simulate(profile: StepProfile, options: Sequence[_Option]) -> _Run:
         peak_layer=peak_layer,
         step_s=profile.other_s + previous_end,
         drain_s=drain,
-        host_bytes=sum(option.offloaded for option in options),
+        host_bytes=reloads_total,
         forward_window_bytes=forward_window,
-        prefetch_window_bytes=max(option.offloaded for option in options),
+        prefetch_window_bytes=window if reloads_total else 0,
         stall_s=stalls,
     )
 
@@ -535,12 +588,14 @@ def _check_code(profile: StepProfile, code: str) -> None:
                          f"{''.join(ACTION_CODES)}, got {code!r}")  # fmt: skip
 
 
-def simulate(profile: StepProfile, code: str) -> Prediction:
+def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None = None) -> Prediction:
     """Predicts the peak memory and time of one step under the given layer actions.
 
     Args:
         profile: the measured step.
         code: one action letter per layer, in forward order (see `ACTION_CODES`), e.g. "CCCCSSSSKKKK".
+        prefetch_window_bytes: the reloads allowed ahead of need; None, or anything narrower than the largest
+            layer's reload, means that reload (one layer ahead).
 
     Returns:
         The prediction.
@@ -555,8 +610,10 @@ def simulate(profile: StepProfile, code: str) -> Prediction:
         'backward layer 3'
     """
     _check_code(profile, code)
+    if prefetch_window_bytes is not None:
+        _check_bytes("simulate", "prefetch_window_bytes", prefetch_window_bytes)
     options = [_layer_options(layer)[letter] for layer, letter in zip(profile.layers, code)]
-    return _prediction(code, options, _simulate(profile, options))
+    return _prediction(code, options, _simulate(profile, options, window=prefetch_window_bytes))
 
 
 def _prediction(code: str, options: Sequence[_Option], run: _Run) -> Prediction:
@@ -582,6 +639,7 @@ _ACTION_NAMES = {
     "O": "offload",
     "S": "selective, input offloaded",
     "s": "selective, input kept",
+    "X": "selective, all offloaded",
     "C": "full, input offloaded",
     "c": "full, input kept",
 }
@@ -618,8 +676,13 @@ class Plan:
 
     @property
     def prefetch_window_bytes(self) -> int:
-        """The engine's prefetch window: the largest reload, issued one layer ahead."""
+        """The engine's prefetch window: the reloads it may issue ahead of need (see the module docstring)."""
         return self.predicted.prefetch_window_bytes
+
+    @property
+    def head_prefetch_window_bytes(self) -> int:
+        """What the output head's backward may reload ahead: the largest layer's reload (see the module docstring)."""
+        return max(layer.offloaded_bytes for layer in self.layers)
 
     def format_table(self) -> str:
         """The plan as a table for the log: a header line, then one line per layer."""
@@ -652,6 +715,12 @@ class Plan:
         predicted = dict(data["predicted"])
         predicted["layers"] = tuple(LayerPlan(**layer) for layer in predicted["layers"])
         return cls(budget_bytes=data["budget_bytes"], tokens=data["tokens"], predicted=Prediction(**predicted))
+
+
+# The actions the planner chooses among: all but the selective offload (`X`). On S1 and S2 (H100) its layers cost
+# about 2.5 ms each more than the model predicts from their recompute and copies (benchmarks/NOTES.md, 2026-11-23,
+# session 2), which left plans with `X` slower than plans without; it stays an action for hand-written plans.
+_PLANNED = "KOSsCc"
 
 
 def _own_seconds(profile: StepProfile, options: list[dict[str, _Option]]) -> list[dict[str, float]]:
@@ -698,17 +767,17 @@ def _greedy_plans(
 ) -> list[list[str]]:
     """The greedy's sequence of plans from keeping everything, each one layer change further than the last.
 
-    Each layer's changes follow the lower convex hull of its (bytes held, seconds added) options, e.g. keep ->
-    selective -> full; all layers' changes are merged by bytes freed per second added, earlier layers first on
-    ties (they free memory for more of the step). A change that would overflow the host cap becomes the layer's
-    best change that fits in what the host has left.
+    Each layer's changes follow the lower convex hull of its (bytes held, seconds added) options among `_PLANNED`,
+    e.g. keep -> selective -> full; all layers' changes are merged by bytes freed per second added, earlier layers
+    first on ties (they free memory for more of the step). A change that would overflow the host cap becomes the
+    layer's best change that fits in what the host has left.
     """
     held = [{letter: option.held for letter, option in layer.items()} for layer in options]
     offloaded = [{letter: option.offloaded for letter, option in layer.items()} for layer in options]
     changes = []  # (bytes freed per second added, layer, action code)
     for i in range(len(options)):
         current = "K"
-        while (target := _next_option(current, ACTION_CODES, held[i], seconds[i])) is not None:
+        while (target := _next_option(current, _PLANNED, held[i], seconds[i])) is not None:
             added = seconds[i][target] - seconds[i][current]
             freed = held[i][current] - held[i][target]
             changes.append((math.inf if added <= 0 else freed / added, i, target))
@@ -722,7 +791,7 @@ def _greedy_plans(
             continue  # a fallback for the host cap already went past it
         room = profile.host_cap_bytes - host_bytes + offloaded[i][current]
         if offloaded[i][target] > room:
-            fitting = [letter for letter in ACTION_CODES if offloaded[i][letter] <= room]
+            fitting = [letter for letter in _PLANNED if offloaded[i][letter] <= room]
             target = _next_option(current, fitting, held[i], seconds[i])
             if target is None:
                 continue
@@ -788,15 +857,16 @@ def _polish(letters: list[str], run: _Run, seconds: list[dict[str, float]], run_
             fits: Callable[[_Run], bool]) -> tuple[list[str], _Run]:  # fmt: skip
     """Moves each layer, once, to the first action that still fits and makes the step faster.
 
-    A layer tries the actions no dearer on their own than its current one, cheapest first (ties included: an input
-    kept rather than offloaded costs the same recompute and no copy). The layers that could save the most go first;
-    on ties the last first, whose changes freed memory for the fewest points of the step.
+    A layer tries the actions of `_PLANNED` no dearer on their own than its current one, cheapest first (ties
+    included: an input kept rather than offloaded costs the same recompute and no copy). The layers that could save
+    the most go first; on ties the last first, whose changes freed memory for the fewest points of the step.
     """
-    order = sorted(range(len(letters)), key=lambda i: (min(seconds[i].values()) - seconds[i][letters[i]], -i))
+    order = sorted(range(len(letters)),
+                   key=lambda i: (min(seconds[i][letter] for letter in _PLANNED) - seconds[i][letters[i]], -i))
     for i in order:
         current_s = seconds[i][letters[i]]
         alternatives = sorted(
-            (letter for letter in ACTION_CODES if letter != letters[i] and seconds[i][letter] <= current_s),
+            (letter for letter in _PLANNED if letter != letters[i] and seconds[i][letter] <= current_s),
             key=lambda letter: seconds[i][letter],
         )
         for letter in alternatives:
@@ -817,8 +887,9 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
     its plans that fits. Polishing moves each layer, one at a time, to the cheapest action that still fits if that
     makes the step faster, which undoes changes the peak did not need (a change frees memory only for the points
     of the step after its layer). Both the greedy's plan and the lowest-memory plan are polished, and the faster
-    wins: the result is never slower than the lowest-memory plan. Every candidate is judged by `_simulate`, so the
-    plan never exceeds the budget. About 10 simulations per layer at most, each linear in the layers.
+    wins: the result is never slower than the lowest-memory plan. Every candidate is judged by `_simulate` with the
+    widest prefetch window that fits, so the plan never exceeds the budget. About 10 simulations per layer at most,
+    each linear in the layers. The selective offload (`X`) is not chosen (see `_PLANNED`).
 
     A heuristic: on uniform layers it matches an exhaustive search (see the tests); with layers of different
     sizes and slow links, where copies queue behind each other, it can miss the fastest plan by a few percent.
@@ -844,19 +915,20 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
         >>> simulate(profile, "KKKK").peak_bytes / GIB
         18.0
         >>> plan(profile, 16 * GIB).code
-        'SSKK'
+        'SSSK'
         >>> round(plan(profile, 16 * GIB).predicted.step_s, 3)
-        0.134
+        0.136
     """
     if not _is_int(budget_bytes) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be an int > 0, got {budget_bytes!r}")
     options = [_layer_options(layer) for layer in profile.layers]
+    limit = budget_bytes - margin_bytes
 
     def run_of(letters: Sequence[str]) -> _Run:
-        return _simulate(profile, [layer[letter] for layer, letter in zip(options, letters)])
+        return _simulate(profile, [layer[letter] for layer, letter in zip(options, letters)], limit=limit)
 
     def fits(run: _Run) -> bool:
-        return run.peak_bytes + margin_bytes <= budget_bytes and run.host_bytes <= profile.host_cap_bytes
+        return run.peak_bytes <= limit and run.host_bytes <= profile.host_cap_bytes
 
     def finish(letters: Sequence[str], run: _Run) -> Plan:
         code = "".join(letters)

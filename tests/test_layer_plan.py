@@ -1,18 +1,22 @@
 """Per-layer plans on a real transformers model, in CPU test mode: every action moves or recomputes bytes as it says,
 and changes no arithmetic."""
 
+import contextlib
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from hf_offload import get_act_offloading_ctx_manager
-from hf_offload.layer_plan import apply_layer_plan, find_decoder_layers
+from hf_offload import OffloadActivations, get_act_offloading_ctx_manager, layer_plan
+from hf_offload.layer_plan import apply_layer_plan, find_decoder_layers, saved_by_selective_checkpoint
 
 LAYERS = 4
 CODES = {"K": ("keep", False), "O": ("offload", True), "S": ("selective", True), "s": ("selective", False),
+         "X": ("selective_offload", True), "x": ("selective_offload", False),
          "C": ("full", True), "c": ("full", False)}  # fmt: skip
 
 
@@ -47,7 +51,8 @@ def test_decoder_layers_are_found_in_forward_order():
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-@pytest.mark.parametrize("code", ["KKKK", "OOOO", "SSSS", "ssss", "CCCC", "cccc", "CSOK", "cSsK", "KOcC"])
+@pytest.mark.parametrize("code", ["KKKK", "OOOO", "SSSS", "ssss", "CCCC", "cccc", "CSOK", "cSsK", "KOcC",
+                                  "XXXX", "xxxx", "XCSK", "OXcX", "KxSX"])  # fmt: skip
 def test_every_plan_is_bitwise_equal_to_no_offloading(code, attention):
     model = tiny_llama(attention)
     baseline = step(model)
@@ -88,6 +93,79 @@ def test_each_action_moves_what_it_says():
     assert outside[0] < one_each[0] < everything[0] and 0 < one_each[2] < outside[2]
 
 
+class SelectiveOutputs(TorchDispatchMode):
+    """Counts the outputs a selective checkpoint saves (calls and bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if saved_by_selective_checkpoint(func):
+            self.calls += 1
+            self.nbytes += sum(t.nbytes for t in (out if isinstance(out, tuple) else (out,)))
+        return out
+
+
+def test_a_selective_offload_sends_what_a_selective_checkpoint_saves_through_the_engine():
+    counter = SelectiveOutputs()  # one layer's matrix products and attention, run plainly
+    model = tiny_llama("eager")
+    layer = model.model.layers[1]
+    layer.register_forward_pre_hook(lambda *_: counter.__enter__() and None)
+    layer.register_forward_hook(lambda *_: counter.__exit__(None, None, None))
+    step(model)
+    assert counter.calls == 9  # q, k, v, scores, scores @ v, o, gate, up, down
+    selective, offloaded = offloaded_and_planned("KSKK"), offloaded_and_planned("KXKK")
+    assert offloaded[0] - selective[0] == counter.calls and offloaded[1] - selective[1] == counter.nbytes
+    assert offloaded[2] == selective[2]  # the kept layers alone
+    kept_input = offloaded_and_planned("KxKK")
+    assert kept_input[0] == offloaded[0] - 1 and kept_input[2] > offloaded[2]  # its input stays, counted "planned"
+
+
+def stashes(monkeypatch) -> list[weakref.ref]:
+    """Weak references to every stash the selective offloads make from now on."""
+    made = []
+    contexts = layer_plan._stash_contexts
+
+    def recording(*args):
+        modes = contexts(*args)
+        made.append(weakref.ref(modes[0]._stash))
+        return modes
+
+    monkeypatch.setattr(layer_plan, "_stash_contexts", recording)
+    return made
+
+
+def unpacks(stats) -> int:
+    return stats["prefetch_hits"] + stats["prefetch_misses"] + stats["inflight_hits"]
+
+
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_a_selective_offload_leaves_nothing_behind(monkeypatch, early_stop):
+    made = stashes(monkeypatch)
+    model = tiny_llama("eager")
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", keep_tail=False)
+    apply_layer_plan(model, context, actions("XXXX"))
+    ids = torch.randint(128, (2, 16))
+    for steps in (1, 2):
+        # Forcing early stop overrides the checkpoint's own setting: the recomputation then stops before the
+        # layer's last matrix product, whose stashed copy is never unpacked.
+        with set_checkpoint_early_stop(True) if early_stop else contextlib.nullcontext():
+            with context:
+                loss = model(input_ids=ids, labels=ids).loss
+            assert len(made) == steps * LAYERS and all(len(ref()) == 9 for ref in made[-LAYERS:])
+            loss.backward()
+        del loss
+        stats = context.get_stats()
+        # Every tensor handed to the engine is unpacked once (duplicates share a copy), or, under early stop, all
+        # but the last product of each layer; and whatever was left dies with the graph: no stash, no host block.
+        expected = stats["tensors_offloaded"] + stats["tensors_kept_duplicate"] - (LAYERS if early_stop else 0)
+        assert unpacks(stats) == expected
+        assert all(ref() is None for ref in made)
+        assert context._pool.bytes_in_use() == 0
+
+
 class MatmulCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -113,7 +191,113 @@ def backward_matmuls(code: str) -> int:
 def test_selective_checkpoints_recompute_no_matmul_and_full_ones_recompute_them_all():
     plain = backward_matmuls("KKKK")
     assert backward_matmuls("SSSS") == plain
+    assert backward_matmuls("XXXX") == plain
+    assert backward_matmuls("KxXS") == plain
     assert backward_matmuls("CCCC") > plain + LAYERS * 7  # q, k, v, o, gate, up, down per layer
+
+
+@pytest.mark.parametrize(("code", "on_unpack"), [("SSCC", False), ("SKcs", False), ("SSXS", True), ("XXXX", True),
+                                                 ("xCCC", True), ("OSSS", True)])  # fmt: skip
+def test_unpacks_prefetch_unless_every_layer_hands_the_engine_only_its_input(code, on_unpack):
+    model = tiny_llama("eager")
+    context = get_act_offloading_ctx_manager(model, device_type="cpu")
+    apply_layer_plan(model, context, actions(code))
+    context.prefetch_on_unpack = not on_unpack
+    with context:
+        model(input_ids=torch.randint(128, (2, 16)))
+    assert context.prefetch_on_unpack is on_unpack
+
+
+def test_a_selective_offload_outside_the_engine_is_a_selective_checkpoint():
+    model = tiny_llama("eager")
+    baseline = step(model)
+    context = get_act_offloading_ctx_manager(model, device_type="cpu")
+    apply_layer_plan(model, context, actions("XXXX"))
+    for region in (contextlib.nullcontext, context.set_aside):  # no hooks at all; hooks that keep tensors
+        loss, grads = step(model, region())
+        assert torch.equal(loss, baseline[0]) and all(torch.equal(grads[n], baseline[1][n]) for n in grads)
+        assert backward_matmuls_of(model, region()) == 0 and context._pool is None
+    loss, grads = step(model, context)
+    assert torch.equal(loss, baseline[0]) and all(torch.equal(grads[n], baseline[1][n]) for n in grads)
+    assert context._pool is not None
+
+
+def backward_matmuls_of(model, region) -> int:
+    """The matrix products a step's backward runs beyond the plain backward's (those it recomputes)."""
+    ids = torch.randint(128, (2, 16))
+    with region:
+        loss = model(input_ids=ids, labels=ids).loss
+    with MatmulCounter() as counter:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.matmuls - backward_matmuls("KKKK")
+
+
+def test_a_second_backward_recomputes_what_the_first_took():
+    model = tiny_llama("eager")
+
+    def twice(context):
+        torch.manual_seed(1)
+        ids = torch.randint(128, (2, 16))
+        model.zero_grad(set_to_none=True)
+        with context:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward(retain_graph=True)
+        with MatmulCounter() as counter:
+            loss.backward()
+        return counter.matmuls, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    plain_matmuls, baseline = twice(contextlib.nullcontext())
+    context = get_act_offloading_ctx_manager(model, device_type="cpu")
+    apply_layer_plan(model, context, actions("XXXX"))
+    matmuls, grads = twice(context)
+    assert matmuls == plain_matmuls + LAYERS * 9  # the stash was emptied by the first backward
+    assert all(torch.equal(grads[name], baseline[name]) for name in grads)
+
+
+def run_region(function, region_input, engine=None):
+    """One forward and backward of `function` on a copy of `region_input`, under a selective offload when an engine
+    is given; returns the output and the input's gradient."""
+    torch.manual_seed(0)
+    x = region_input.detach().clone().requires_grad_(True)
+    if engine is None:
+        out = function(x)
+    else:
+        with engine:
+            out = layer_plan._layer_function("selective_offload", True, engine)(function, x)
+    out.sum().backward()
+    return out.detach(), x.grad
+
+
+def test_random_numbers_drawn_after_a_stashed_op_are_drawn_again(monkeypatch):
+    # On a GPU, attention with dropout is a stashed op that draws random numbers. On the CPU no stashed op draws any,
+    # so dropout stands in for it: the uniform numbers drawn after it must be those of the forward.
+    monkeypatch.setattr(layer_plan, "_SAVED_BY_SELECTIVE_CHECKPOINT",
+                        layer_plan._SAVED_BY_SELECTIVE_CHECKPOINT | {torch.ops.aten.native_dropout})  # fmt: skip
+    weight, region_input = torch.randn(64, 64), torch.randn(64, 64)
+
+    def region(x):
+        h = torch.native_dropout(x @ weight, 0.5, True)[0]
+        return h * torch.rand_like(h)
+
+    engine = OffloadActivations(device_type="cpu")
+    reference = run_region(region, region_input)
+    got = run_region(region, region_input, engine)
+    assert engine.get_stats()["tensors_offloaded"] == 4  # the input, the product, dropout's output and mask
+    assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
+
+
+def test_a_selective_offload_refuses_a_write_into_a_stashed_output():
+    weight, region_input = torch.randn(64, 64), torch.randn(64, 64)
+
+    def region(x):
+        h = x @ weight
+        h.add_(1)
+        return h
+
+    run_region(region, region_input)  # fine without a checkpoint
+    with pytest.raises(RuntimeError, match="writes in place into the output of a matrix product"):
+        run_region(region, region_input, OffloadActivations(device_type="cpu"))
 
 
 def test_removing_a_plan_restores_the_layers():

@@ -618,7 +618,7 @@ def test_prefetch_points_fire_at_the_head_and_in_the_middle_of_each_block_backwa
     events: list[str] = []
     unpack, prefetch = engine._unpack, engine._prefetch_from_hook
     engine._unpack = lambda saved: (events.append("unpack"), unpack(saved))[1]
-    engine._prefetch_from_hook = lambda step: (events.append("prefetch"), prefetch(step))[1]
+    engine._prefetch_from_hook = lambda step, window: (events.append("prefetch"), prefetch(step, window))[1]
     loss, grads = _llama_step(model, batch, engine)
 
     assert engine.prefetch_on_unpack is (checkpointing is None)
@@ -631,6 +631,26 @@ def test_prefetch_points_fire_at_the_head_and_in_the_middle_of_each_block_backwa
     assert torch.equal(loss, ref_loss)
     for name in ref_grads:
         assert torch.equal(grads[name], ref_grads[name]), name
+
+
+def test_the_heads_prefetch_stays_within_the_head_window():
+    """A memory plan that prefetches far ahead keeps the head's reloads to one layer: the head's hook passes the
+    engine's head window, the blocks' hooks none (the step's whole window), and the reloads the head starts stay
+    within it."""
+    model = tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = llama_batch()
+    engine = get_act_offloading_ctx_manager(model, device_type="cpu", keep_tail=False)
+    windows: list[int | None] = []
+    prefetch = engine._prefetch_from_hook
+    engine._prefetch_from_hook = lambda step, window: (windows.append(window), prefetch(step, window))[1]
+    _llama_step(model, batch, engine)
+    assert windows == [None, None, None]  # without a plan the head reloads as far as the prefetch window allows
+
+    engine.use_windows(64 * 2**20, 10**9, head_prefetch_window_bytes=1)
+    windows.clear()
+    _llama_step(model, batch, engine)
+    assert windows == [1, None, None]
 
 
 def test_prefetch_hook_without_a_forward_does_nothing():

@@ -8,10 +8,11 @@ import pytest
 import torch
 from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, run_steps
 
-from hf_offload.layer_plan import apply_layer_plan
+from hf_offload import OffloadActivations
+from hf_offload.layer_plan import _layer_function, apply_layer_plan
 
 CODES = {"K": ("keep", False), "O": ("offload", True), "S": ("selective", True), "s": ("selective", False),
-         "C": ("full", True), "c": ("full", False)}  # fmt: skip
+         "X": ("selective_offload", True), "C": ("full", True), "c": ("full", False)}  # fmt: skip
 SMALL = dict(hidden=256, layers=4, seq=256, batch=2)
 # Large enough for activations to dominate the peak, small enough for a few steps per budget in seconds.
 MEDIUM = dict(hidden=1024, layers=8, seq=2048, batch=4, heads=16, kv_heads=8, intermediate=2816)
@@ -22,7 +23,8 @@ def actions(code: str) -> list[SimpleNamespace]:
 
 
 @pytest.mark.parametrize("lora", [False, True])
-@pytest.mark.parametrize("code", ["KKKK", "OOOO", "SSSS", "ssss", "CCCC", "cccc", "CSOK", "KOcC"])
+@pytest.mark.parametrize("code", ["KKKK", "OOOO", "SSSS", "ssss", "CCCC", "cccc", "CSOK", "KOcC",
+                                  "XXXX", "XCXK", "OXSX"])  # fmt: skip
 def test_every_layer_action_is_bitwise_equal_to_no_offloading(code, lora):
     size = {key: SMALL[key] for key in ("hidden", "layers", "seq")}
     batch = make_batch("llama", batch=SMALL["batch"], seq=SMALL["seq"])
@@ -33,8 +35,79 @@ def test_every_layer_action_is_bitwise_equal_to_no_offloading(code, lora):
     applied = apply_layer_plan(model, ctx, actions(code))
     got = run_steps(model, batch, steps=3, ctx=ctx)
     assert_bitwise_equal(reference, got, code)
-    if "O" in code or "C" in code or "S" in code:
+    if set(code) & set("OCSX"):
         assert all(stats["bytes_offloaded"] > 0 for stats in got.stats)
+    applied.remove()
+    dispose(ctx)
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+def test_random_numbers_after_a_stashed_attention_with_dropout_are_drawn_again(backend, record):
+    """Attention with dropout draws random numbers, and a selective offload does not run it again: the dropout after
+    it must still draw the forward's numbers in the recomputation. Only the elementwise weight gets a gradient, so
+    the comparison involves no attention backward (which need not be deterministic)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(3))
+    weight = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+
+    def region(w):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+        return torch.nn.functional.dropout(out, 0.3) * w
+
+    def weight_grad(checkpoint_function):
+        torch.manual_seed(0)
+        w = weight.detach().clone().requires_grad_(True)
+        out = region(w) if checkpoint_function is None else checkpoint_function(region, w)
+        out.float().sum().backward()
+        return out.detach(), w.grad
+
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        reference = weight_grad(None)
+        engine = OffloadActivations()
+        with engine:
+            got = weight_grad(_layer_function("selective_offload", True, engine))
+        selective = weight_grad(_layer_function("selective", True, engine))
+    record("torch_selective_checkpoint_matches", torch.equal(selective[1], reference[1]), show=True)
+    assert engine.get_stats()["tensors_offloaded"] >= 2  # the input and the attention's output at least
+    assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
+    dispose(engine)
+
+
+def test_offloaded_layers_reload_ahead_within_the_planned_windows(record):
+    """With the windows a plan gives (the whole backward's reloads ahead, one layer's from the head), every reload of
+    a selective offload or an offloaded layer is prefetched before backward needs it, and the reloads the head
+    starts stay within its window."""
+    size = {key: MEDIUM[key] for key in ("hidden", "layers", "seq", "heads", "kv_heads", "intermediate")}
+    batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"])
+    code = "XXXOCCSK"
+    reference_model = build_model("llama", dtype="bf16", **size)
+    run_steps(reference_model, batch, steps=1, keep=False)  # as the offloaded model's first step below
+    reference = run_steps(reference_model, batch, steps=3)
+    model = build_model("llama", dtype="bf16", **size)
+    ctx = make_ctx(model, keep_tail=False)
+    applied = apply_layer_plan(model, ctx, actions(code))
+    first = run_steps(model, batch, steps=1, ctx=ctx, keep=False).stats[0]  # measures what the windows are for
+    layer_bytes = first["bytes_offloaded"] // 3  # about one X layer's worth (O sends more, C less)
+    ctx.use_windows(2**31, first["bytes_offloaded"], head_prefetch_window_bytes=layer_bytes)
+    after_head: list[int] = []
+    prefetch = ctx._prefetch_from_hook
+
+    def recording(step, window):
+        prefetch(step, window)
+        if window is not None:  # the head's hook
+            after_head.append(sum(lane.prefetched_bytes for lane in ctx._lanes.values()))
+
+    ctx._prefetch_from_hook = recording
+    got = run_steps(model, batch, steps=3, ctx=ctx)
+    record("stats", [{key: s[key] for key in ("prefetch_hits", "prefetch_misses", "inflight_hits", "compute_wait_s")}
+                     for s in got.stats], show=True)  # fmt: skip
+    record("prefetched_after_head", after_head, show=True)
+    assert_bitwise_equal(reference, got, code)
+    assert all(stats["prefetch_misses"] == 0 for stats in got.stats)
+    largest_copy = MEDIUM["batch"] * MEDIUM["seq"] * MEDIUM["intermediate"] * 2  # an MLP activation, bf16
+    assert after_head and all(0 < nbytes <= max(layer_bytes, largest_copy) for nbytes in after_head)
     applied.remove()
     dispose(ctx)
 

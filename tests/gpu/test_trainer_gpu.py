@@ -82,12 +82,27 @@ def train_and_measure(trainer: transformers.Trainer) -> dict[str, Any]:
         "losses": [record["loss"] for record in trainer.state.log_history if "loss" in record],
         "weights": {name: tensor.cpu() for name, tensor in trainer.model.state_dict().items()},
         "peak_gib": (torch.cuda.max_memory_allocated() - resident) / 2**30,
+        "peak_bytes": torch.cuda.max_memory_allocated(),
+        "log_history": list(trainer.state.log_history),
         "stats": callbacks[0].stats if callbacks else {},
     }
     del trainer, callbacks
     gc.collect()  # the engine's hooks are bound methods of itself: a cycle holding the pinned pool
     torch.cuda.empty_cache()
     return result
+
+
+def train_with_trainer(output_dir: Path, tokenizer, features: list, **offloading: Any) -> dict[str, Any]:
+    """`train_and_measure` of a plain `Trainer` on the tokenized `features`, with the offloading arguments given."""
+    args = TrainingArguments(str(output_dir), **offloading, **COMMON_ARGS)
+    return train_and_measure(
+        transformers.Trainer(
+            model=build_model(tokenizer),
+            args=args,
+            train_dataset=features,
+            data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        )
+    )
 
 
 def compare(name: str, off: dict[str, Any], on: dict[str, Any], record, capsys) -> None:
@@ -120,18 +135,9 @@ def test_trainer_exact_and_lower_peak(tmp_path, corpus, record, capsys):
     features = [tokenizer(text, truncation=True, max_length=SHAPE["seq_len"]) for text in texts]
     assert all(len(f["input_ids"]) == SHAPE["seq_len"] for f in features)
 
-    def run(offloading: bool) -> dict[str, Any]:
-        args = TrainingArguments(str(tmp_path / str(offloading)), activation_offloading=offloading, **COMMON_ARGS)
-        return train_and_measure(
-            transformers.Trainer(
-                model=build_model(tokenizer),
-                args=args,
-                train_dataset=features,
-                data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False),
-            )
-        )
-
-    compare("Trainer", run(False), run(True), record, capsys)
+    off = train_with_trainer(tmp_path / "off", tokenizer, features, activation_offloading=False)
+    on = train_with_trainer(tmp_path / "on", tokenizer, features, activation_offloading=True)
+    compare("Trainer", off, on, record, capsys)
 
 
 def test_sft_trainer_lora_exact_and_lower_peak(tmp_path, corpus, record, capsys):
@@ -159,3 +165,27 @@ def test_sft_trainer_lora_exact_and_lower_peak(tmp_path, corpus, record, capsys)
         )
 
     compare("SFTTrainer+LoRA", run(False), run(True), record, capsys)
+
+
+def test_trainer_with_a_memory_budget(tmp_path, corpus, record, capsys):
+    """`activation_offloading_memory_budget` through the Trainer: the plan is made, printed and logged, no step goes
+    over the budget (the whole run's peak, profiled steps included), and training is bitwise the same."""
+    texts, tokenizer = corpus
+    features = [tokenizer(text, truncation=True, max_length=SHAPE["seq_len"]) for text in texts]
+
+    off = train_with_trainer(tmp_path / "off", tokenizer, features)
+    budget = int(0.7 * off["peak_bytes"])
+    on = train_with_trainer(tmp_path / "on", tokenizer, features, activation_offloading=True,
+                            activation_offloading_memory_budget=str(budget))  # fmt: skip
+    printed = capsys.readouterr()
+    planned = [entry for entry in on["log_history"] if "offload/plan_predicted_peak_gib" in entry]
+    record("budget_bytes", budget, show=True)
+    record("peak_bytes_off", off["peak_bytes"], show=True)
+    record("peak_bytes_on", on["peak_bytes"], show=True)
+    record("plan_logged", planned[:1], show=True)
+    assert on["peak_bytes"] <= budget
+    assert on["losses"] == off["losses"]
+    differing = [key for key in on["weights"] if not torch.equal(on["weights"][key], off["weights"][key])]
+    assert not differing, f"weights differ under the memory budget: {differing[:5]}"
+    assert planned and planned[0]["offload/plan_predicted_peak_gib"] <= budget / 2**30
+    assert "Memory plan for" in printed.out + printed.err
