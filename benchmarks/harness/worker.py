@@ -3,6 +3,7 @@ file that the parent reads (a crash or a timeout leaves none)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -74,7 +75,7 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
             raise Infeasible(str(e)) from e
         raise
     if mode.planned:
-        res["plan"] = _plan_summary(offload.context.budget.plan)
+        res["plan"] = _plan_summary(offload.context.budget.plan, offload.context.budget.profile)
         print(res["plan"]["table"], flush=True)
     if spec.get("profile_path"):
         res["profile_streams"] = trace_step(train_step, device, spec["profile_path"])
@@ -94,13 +95,15 @@ def _raised_by_planner(error: ValueError) -> bool:
     return bool(frames) and os.path.realpath(frames[-1].filename) == os.path.realpath(hf_offload.planner.__file__)
 
 
-def _plan_summary(plan: Any) -> dict[str, Any]:
-    """The plan in force at the end (an ``hf_offload.planner.Plan``): its code and what it predicts."""
+def _plan_summary(plan: Any, profile: Any) -> dict[str, Any]:
+    """The plan in force at the end (an ``hf_offload.planner.Plan``): its code, what it predicts, and the measured
+    profile it was planned from (an ``hf_offload.planner.StepProfile``, for replaying the planner offline)."""
     predicted = plan.predicted
     return {"code": plan.code, "budget_bytes": plan.budget_bytes, "tokens": plan.tokens,
             "predicted_peak_bytes": predicted.peak_bytes, "predicted_peak_at": predicted.peak_at,
             "predicted_step_s": predicted.step_s, "predicted_host_bytes": predicted.host_bytes,
-            "table": plan.format_table()}
+            "forward_window_bytes": plan.forward_window_bytes, "prefetch_window_bytes": plan.prefetch_window_bytes,
+            "profile": dataclasses.asdict(profile), "table": plan.format_table()}
 
 
 def main(spec: ModeSpec) -> int:
