@@ -47,6 +47,7 @@ from .layer_plan import (
 )
 from .model import find_decoder_layers, find_output_head, first_tensor
 from .planner import FULL, LayerProfile, MemoryBudget, Plan, StepProfile, plan, simulate
+from .random_state import random_state_untouched
 
 logger = logging.getLogger(__name__)
 
@@ -123,19 +124,6 @@ class _CountSelectiveOutputs(TorchDispatchMode):
         if saved_by_selective_checkpoint(func):
             self.nbytes += sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         return out
-
-
-@contextlib.contextmanager
-def _rng_untouched(device: Any):
-    """The probes run layers (dropout draws random numbers): the training's random streams must not move."""
-    cpu_state = torch.get_rng_state()
-    device_state = device.get_rng_state() if device is not None else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_state)
-        if device_state is not None:
-            device.set_rng_state(device_state)
 
 
 def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter) -> tuple[LayerProfile, int]:
@@ -326,7 +314,7 @@ class MemoryBudgetController:
         hidden = args[0]
         measured.tokens = hidden.shape[:-1].numel()
         profiles: dict[tuple, tuple[LayerProfile, int]] = {}
-        with _rng_untouched(self._meter.device), (engine.set_aside() if engine else contextlib.nullcontext()):
+        with random_state_untouched(hidden.device), (engine.set_aside() if engine else contextlib.nullcontext()):
             for layer in self._layers:
                 kind = _layer_kind(layer)
                 if kind not in profiles:

@@ -52,6 +52,7 @@ from torch.utils.checkpoint import (
 from .engine import OffloadActivations, top_saved_tensors_pack_hook
 from .model import find_decoder_layers
 from .planner import FULL, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD
+from .random_state import RandomState, random_state, set_random_state
 
 ACTIONS = (KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL)
 
@@ -155,19 +156,6 @@ def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
     return tuple((i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
-def _rng_state(device: torch.device) -> Any:
-    if device.type == "cpu":
-        return torch.get_rng_state()
-    return torch.get_device_module(device.type).get_rng_state(device)
-
-
-def _set_rng_state(device: torch.device, state: Any) -> None:
-    if device.type == "cpu":
-        torch.set_rng_state(state)
-    else:
-        torch.get_device_module(device.type).set_rng_state(state, device)
-
-
 class _Packed:
     """A tensor output, as the engine's pack hook returned it (the handle of its host copy, or the tensor kept)."""
 
@@ -183,7 +171,7 @@ class _Call:
 
     __slots__ = ("outputs", "rng")
 
-    def __init__(self, outputs: Any, rng: tuple[torch.device, Any] | None) -> None:
+    def __init__(self, outputs: Any, rng: tuple[torch.device, RandomState] | None) -> None:
         self.outputs = outputs
         self.rng = rng
 
@@ -236,7 +224,7 @@ class _StashingMode(TorchDispatchMode):
             rng = None
             if torch.Tag.nondeterministic_seeded in func.tags:
                 device = next((a.device for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
-                rng = (device, _rng_state(device)) if device is not None else None
+                rng = (device, random_state(device)) if device is not None else None
             self._stash.calls[func].append(_Call(tree_map(self._packed, out), rng))
         return out
 
@@ -289,7 +277,7 @@ class _UnstashingMode(TorchDispatchMode):
                 # The op does not run, so it draws no random numbers: the ops after it must find the generator
                 # where the forward left it (the checkpoint restores it only at the region's start).
                 if call.rng is not None:
-                    _set_rng_state(*call.rng)
+                    set_random_state(*call.rng)
                 return outputs
         return func(*args, **(kwargs or {}))
 

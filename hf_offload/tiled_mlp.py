@@ -78,6 +78,7 @@ from torch.autograd.function import once_differentiable
 
 from .engine import NoOpManager
 from .model import find_decoder_layers, unwrap_model
+from .random_state import random_state, random_state_untouched, set_random_state
 
 __all__ = ["tiled_mlp", "apply_tiled_mlp", "TiledMLPHandle"]
 
@@ -97,21 +98,6 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # --------------------------------------------------------------------------------------------------------------------
 # The op
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The CPU generator's state and, for a tensor on an accelerator, that device's (what dropout there draws from)."""
-    device_state = None
-    if device.type != "cpu":
-        device_state = torch.get_device_module(device.type).get_rng_state(device)
-    return torch.get_rng_state(), device_state
-
-
-def _set_rng_states(device: torch.device, states: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    cpu_state, device_state = states
-    torch.set_rng_state(cpu_state)
-    if device_state is not None:
-        torch.get_device_module(device.type).set_rng_state(device_state, device)
 
 
 def _autocast_states(device_type: str) -> list[tuple[str, bool, torch.dtype, bool]]:
@@ -153,7 +139,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         # (each chunk's output is a temporary that lives until it is copied out).
         with torch.no_grad():
             for start, end in bounds:
-                rng.append(_rng_states(x.device))
+                rng.append(random_state(x.device))
                 y = forward(flat[start:end].reshape(*chunk_lead, end - start, hidden))
                 if not isinstance(y, torch.Tensor) or y.shape[:-1] != (*chunk_lead, end - start):
                     got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
@@ -199,13 +185,12 @@ class _TiledMLPFunction(torch.autograd.Function):
         # 8B-shape layer trained in full, a few KiB for LoRA adapters). fp32 and fp64 weights are summed in their own
         # dtype, which is already that accurate.
         sums: list[torch.Tensor | None] = [None] * len(wanted)
-        saved_rng = _rng_states(x.device)
-        try:
+        with random_state_untouched(x.device):  # the RNG continues as if this backward had drawn nothing
             for i, (start, end) in enumerate(ctx.bounds):
                 # A detached slice: this chunk's recompute builds a small graph of its own, rooted here, that
                 # `autograd.grad` below consumes and frees. Nothing links it to x's graph.
                 chunk = flat[start:end].reshape(*ctx.chunk_lead, end - start, hidden).detach().requires_grad_(need_x)
-                _set_rng_states(x.device, ctx.rng[i])  # the chunk's forward draws, if it has dropout
+                set_random_state(x.device, ctx.rng[i])  # the chunk's forward draws, if it has dropout
                 with ExitStack() as stack:
                     stack.enter_context(torch.enable_grad())
                     for kind, enabled, dtype, cache in ctx.autocast:
@@ -234,8 +219,6 @@ class _TiledMLPFunction(torch.autograd.Function):
                     else:
                         sums[j].add_(g)
                 del grads
-        finally:
-            _set_rng_states(x.device, saved_rng)  # the RNG continues as if this backward had drawn nothing
         param_grads: list[torch.Tensor | None] = []
         sums_iter = iter(sums)
         for p, n in zip(params, need):
