@@ -5,22 +5,21 @@ Everything runs on CPU. Offloading itself needs an accelerator, so the tests run
 are real, and "bitwise equal with and without offloading" means something. `tests/conftest.py` builds the data once
 per test module, as fixtures.
 
-Importing this module also makes the examples importable (`import example_utils`).
+The examples are importable as modules (`import example_utils`) because `tests/conftest.py` puts their folder on
+the path.
 """
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import datasets
+import example_utils
 import torch
 import transformers
 
 from hf_offload import ActivationOffloadingCallback
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-import example_utils  # noqa: E402
 
 MAX_LENGTH = 32
 CPU_TEST_MODE = {"activation_offloading_device_type": "cpu"}
