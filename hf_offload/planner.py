@@ -13,18 +13,23 @@ Actions, one per decoder layer, each with a one-letter code:
   * selective checkpoint, offloaded (`X`): as `S`, but the saved outputs go to the host with the input.
   * full checkpoint (`C` input offloaded, `c` input kept): only the input is saved; the whole forward is
     recomputed in backward.
+  * full checkpoint with the MLP tiled (`T` input offloaded, `t` input kept): as `C`/`c`, and the layer's MLP runs
+    over chunks of `StepProfile.tile_tokens` tokens (`hf_offload.tiled_mlp`), so that its intermediates exist for one
+    chunk at a time, in the recompute and the backward too. The only action that is not bitwise exact (the weight
+    gradients are summed chunk by chunk), so the planner chooses it only when no plan without it fits.
 
 The model, which the GPU measurements must confirm (bytes, seconds; layer i's numbers from its `LayerProfile`):
   * Bytes. Between its forward and its backward a layer holds on the GPU: keep `saved_bytes`; offload and `X` 0;
     selective `selective_bytes` (+ `input_bytes` if it keeps its input); full 0 (+ `input_bytes` if kept). It sends
     to the host: offload `saved_bytes`; `X` `selective_bytes + input_bytes`; `S` and `C` `input_bytes`; the others
-    nothing.
+    nothing. `T`/`t` hold and send what `C`/`c` do.
   * Forward. Layers run in order. A layer's offloaded bytes are queued on one device-to-host stream when its
     forward ends (FIFO, at `d2h_bytes_per_s`) and leave the GPU when their copy finishes. Compute never waits for
     a copy except at the end of the forward, where every copy is drained before the head runs: that wait is
     exposed time. Memory while layer i computes = static + what the layers before it hold + their copies not
     finished when layer i starts + layer i's `saved_bytes` (all its activations exist while it computes, even
-    when it is checkpointed).
+    when it is checkpointed). For `T`/`t` that is its `tiled_saved_bytes` + the step's `tile_chunk_bytes` (one
+    chunk's MLP intermediates).
   * Reloads. The offloaded layers come back one after another, from the last to the first, on one host-to-device
     stream (FIFO, at `h2d_bytes_per_s`), as far ahead as the prefetch window allows: a layer's reload is issued
     when the head starts or a layer's backward starts, if the reloads issued and not yet used fit the window with
@@ -35,10 +40,11 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     min(narrowest window, every reload): the engine fills its window copy by copy, not layer by layer.
   * Backward, layer i from the last to the first. Its backward starts when layer i+1's has ended and its reload
     has finished (the difference is a stall), and lasts `backward_s` + its recompute (full: `forward_s`,
-    selective: `selective_recompute_s`). Memory = static + the gradients that exist by then (`gradient_bytes` less
-    the `parameter_gradient_bytes` of the layers before it, whose backward is still to come) + what the layers
-    before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it exists
-    during its backward) + `backward_working_bytes` + min(window, the reloads of the layers before it).
+    selective: `selective_recompute_s`, tiled: `forward_s` + `tiled_extra_s`). Memory = static + the gradients that
+    exist by then (`gradient_bytes` less the `parameter_gradient_bytes` of the layers before it, whose backward is
+    still to come) + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it
+    exists during its backward) + `backward_working_bytes` + min(window, the reloads of the layers before it). For
+    `T`/`t`: its bytes in the forward above, and `tiled_backward_working_bytes` in place of `backward_working_bytes`.
   * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`.
   * Step time = `other_s` + the layers' forwards + the drain + `head_s` + the layers' backwards, recomputes and
     stalls. Peak = the largest memory of all the points above.
@@ -67,6 +73,7 @@ AUTO_MARGIN_FRACTION = 0.05
 AUTO_MARGIN_MIN_BYTES = 2 * GIB
 
 KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL = "keep", "offload", "selective", "selective_offload", "full"
+FULL_TILED = "full_tiled_mlp"
 
 # Code letter -> (action, whether the layer's input leaves the GPU).
 ACTION_CODES: dict[str, tuple[str, bool]] = {
@@ -77,6 +84,8 @@ ACTION_CODES: dict[str, tuple[str, bool]] = {
     "C": (FULL, True),
     "c": (FULL, False),
     "X": (SELECTIVE_OFFLOAD, True),
+    "T": (FULL_TILED, True),
+    "t": (FULL_TILED, False),
 }
 _CODE_OF_ACTION = {action: code for code, action in ACTION_CODES.items()}
 
@@ -240,6 +249,12 @@ class LayerProfile:
         attention_forward_s: the part of `forward_s` that grows with the square of the tokens.
         attention_backward_s: the part of `backward_s` that grows with the square of the tokens.
         parameter_gradient_bytes: the gradients of its trainable parameters, which its backward creates.
+        tiled_saved_bytes: what `saved_bytes` becomes with its MLP tiled: the MLP's intermediates are gone, its
+            input stays (a chunk's intermediates are the step's `tile_chunk_bytes`). Used only when the step's
+            `tile_tokens` is set.
+        tiled_extra_s: what tiling its MLP adds to a full checkpoint's backward: one more forward of the MLP (the
+            recompute runs the tiled forward just to save its input, the backward recomputes each chunk again) and
+            the chunks' smaller matrix products.
     """
 
     saved_bytes: int
@@ -251,12 +266,15 @@ class LayerProfile:
     attention_forward_s: float = 0.0
     attention_backward_s: float = 0.0
     parameter_gradient_bytes: int = 0
+    tiled_saved_bytes: int = 0
+    tiled_extra_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("saved_bytes", "selective_bytes", "input_bytes", "parameter_gradient_bytes"):
+        for name in ("saved_bytes", "selective_bytes", "input_bytes", "parameter_gradient_bytes",
+                     "tiled_saved_bytes"):  # fmt: skip
             _check_bytes("LayerProfile", name, getattr(self, name))
         for name in ("forward_s", "backward_s", "selective_recompute_s", "attention_forward_s",
-                     "attention_backward_s"):  # fmt: skip
+                     "attention_backward_s", "tiled_extra_s"):  # fmt: skip
             _check_seconds("LayerProfile", name, getattr(self, name))
         for part, whole in (("attention_forward_s", "forward_s"), ("attention_backward_s", "backward_s")):
             if getattr(self, part) > getattr(self, whole):
@@ -282,6 +300,11 @@ class StepProfile:
         h2d_bytes_per_s: host-to-device bandwidth.
         host_cap_bytes: pinned host bytes the pool may hold.
         tokens: tokens per step when this was measured.
+        tile_tokens: tokens per chunk of a tiled MLP; 0 when tiling is not an option (not measured, switched off,
+            or a layer has no MLP that can be tiled). Tiling is offered only for steps of more tokens than this.
+        tiled_backward_working_bytes: `backward_working_bytes` of a layer whose MLP is tiled, less one chunk's share.
+        tile_chunk_bytes: one chunk's MLP intermediates and their gradients, at `tile_tokens` tokens: the part of
+            a tiled layer's memory that does not grow with the step's tokens.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -295,12 +318,16 @@ class StepProfile:
     host_cap_bytes: int
     tokens: int
     gradient_bytes: int = 0
+    tile_tokens: int = 0
+    tiled_backward_working_bytes: int = 0
+    tile_chunk_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers or not all(isinstance(layer, LayerProfile) for layer in self.layers):
             raise ValueError(f"StepProfile.layers must be one or more LayerProfile, got {self.layers!r}")
-        for name in ("static_bytes", "gradient_bytes", "head_bytes", "backward_working_bytes", "host_cap_bytes"):
+        for name in ("static_bytes", "gradient_bytes", "head_bytes", "backward_working_bytes", "host_cap_bytes",
+                     "tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes"):  # fmt: skip
             _check_bytes("StepProfile", name, getattr(self, name))
         for name in ("head_s", "other_s"):
             _check_seconds("StepProfile", name, getattr(self, name))
@@ -312,8 +339,9 @@ class StepProfile:
     def scaled(self, tokens: int) -> StepProfile:
         """The same step at another number of tokens.
 
-        Activation bytes grow in proportion to the tokens (rounded up), static and gradient bytes do not; times grow in
-        proportion too, except the attention parts, which grow with the square.
+        Activation bytes grow in proportion to the tokens (rounded up), static and gradient bytes do not, nor does a
+        tiled MLP's chunk (`tile_tokens`, `tile_chunk_bytes`); times grow in proportion too, except the attention
+        parts, which grow with the square.
 
         Args:
             tokens: the tokens per step to predict for.
@@ -349,6 +377,8 @@ class StepProfile:
                 selective_recompute_s=layer.selective_recompute_s * ratio,
                 attention_forward_s=layer.attention_forward_s * ratio * ratio,
                 attention_backward_s=layer.attention_backward_s * ratio * ratio,
+                tiled_saved_bytes=grow(layer.tiled_saved_bytes),
+                tiled_extra_s=layer.tiled_extra_s * ratio,  # the MLP's work, per token
             )
             for layer in self.layers
         )
@@ -357,6 +387,7 @@ class StepProfile:
             layers=layers,
             head_bytes=grow(self.head_bytes),
             backward_working_bytes=grow(self.backward_working_bytes),
+            tiled_backward_working_bytes=grow(self.tiled_backward_working_bytes),
             head_s=self.head_s * ratio,
             other_s=self.other_s * ratio,
             tokens=tokens,
@@ -438,6 +469,7 @@ class _Option(NamedTuple):
     saved: int
     forward_s: float
     backward_s: float
+    working: int  # its backward's gradient buffers on top of `saved`
 
 
 class _Run(NamedTuple):
@@ -454,11 +486,17 @@ class _Run(NamedTuple):
     stall_s: list[float]
 
 
-def _layer_options(layer: LayerProfile) -> dict[str, _Option]:
-    """The layer under each action code."""
+def tiling_available(profile: StepProfile) -> bool:
+    """Whether the layers' MLPs can be tiled (`T`, `t`) in this step: tiling was measured, and the step has more
+    tokens than one chunk (with fewer, a tiled MLP runs untiled)."""
+    return 0 < profile.tile_tokens < profile.tokens
+
+
+def _layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, _Option]:
+    """The layer under each action code (the tiled ones only when `tiling_available`)."""
     saved, selective, inputs = layer.saved_bytes, layer.selective_bytes, layer.input_bytes
-    times = (saved, layer.forward_s, layer.backward_s)
-    return {
+    times = (saved, layer.forward_s, layer.backward_s, profile.backward_working_bytes)
+    options = {
         "K": _Option(saved, 0, 0.0, *times),
         "O": _Option(0, saved, 0.0, *times),
         "S": _Option(selective, inputs, layer.selective_recompute_s, *times),
@@ -467,6 +505,12 @@ def _layer_options(layer: LayerProfile) -> dict[str, _Option]:
         "C": _Option(0, inputs, layer.forward_s, *times),
         "c": _Option(inputs, 0, layer.forward_s, *times),
     }
+    if tiling_available(profile):
+        tiled = (layer.forward_s + layer.tiled_extra_s, layer.tiled_saved_bytes + profile.tile_chunk_bytes,
+                 layer.forward_s, layer.backward_s, profile.tiled_backward_working_bytes)  # fmt: skip
+        options["T"] = _Option(0, inputs, *tiled)
+        options["t"] = _Option(inputs, 0, *tiled)
+    return options
 
 
 def _simulate(profile: StepProfile, options: Sequence[_Option], window: int | None = None,
@@ -486,7 +530,7 @@ def _simulate(profile: StepProfile, options: Sequence[_Option], window: int | No
     copying_bytes = 0
     copies_done_at = 0.0
     forward_window = 0
-    for i, (held, offloaded, _, saved, forward_s, _) in enumerate(options):
+    for i, (held, offloaded, _, saved, forward_s, _, _) in enumerate(options):
         memory = static + held_before + copying_bytes + saved
         if memory > peak:
             peak, peak_phase, peak_layer = memory, "forward", i
@@ -510,13 +554,13 @@ def _simulate(profile: StepProfile, options: Sequence[_Option], window: int | No
     below = reloads_total
     # Gradients still to come at layer i's backward: those of the layers before it, as far as they are pending.
     gradients_to_come = min(profile.gradient_bytes, sum(layer.parameter_gradient_bytes for layer in profile.layers))
-    after_forward = static + profile.gradient_bytes + profile.backward_working_bytes
+    after_forward = static + profile.gradient_bytes
     for i in range(len(options) - 1, -1, -1):
-        held, offloaded, _, saved, _, _ = options[i]
+        held, offloaded, _, saved, _, _, working = options[i]
         held_before -= held
         below -= offloaded
         gradients_to_come = max(0, gradients_to_come - profile.layers[i].parameter_gradient_bytes)
-        points.append((after_forward - gradients_to_come + held_before + saved, below, "backward", i))
+        points.append((after_forward - gradients_to_come + held_before + saved + working, below, "backward", i))
     if window is None:
         window = narrowest
         if limit is not None:
@@ -554,7 +598,7 @@ def _simulate(profile: StepProfile, options: Sequence[_Option], window: int | No
     issue(head_start, narrowest)
     previous_end = head_start + profile.head_s  # end of the backward after this layer's (the head's, first)
     for i in range(len(options) - 1, -1, -1):
-        _, offloaded, recompute_s, _, _, backward_s = options[i]
+        _, offloaded, recompute_s, _, _, backward_s, _ = options[i]
         start = previous_end
         if offloaded:
             issue(start, window)  # a no-op unless every earlier reload is used: then this one goes now
@@ -586,6 +630,10 @@ def _check_code(profile: StepProfile, code: str) -> None:
     if not isinstance(code, str) or len(code) != len(profile.layers) or not set(code) <= ACTION_CODES.keys():
         raise ValueError(f"a plan code has one letter per layer ({len(profile.layers)}) from "
                          f"{''.join(ACTION_CODES)}, got {code!r}")  # fmt: skip
+    if not tiling_available(profile) and set(code) & {"T", "t"}:
+        raise ValueError(f"plan code {code!r} tiles MLPs (T, t), but this profile has no tiled measurement for "
+                         f"{profile.tokens} tokens (tile_tokens={profile.tile_tokens}: tiling needs 0 < tile_tokens "
+                         "< tokens)")  # fmt: skip
 
 
 def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None = None) -> Prediction:
@@ -601,7 +649,7 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
         The prediction.
 
     Raises:
-        ValueError: if `code` does not have one valid letter per layer.
+        ValueError: if `code` does not have one valid letter per layer, or tiles MLPs where the profile cannot.
 
     Example:
         With `profile` as in `plan`'s example:
@@ -612,7 +660,7 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
     _check_code(profile, code)
     if prefetch_window_bytes is not None:
         _check_bytes("simulate", "prefetch_window_bytes", prefetch_window_bytes)
-    options = [_layer_options(layer)[letter] for layer, letter in zip(profile.layers, code)]
+    options = [_layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
     return _prediction(code, options, _simulate(profile, options, window=prefetch_window_bytes))
 
 
@@ -642,6 +690,8 @@ _ACTION_NAMES = {
     "X": "selective, all offloaded",
     "C": "full, input offloaded",
     "c": "full, input kept",
+    "T": "full, MLP tiled, input offloaded",
+    "t": "full, MLP tiled, input kept",
 }
 
 
@@ -653,11 +703,15 @@ class Plan:
         budget_bytes: the budget it was planned for.
         tokens: the tokens per step it was planned for; a longer step needs a new plan.
         predicted: the layers' actions and the predicted step.
+        tile_tokens: tokens per chunk of the layers whose MLP the plan tiles (`T`, `t`).
+        host_cap_bytes: the pinned host bytes the plan had (`StepProfile.host_cap_bytes`).
     """
 
     budget_bytes: int
     tokens: int
     predicted: Prediction
+    tile_tokens: int = 0
+    host_cap_bytes: int = 0
 
     @property
     def layers(self) -> tuple[LayerPlan, ...]:
@@ -684,17 +738,38 @@ class Plan:
         """What the output head's backward may reload ahead: the largest layer's reload (see the module docstring)."""
         return max(layer.offloaded_bytes for layer in self.layers)
 
+    @property
+    def tiled_layers(self) -> list[int]:
+        """The layers whose MLP the plan tiles, in forward order."""
+        return [i for i, layer in enumerate(self.layers) if layer.action == FULL_TILED]
+
+    @property
+    def inputs_kept_for_host(self) -> list[int]:
+        """The checkpointed layers that keep their input on the GPU because the host's pinned cap is full: their
+        input would have fit the budget's plan offloaded, but not the host."""
+        kept = [i for i, layer in enumerate(self.layers) if layer.code in "sct"]
+        smallest = min((self.layers[i].held_bytes for i in kept), default=0)
+        full = self.host_cap_bytes and self.predicted.host_bytes + smallest > self.host_cap_bytes
+        return kept if full else []
+
     def format_table(self) -> str:
-        """The plan as a table for the log: a header line, then one line per layer."""
+        """The plan as a table for the log: a header line (and what limits it), then one line per layer."""
         predicted = self.predicted
         lines = [
             f"Memory plan for {self.tokens} tokens per step, budget {_gib(self.budget_bytes)}: predicted peak "
             f"{_gib(predicted.peak_bytes)} ({predicted.peak_at}), step {predicted.step_s * 1000:.1f} ms (copy "
             f"wait {predicted.drain_s * 1000:.1f} ms), {_gib(predicted.host_bytes)} on the host",
-            f"{'layer':>5}  {'action':<26}  {'kept GiB':>8}  {'offloaded GiB':>13}  {'added ms':>8}",
         ]
+        if self.tiled_layers:
+            lines.append(f"The MLPs of {len(self.tiled_layers)} layers run in chunks of {self.tile_tokens} tokens: "
+                         "no plan without tiling fits (gradients then agree within rounding, not bitwise)")
+        if self.inputs_kept_for_host:
+            lines.append(f"{len(self.inputs_kept_for_host)} checkpointed layers keep their input on the GPU: the "
+                         f"host's pinned cap of {_gib(self.host_cap_bytes)} is full (max_pinned_memory_fraction, "
+                         "max_pinned_mib)")  # fmt: skip
+        lines.append(f"{'layer':>5}  {'action':<32}  {'kept GiB':>8}  {'offloaded GiB':>13}  {'added ms':>8}")
         for i, layer in enumerate(predicted.layers):
-            lines.append(f"{i:>5}  {_ACTION_NAMES[layer.code]:<26}  {layer.held_bytes / GIB:>8.2f}  "
+            lines.append(f"{i:>5}  {_ACTION_NAMES[layer.code]:<32}  {layer.held_bytes / GIB:>8.2f}  "
                          f"{layer.offloaded_bytes / GIB:>13.2f}  {layer.added_s * 1000:>8.2f}")  # fmt: skip
         return "\n".join(lines)
 
@@ -714,7 +789,7 @@ class Plan:
         """
         predicted = dict(data["predicted"])
         predicted["layers"] = tuple(LayerPlan(**layer) for layer in predicted["layers"])
-        return cls(budget_bytes=data["budget_bytes"], tokens=data["tokens"], predicted=Prediction(**predicted))
+        return cls(**{**data, "predicted": Prediction(**predicted)})
 
 
 # The actions the planner chooses among: all but the selective offload (`X`). On S1 and S2 (H100) its layers cost
@@ -801,24 +876,27 @@ def _greedy_plans(
     return plans
 
 
-def _lowest_memory_code(profile: StepProfile) -> str:
-    """Every layer fully checkpointed, inputs offloaded from the first layer on while the host has room."""
+def _lowest_memory_code(profile: StepProfile, tiled: bool = False) -> str:
+    """Every layer fully checkpointed (its MLP tiled if `tiled`), inputs offloaded from the first layer on while the
+    host has room."""
     letters, host_bytes = [], 0
+    offloaded, kept = ("T", "t") if tiled else ("C", "c")
     for layer in profile.layers:
         offload = host_bytes + layer.input_bytes <= profile.host_cap_bytes
         host_bytes += layer.input_bytes if offload else 0
-        letters.append("C" if offload else "c")
+        letters.append(offloaded if offload else kept)
     return "".join(letters)
 
 
-def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, code: str, run: _Run) -> ValueError:
+def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, code: str, chosen: Sequence[_Option],
+                run: _Run) -> ValueError:  # fmt: skip
     """The error for a budget below the lowest-memory plan's peak, with what that peak is made of."""
     static = profile.static_bytes + (profile.gradient_bytes if run.peak_phase == "backward" else 0)
     if run.peak_phase == "head":
         at_peak = ("the head and loss", profile.head_bytes)
     else:
-        layer = profile.layers[run.peak_layer]
-        working = layer.saved_bytes + (profile.backward_working_bytes if run.peak_phase == "backward" else 0)
+        layer = chosen[run.peak_layer]
+        working = layer.saved + (layer.working if run.peak_phase == "backward" else 0)
         at_peak = (f"layer {run.peak_layer}'s working set (its activations and gradient buffers)", working)
     parts = [
         ("static memory (parameters, gradients, optimizer state)", static),
@@ -832,6 +910,7 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, code
         f"the memory budget of {_gib(budget_bytes)} ({budget_bytes} bytes) is below the smallest peak this step "
         f"can reach, {_gib(run.peak_bytes)} ({run.peak_bytes} bytes; plan {code!r}, peak at {_peak_at(run)}), "
         f"dominated by {largest_name} {_gib(largest_bytes)}, then {rest}"
+        + (", with every layer's MLP tiled" if "T" in code or "t" in code else "")
         + (f"; plans keep {_gib(margin_bytes)} below the budget for the prediction's error, so the smallest budget "
            f"that works is {_gib(run.peak_bytes + margin_bytes)}" if margin_bytes else "")
         + ". Raise the budget, or shorten the sequences or the batch."
@@ -854,19 +933,19 @@ def _first_fitting(plans: list[list[str]], run_of: Callable[[Sequence[str]], _Ru
 
 
 def _polish(letters: list[str], run: _Run, seconds: list[dict[str, float]], run_of: Callable[[Sequence[str]], _Run],
-            fits: Callable[[_Run], bool]) -> tuple[list[str], _Run]:  # fmt: skip
+            fits: Callable[[_Run], bool], planned: str = _PLANNED) -> tuple[list[str], _Run]:  # fmt: skip
     """Moves each layer, once, to the first action that still fits and makes the step faster.
 
-    A layer tries the actions of `_PLANNED` no dearer on their own than its current one, cheapest first (ties
+    A layer tries the actions of `planned` no dearer on their own than its current one, cheapest first (ties
     included: an input kept rather than offloaded costs the same recompute and no copy). The layers that could save
     the most go first; on ties the last first, whose changes freed memory for the fewest points of the step.
     """
     order = sorted(range(len(letters)),
-                   key=lambda i: (min(seconds[i][letter] for letter in _PLANNED) - seconds[i][letters[i]], -i))
+                   key=lambda i: (min(seconds[i][letter] for letter in planned) - seconds[i][letters[i]], -i))
     for i in order:
         current_s = seconds[i][letters[i]]
         alternatives = sorted(
-            (letter for letter in _PLANNED if letter != letters[i] and seconds[i][letter] <= current_s),
+            (letter for letter in planned if letter != letters[i] and seconds[i][letter] <= current_s),
             key=lambda letter: seconds[i][letter],
         )
         for letter in alternatives:
@@ -891,6 +970,10 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
     widest prefetch window that fits, so the plan never exceeds the budget. About 10 simulations per layer at most,
     each linear in the layers. The selective offload (`X`) is not chosen (see `_PLANNED`).
 
+    Tiled MLPs (`T`, `t`) are not exact, so they are chosen only when no plan without them fits (and the profile
+    measured them, see `tiling_available`): then every layer starts fully checkpointed with its MLP tiled, and
+    polishing moves each layer that can do without back to a faster action.
+
     A heuristic: on uniform layers it matches an exhaustive search (see the tests); with layers of different
     sizes and slow links, where copies queue behind each other, it can miss the fastest plan by a few percent.
 
@@ -903,8 +986,9 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
         The plan. When keeping everything fits, every layer keeps.
 
     Raises:
-        ValueError: if even the lowest-memory plan (every layer fully checkpointed, inputs offloaded as far as
-            the host cap allows) does not fit: the message names its peak, what dominates it, and the budget.
+        ValueError: if even the lowest-memory plan (every layer fully checkpointed, its MLP tiled where tiling is
+            available, inputs offloaded as far as the host cap allows) does not fit: the message names its peak,
+            what dominates it, and the budget.
 
     Example:
         >>> layer = LayerProfile(saved_bytes=2 * GIB, selective_bytes=GIB, input_bytes=GIB // 16, forward_s=0.005,
@@ -921,7 +1005,7 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
     """
     if not _is_int(budget_bytes) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be an int > 0, got {budget_bytes!r}")
-    options = [_layer_options(layer) for layer in profile.layers]
+    options = [_layer_options(profile, layer) for layer in profile.layers]
     limit = budget_bytes - margin_bytes
 
     def run_of(letters: Sequence[str]) -> _Run:
@@ -933,7 +1017,9 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
     def finish(letters: Sequence[str], run: _Run) -> Plan:
         code = "".join(letters)
         predicted = _prediction(code, [layer[letter] for layer, letter in zip(options, code)], run)
-        return Plan(budget_bytes=budget_bytes, tokens=profile.tokens, predicted=predicted)
+        return Plan(budget_bytes=budget_bytes, tokens=profile.tokens, predicted=predicted,
+                    tile_tokens=profile.tile_tokens if "T" in code or "t" in code else 0,
+                    host_cap_bytes=profile.host_cap_bytes)
 
     keep_all = ["K"] * len(options)
     keep_all_run = run_of(keep_all)
@@ -941,9 +1027,15 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
         return finish(keep_all, keep_all_run)
     lowest = list(_lowest_memory_code(profile))
     lowest_run = run_of(lowest)
-    if not fits(lowest_run):
-        raise _infeasible(profile, budget_bytes, margin_bytes, "".join(lowest), lowest_run)
     seconds = _own_seconds(profile, options)
+    if not fits(lowest_run) and tiling_available(profile):
+        lowest = list(_lowest_memory_code(profile, tiled=True))
+        lowest_run = run_of(lowest)
+        if fits(lowest_run):
+            return finish(*_polish(lowest, lowest_run, seconds, run_of, fits, planned=_PLANNED + "Tt"))
+    if not fits(lowest_run):
+        chosen = [layer[letter] for layer, letter in zip(options, lowest)]
+        raise _infeasible(profile, budget_bytes, margin_bytes, "".join(lowest), chosen, lowest_run)
 
     candidates = [_polish(lowest, lowest_run, seconds, run_of, fits)]
     greedy = _first_fitting(_greedy_plans(profile, options, seconds), run_of, fits)

@@ -577,7 +577,7 @@ def test_plan_widens_the_window_as_far_as_the_budget_allows():
     profile = tiny_profile(layers=(layer,) * 4, h2d_bytes_per_s=40.0)
     code = "OOOK"
     budget = simulate(profile, code, prefetch_window_bytes=200).peak_bytes
-    options = [planner._layer_options(layer)[letter] for layer, letter in zip(profile.layers, code)]
+    options = [planner._layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
     assert planner._simulate(profile, options, limit=budget).prefetch_window_bytes == 200
     assert planner._simulate(profile, options, limit=budget - 1).prefetch_window_bytes < 200
 
@@ -589,3 +589,90 @@ def test_the_selective_offload_is_for_hand_written_plans_only():
     for percent in range(35, 100, 5):
         assert "X" not in plan(profile, keep_all.peak_bytes * percent // 100).code
     assert simulate(profile, "X" * 16).layers[0].code == "X"
+
+
+# Tiled MLPs (long context)
+
+
+def long_profile(**changes) -> StepProfile:
+    """An 8B-shape step at 256K tokens in round numbers: a layer's untiled activations (40 GiB, 20 GiB of gradient
+    buffers) cannot fit next to 16 GiB of weights on an 80 GiB device; tiled, its MLP's intermediates shrink to one
+    chunk (1 GiB) and the layer's working set to 12 + 1 + 8 GiB. The host holds all 32 inputs (2 GiB each)."""
+    layer = LayerProfile(saved_bytes=40 * GIB, selective_bytes=20 * GIB, input_bytes=2 * GIB, forward_s=2.0,
+                         backward_s=5.0, selective_recompute_s=0.5, tiled_saved_bytes=12 * GIB, tiled_extra_s=0.2)
+    profile = StepProfile(layers=(layer,) * 32, static_bytes=16 * GIB, head_bytes=3 * GIB,
+                          backward_working_bytes=20 * GIB, head_s=1.0, other_s=0.5, d2h_bytes_per_s=55e9,
+                          h2d_bytes_per_s=55e9, host_cap_bytes=64 * GIB, tokens=262144, tile_tokens=4096,
+                          tiled_backward_working_bytes=8 * GIB, tile_chunk_bytes=GIB)  # fmt: skip
+    return dataclasses.replace(profile, **changes)
+
+
+def test_a_tiled_layer_holds_one_chunk_of_its_mlp() -> None:
+    profile = long_profile()
+    # The reloads' window is one input (2 GiB): static + tiled activations + a chunk + tiled working + one reload.
+    tiled = simulate(profile, "T" * 32)
+    assert tiled.peak_bytes == (16 + 12 + 1 + 8 + 2) * GIB and tiled.peak_at == "backward layer 31"
+    assert simulate(profile, "C" * 32).peak_bytes == (16 + 40 + 20 + 2) * GIB
+    assert [layer.action for layer in tiled.layers] == ["full_tiled_mlp"] * 32
+    assert tiled.layers[0].offload_input and not simulate(profile, "t" * 32).layers[0].offload_input
+    # The recompute of a tiled layer runs its MLP's forward once more.
+    assert tiled.step_s == pytest.approx(simulate(profile, "C" * 32).step_s + 32 * 0.2)
+
+
+def test_tiling_is_chosen_only_when_no_plan_without_it_fits() -> None:
+    profile = long_profile()
+    untiled = plan(profile, 80 * GIB)
+    assert not set(untiled.code) & set("Tt") and untiled.tile_tokens == 0 and untiled.tiled_layers == []
+    tiled = plan(profile, 60 * GIB)
+    # The last layer's input is needed first in backward: kept, it costs no copy and the peak has room for it.
+    assert tiled.code == "T" * 31 + "t" and tiled.tile_tokens == 4096 and tiled.tiled_layers == list(range(32))
+    assert tiled.predicted.peak_bytes <= 60 * GIB
+    assert "The MLPs of 32 layers run in chunks of 4096 tokens" in tiled.format_table()
+    assert Plan.from_dict(json.loads(json.dumps(tiled.to_dict()))) == tiled
+
+
+def test_polishing_takes_back_the_tiling_the_peak_does_not_need() -> None:
+    # The first layers' backward comes last, when their parameter gradients have not all been created yet, and the
+    # later layers' inputs are gone: with gradients of 16 GiB that frees enough for the first layers to go untiled.
+    layers = [dataclasses.replace(long_profile().layers[0], parameter_gradient_bytes=GIB // 2)] * 32
+    profile = long_profile(layers=layers, gradient_bytes=16 * GIB, static_bytes=10 * GIB)
+    result = plan(profile, 78 * GIB)
+    assert "C" in result.code and "T" in result.code, result.code
+    assert result.predicted.peak_bytes <= 78 * GIB
+    assert result.predicted.step_s < simulate(profile, "T" * 32).step_s
+
+
+def test_tiling_is_not_enough_names_what_dominates() -> None:
+    with pytest.raises(ValueError, match="with every layer's MLP tiled") as error:
+        plan(long_profile(), 30 * GIB)
+    assert "plan 'TTTT" in str(error.value)
+    with pytest.raises(ValueError) as error:  # tiling not measured: the error is about the untiled plan
+        plan(long_profile(tile_tokens=0), 60 * GIB)
+    assert "plan 'CCCC" in str(error.value) and "tiled" not in str(error.value)
+
+
+def test_tiling_needs_a_step_longer_than_a_chunk() -> None:
+    assert planner.tiling_available(long_profile())
+    assert not planner.tiling_available(long_profile(tile_tokens=0))
+    assert not planner.tiling_available(long_profile(tile_tokens=262144))
+    with pytest.raises(ValueError, match="tiles MLPs"):
+        simulate(long_profile(tile_tokens=262144), "T" * 32)
+
+
+def test_scaling_keeps_the_chunk() -> None:
+    profile = long_profile()
+    double = profile.scaled(2 * profile.tokens)
+    assert double.tile_tokens == 4096 and double.tile_chunk_bytes == GIB
+    assert double.tiled_backward_working_bytes == 16 * GIB
+    assert double.layers[0].tiled_saved_bytes == 24 * GIB
+    assert double.layers[0].tiled_extra_s == pytest.approx(0.4)
+
+
+def test_a_full_host_is_said() -> None:
+    profile = long_profile(host_cap_bytes=40 * GIB)  # room for 20 of the 32 inputs
+    result = plan(profile, 70 * GIB)
+    assert result.code == "T" * 20 + "t" * 12
+    assert result.inputs_kept_for_host == list(range(20, 32))
+    assert "12 checkpointed layers keep their input on the GPU: the host's pinned cap of 40.00 GiB is full" \
+        in result.format_table()
+    assert plan(long_profile(), 60 * GIB).inputs_kept_for_host == []
