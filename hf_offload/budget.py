@@ -5,8 +5,10 @@ training forwards of the model (grad enabled, model in training mode) and:
 
 1. First forward: applies the safe plan (every decoder layer fully checkpointed, its input offloaded: the lowest
    memory that works without a plan) and, when the first layer is called, probes one layer of each kind on the very
-   arguments it receives (`_probe_layer`): the bytes it saves, the bytes a selective checkpoint would keep, the
-   times of its forward, backward and selective recompute. It measures the link's bandwidth once.
+   arguments it receives (`_probe_layer`; on the first `_PROBE_MAX_TOKENS` of them at long context): the bytes it
+   saves, the bytes a selective checkpoint would keep, the times of its forward, backward and selective recompute,
+   and with `tile_mlp="auto"` the same with its MLP tiled. It measures the link's bandwidth once. If the safe plan
+   is predicted not to fit the budget and tiling would, the safe plan tiles every layer's MLP.
 2. Second forward, still safe: measures the step: memory held before it starts, the head and loss's peak over what
    the forward leaves, the head's time, and the whole step's time (the rest of the step, embedding and optimizer,
    is what the model of the safe step does not explain).
@@ -25,9 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import math
 import time
 import weakref
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,8 +40,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
+from .allocator import release_unusable_cache
 from .engine import OffloadActivations
 from .layer_plan import (
     AppliedPlan,
@@ -46,12 +52,27 @@ from .layer_plan import (
     selective_checkpoint_function,
 )
 from .model import find_decoder_layers, find_output_head, first_tensor
-from .planner import FULL, LayerProfile, MemoryBudget, Plan, StepProfile, plan, simulate
+from .planner import (
+    FULL,
+    FULL_TILED,
+    LayerProfile,
+    MemoryBudget,
+    Plan,
+    StepProfile,
+    plan,
+    simulate,
+    tiling_available,
+)
 from .random_state import random_state_untouched
+from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
 logger = logging.getLogger(__name__)
 
 _SAFE_ACTION = SimpleNamespace(action=FULL, offload_input=True)
+_SAFE_TILED_ACTION = SimpleNamespace(action=FULL_TILED, offload_input=True)
+# The probes run on at most this many tokens, the first ones of the step's sequences: a layer run without a
+# checkpoint at 256K tokens would not fit where the step itself does. Memory scales with the tokens from there.
+_PROBE_MAX_TOKENS = 32768
 _BANDWIDTH_PROBE_BYTES = 64 * 2**20
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 # Re-plan when the memory held between steps grows by more than this (optimizer state appearing); smaller changes
@@ -126,15 +147,62 @@ class _CountSelectiveOutputs(TorchDispatchMode):
         return out
 
 
-def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter) -> tuple[LayerProfile, int]:
-    """Measures one decoder layer on the arguments it was called with: kept, then selectively checkpointed.
+@dataclasses.dataclass
+class _Kept:
+    """One decoder layer run without a checkpoint, forward and backward, as `_run_kept` measured it."""
+
+    saved_bytes: int
+    selective_bytes: int
+    forward_s: float
+    backward_s: float
+    working_bytes: int  # the backward's peak over what was allocated when it began
+
+
+@dataclasses.dataclass
+class _LayerProbe:
+    """What `_probe_layer` measured of one decoder layer."""
+
+    profile: LayerProfile
+    working_bytes: int  # its backward's transient bytes on top of its saved tensors
+    # With its MLP tiled (None when not measured): the same less one chunk's share, and that share per chunk token.
+    tiled_working_bytes: int | None = None
+    chunk_bytes_per_token: float = 0.0
+
+
+def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], pointers: set[int],
+              meter: _Meter) -> _Kept:  # fmt: skip
+    """Runs the layer once without a checkpoint and measures it. Gradients are taken with `torch.autograd.grad`, so
+    nothing accumulates into the parameters' `.grad`."""
+    counter, selective = _CountSavedBytes(pointers), _CountSelectiveOutputs()
+    with checkpointing_as(layer, None):
+        start = meter.mark()
+        with counter, selective:
+            x, out = forward()
+        forward_end = meter.mark()
+    before_backward = meter.allocated()
+    meter.reset_peak()
+    backward_start = meter.mark()
+    torch.autograd.grad(out, [x, *parameters], torch.ones_like(out))
+    backward_end = meter.mark()
+    peak = meter.peak()
+    if peak is None:  # no peak counter: the gradients of its input and parameters
+        working = x.numel() * x.element_size() + sum(p.numel() * p.element_size() for p in parameters)
+    else:
+        working = peak - before_backward
+    return _Kept(saved_bytes=counter.nbytes, selective_bytes=selective.nbytes,
+                 forward_s=meter.seconds(start, forward_end), backward_s=meter.seconds(backward_start, backward_end),
+                 working_bytes=working)  # fmt: skip
+
+
+def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter,
+                 tile: Callable[[int], Any] | None = None) -> _LayerProbe:  # fmt: skip
+    """Measures one decoder layer on the arguments it was called with: kept, then selectively checkpointed, then
+    (with `tile`, which tiles this layer's MLP in chunks of the tokens it is given, as a context manager) kept with
+    its MLP tiled in chunks of a half and a quarter of the tokens.
 
     Each measurement runs twice and keeps the second (the first pays for kernel selection and allocator growth).
-    Gradients are taken with `torch.autograd.grad`, so nothing accumulates into the parameters' `.grad`.
-
-    Returns:
-        The layer's profile, and the bytes its backward needs on top of its saved tensors (from the device's peak
-        counter; without one, the gradients of its input and parameters).
+    The two tiled runs separate what a tiled layer's backward needs into a part that grows with the tokens and one
+    that grows with the chunk (the chunk's intermediates and their gradients): their difference is the chunk's.
     """
     parameters = [p for p in layer.parameters() if p.requires_grad]
     pointers = {p.untyped_storage().data_ptr() for p in layer.parameters()}
@@ -147,38 +215,37 @@ def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter) -> 
         return x, first_tensor(layer(x, *rest, **kwargs))
 
     for _ in range(2):
-        counter, selective = _CountSavedBytes(pointers), _CountSelectiveOutputs()
-        with checkpointing_as(layer, None):
-            start = meter.mark()
-            with counter, selective:
-                x, out = forward()
-            forward_end = meter.mark()
-        before_backward = meter.allocated()
-        meter.reset_peak()
-        backward_start = meter.mark()
-        torch.autograd.grad(out, [x, *parameters], torch.ones_like(out))
-        backward_end = meter.mark()
-        peak = meter.peak()
+        kept = _run_kept(layer, forward, parameters, pointers, meter)
         with checkpointing_as(layer, selective_checkpoint_function()):
             x, out = forward()
         checkpointed_start = meter.mark()
         torch.autograd.grad(out, [x, *parameters], torch.ones_like(out))
         checkpointed_end = meter.mark()
         del x, out
-    backward_s = meter.seconds(backward_start, backward_end)
-    parameter_gradient_bytes = sum(p.numel() * p.element_size() for p in parameters)
     profile = LayerProfile(
-        saved_bytes=counter.nbytes,
-        selective_bytes=selective.nbytes,
+        saved_bytes=kept.saved_bytes,
+        selective_bytes=kept.selective_bytes,
         input_bytes=hidden.numel() * hidden.element_size(),
-        forward_s=meter.seconds(start, forward_end),
-        backward_s=backward_s,
-        selective_recompute_s=max(0.0, meter.seconds(checkpointed_start, checkpointed_end) - backward_s),
-        parameter_gradient_bytes=parameter_gradient_bytes,
+        forward_s=kept.forward_s,
+        backward_s=kept.backward_s,
+        selective_recompute_s=max(0.0, meter.seconds(checkpointed_start, checkpointed_end) - kept.backward_s),
+        parameter_gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
     )
-    if peak is None:  # no peak counter: the gradients of its input and parameters
-        return profile, hidden.numel() * hidden.element_size() + parameter_gradient_bytes
-    return profile, peak - before_backward
+    tokens = hidden.shape[:-1].numel()
+    if tile is None or tokens < 4:
+        return _LayerProbe(profile, kept.working_bytes)
+    tiled = {}
+    for chunk in (tokens // 2, tokens // 4):
+        with tile(chunk):
+            for _ in range(2):
+                tiled[chunk] = _run_kept(layer, forward, parameters, pointers, meter)
+    half, quarter = tiled[tokens // 2], tiled[tokens // 4]
+    per_token = max(0.0, (half.working_bytes - quarter.working_bytes) / (tokens // 2 - tokens // 4))
+    profile = dataclasses.replace(profile, tiled_saved_bytes=quarter.saved_bytes,
+                                  tiled_extra_s=max(0.0, quarter.backward_s - kept.backward_s))  # fmt: skip
+    return _LayerProbe(profile, kept.working_bytes,
+                       tiled_working_bytes=max(0, round(quarter.working_bytes - per_token * (tokens // 4))),
+                       chunk_bytes_per_token=per_token)  # fmt: skip
 
 
 def _layer_kind(layer: nn.Module) -> tuple:
@@ -217,7 +284,11 @@ class _StepMeasurements:
 
     layers: list[LayerProfile] = dataclasses.field(default_factory=list)
     backward_working_bytes: int = 0
-    tokens: int = 0
+    tokens: int = 0  # of the probes
+    step_tokens: int = 0  # of the first steps, which the step's own measurements (head, step time) are at
+    tile_tokens: int = 0
+    tiled_backward_working_bytes: int = 0
+    tile_chunk_bytes: int = 0
     d2h_bytes_per_s: float = 0.0
     h2d_bytes_per_s: float = 0.0
     step_start: Any = None
@@ -256,6 +327,13 @@ class MemoryBudgetController:
         self._measured = _StepMeasurements()
         self._forwards = 0
         self._probing = False
+        self._tile_tokens = default_tokens_per_chunk(model) if engine.options.tile_mlp == "auto" else 0
+        if self._tile_tokens:
+            try:  # checks every layer's MLP, changes nothing when one cannot be tiled
+                apply_tiled_mlp(model, self._tile_tokens).remove()
+            except ValueError as error:
+                logger.info("hf_offload: the planner cannot tile the MLPs: %s", error)
+                self._tile_tokens = 0
         tail = find_output_head(model)
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
         engine.track_hook(self._layers[0].register_forward_pre_hook(self._first_layer_starts, with_kwargs=True))
@@ -290,7 +368,7 @@ class MemoryBudgetController:
             self._meter.reset_peak()
         elif self._forwards == 3:
             self._measured.step_s = self._meter.seconds(self._measured.step_start, self._meter.mark())
-            self._plan_and_apply(self._measured.tokens)
+            self._plan_and_apply(self._measured.step_tokens)
         elif self._static_grew():
             self._plan_and_apply(self.plan.tokens)
 
@@ -306,24 +384,48 @@ class MemoryBudgetController:
                 self._probe(args, kwargs)
             finally:
                 self._probing = False
+            self._apply_safe_plan(tokens)
         elif self.plan is not None and tokens > self.plan.tokens:  # the layers have not run yet: plan for these
             self._plan_and_apply(tokens)
 
     def _probe(self, args: tuple, kwargs: dict) -> None:
-        measured, engine = self._measured, self._engine()
+        measured, engine, model = self._measured, self._engine(), self._model()
+        measured.step_tokens = args[0].shape[:-1].numel()
+        args, kwargs = _first_tokens(args, kwargs, _PROBE_MAX_TOKENS)
         hidden = args[0]
         measured.tokens = hidden.shape[:-1].numel()
-        profiles: dict[tuple, tuple[LayerProfile, int]] = {}
+        probes: dict[tuple, _LayerProbe] = {}
         with random_state_untouched(hidden.device), (engine.set_aside() if engine else contextlib.nullcontext()):
-            for layer in self._layers:
+            for index, layer in enumerate(self._layers):
                 kind = _layer_kind(layer)
-                if kind not in profiles:
-                    profiles[kind] = _probe_layer(layer, args, kwargs, self._meter)
-                measured.layers.append(profiles[kind][0])
-            measured.backward_working_bytes = max(working for _, working in profiles.values())
+                if kind not in probes:
+                    tile = None
+                    if self._tile_tokens and model is not None:
+                        tile = functools.partial(apply_tiled_mlp, model, layers=[index])
+                    probes[kind] = _probe_layer(layer, args, kwargs, self._meter, tile)
+                measured.layers.append(probes[kind].profile)
+            measured.backward_working_bytes = max(probe.working_bytes for probe in probes.values())
+            if all(probe.tiled_working_bytes is not None for probe in probes.values()):
+                measured.tile_tokens = self._tile_tokens
+                measured.tiled_backward_working_bytes = max(probe.tiled_working_bytes for probe in probes.values())
+                per_token = max(probe.chunk_bytes_per_token for probe in probes.values())
+                measured.tile_chunk_bytes = math.ceil(per_token * self._tile_tokens)
             pin_memory = engine is not None and engine.use_pin_memory
             measured.d2h_bytes_per_s, measured.h2d_bytes_per_s = measure_link_bandwidth(self._meter, hidden.device,
                                                                                          pin_memory)  # fmt: skip
+
+    def _apply_safe_plan(self, tokens: int) -> None:
+        """The first two steps' plan, once the probes are in: every layer fully checkpointed, its input offloaded,
+        and its MLP tiled too if only that is predicted to fit the budget (at long context an untiled layer's
+        recompute alone can exceed the device)."""
+        profile = self._profile_now(tokens)
+        budget_bytes = self.budget.resolve(self._meter.total())
+        untiled = simulate(profile, "C" * len(self._layers))
+        if untiled.peak_bytes > budget_bytes and tiling_available(profile):
+            logger.info("hf_offload: the profiled steps tile every MLP: untiled, full checkpointing is predicted to "
+                        "peak at %.2f GiB, over the budget of %.2f GiB", untiled.peak_bytes / 2**30,
+                        budget_bytes / 2**30)  # fmt: skip
+            self._apply([_SAFE_TILED_ACTION] * len(self._layers), windows=None, tile_tokens=profile.tile_tokens)
 
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._forwards != 2 or not self._training_forward(module):
@@ -360,6 +462,8 @@ class MemoryBudgetController:
         return allocated, pending_gradients
 
     def _profile_now(self, tokens: int) -> StepProfile:
+        """The measured step, scaled to `tokens`: the probes' layers scaled to the profiled steps' tokens first, where
+        the step's own measurements (head, step time) were taken."""
         measured = self._measured
         engine = self._engine()
         head_bytes = measured.head_bytes
@@ -374,15 +478,21 @@ class MemoryBudgetController:
             layers=tuple(measured.layers),
             static_bytes=static_bytes,
             gradient_bytes=gradient_bytes,
-            head_bytes=max(head_bytes, 0),
+            head_bytes=0,
             backward_working_bytes=measured.backward_working_bytes,
-            head_s=measured.head_s or 0.0,
+            head_s=0.0,
             other_s=0.0,
             d2h_bytes_per_s=measured.d2h_bytes_per_s,
             h2d_bytes_per_s=measured.h2d_bytes_per_s,
             host_cap_bytes=engine._host_pool().cap_bytes if engine is not None else 0,
             tokens=measured.tokens,
+            tile_tokens=measured.tile_tokens,
+            tiled_backward_working_bytes=measured.tiled_backward_working_bytes,
+            tile_chunk_bytes=measured.tile_chunk_bytes,
         )
+        if measured.step_tokens != profile.tokens:
+            profile = profile.scaled(measured.step_tokens)
+        profile = dataclasses.replace(profile, head_bytes=max(head_bytes, 0), head_s=measured.head_s or 0.0)
         if measured.step_s is not None:  # the rest of the step: what the model of the safe step does not explain
             safe = simulate(profile, "C" * len(self._layers))
             profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
@@ -408,18 +518,51 @@ class MemoryBudgetController:
         engine = self._engine()
         forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
         self._apply(new_plan.layers, (forward_window, new_plan.prefetch_window_bytes or None,
-                                      new_plan.head_prefetch_window_bytes or None))
+                                      new_plan.head_prefetch_window_bytes or None), new_plan.tile_tokens)
+        release_unusable_cache(new_plan.predicted.peak_bytes)
         logger.info("hf_offload: memory budget %s\n%s", self.budget, new_plan.format_table())
+        if new_plan.inputs_kept_for_host:
+            engine.warn_once("host_cap", f"hf_offload: {len(new_plan.inputs_kept_for_host)} checkpointed layers "
+                             "keep their input on the GPU: the pinned host memory cap "
+                             f"({new_plan.host_cap_bytes / 2**30:.1f} GiB) is full. Raise "
+                             "activation_offloading_max_pinned_memory_fraction (or max_pinned_mib) if the host has "
+                             "the room.")  # fmt: skip
 
-    def _apply(self, actions: list[Any], windows: tuple[int, int | None, int | None] | None) -> None:
+    def _apply(self, actions: list[Any], windows: tuple[int, int | None, int | None] | None,
+               tile_tokens: int = 0) -> None:  # fmt: skip
         engine, model = self._engine(), self._model()
         if engine is None or model is None:
             return
         if self._applied is not None:
             self._applied.remove()
-        self._applied = apply_layer_plan(model, engine, actions)
+        self._applied = apply_layer_plan(model, engine, actions, tile_tokens)
         if windows is not None:
             engine.use_windows(*windows)
+
+
+def _first_tokens(args: tuple, kwargs: dict, max_tokens: int) -> tuple[tuple, dict]:
+    """A decoder layer's arguments cut to the first tokens of each sequence, at most `max_tokens` in all.
+
+    The first tokens of a causal sequence are a sequence of their own: the hidden states are cut along their
+    sequence dimension, every other tensor argument along each dimension as long as the sequence (position ids and
+    embeddings, cache positions, both sequence dimensions of a 4-d attention mask). Short calls are returned
+    unchanged.
+    """
+    hidden = args[0]
+    batch, length = hidden.shape[:-2].numel(), hidden.shape[-2]
+    if batch * length <= max_tokens:
+        return args, kwargs
+    keep = max(1, max_tokens // batch)
+
+    def cut(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        for dim, size in enumerate(value.shape):
+            if size == length:
+                value = value.narrow(dim, 0, keep)
+        return value.contiguous()
+
+    return (hidden[..., :keep, :].contiguous(), *tree_map(cut, args[1:])), tree_map(cut, kwargs)
 
 
 def _same_on_every_rank(make_plan: Any) -> Plan:

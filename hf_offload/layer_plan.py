@@ -13,7 +13,9 @@ model's code. For each layer, with the engine's offloading context around the mo
 * selective offload: the same checkpoint and policy, but the saved outputs go through the engine (its pinned pool,
   streams, windows and prefetch) instead of that cache, so the layer holds nothing on the GPU between its forward
   and backward, and backward reloads the outputs and recomputes only the cheap ops (`_SelectiveOffload`);
-* full: a non-reentrant checkpoint, which saves only the layer's input.
+* full: a non-reentrant checkpoint, which saves only the layer's input;
+* full with the MLP tiled: the same checkpoint, and the layer's MLP runs over chunks of tokens
+  (`hf_offload.tiled_mlp`), so that its intermediates exist one chunk at a time in the recompute and backward.
 
 A checkpointed layer's input is saved by the checkpoint itself, before its own hooks take over, so the engine sees
 it: it is offloaded unless the plan keeps it (`offload_input=False`), in which case the checkpoint call runs inside
@@ -24,8 +26,9 @@ function" that runs it unchanged inside the keeping region. A plan may then be r
 hook of the first layer while its call is being dispatched (the budget re-plans there), since the attributes are
 read only inside the layer's forward.
 
-Every action only decides where bytes live and what is recomputed: the arithmetic is the same, so losses and
-gradients are bitwise equal under any plan (with deterministic kernels).
+Every action but the tiled MLP only decides where bytes live and what is recomputed: the arithmetic is the same, so
+losses and gradients are bitwise equal under any plan without tiling (with deterministic kernels). A tiled MLP sums
+its weight gradients chunk by chunk: equal within rounding.
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ from torch.utils.checkpoint import (
 
 from .engine import OffloadActivations, top_saved_tensors_pack_hook
 from .model import find_decoder_layers
-from .planner import FULL, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD
+from .planner import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD
 from .random_state import RandomState, random_state, set_random_state
+from .tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 
-ACTIONS = (KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL)
+ACTIONS = (KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL, FULL_TILED)
 
 # What a selective checkpoint saves: the outputs of the ops that cost the most to recompute per byte they occupy.
 # Everything else (norms, activations, rotary embeddings, residual adds) is recomputed.
@@ -101,8 +105,8 @@ def _layer_function(action: str, offload_input: bool, engine: OffloadActivations
     """The `_gradient_checkpointing_func` of a kept or checkpointed layer."""
     if action == SELECTIVE_OFFLOAD:  # it keeps its input itself: a keeping region around it would hide the engine
         return _SelectiveOffload(engine, offload_input)
-    function = {KEEP: _run_as_is, SELECTIVE: selective_checkpoint_function(),
-                FULL: functools.partial(checkpoint, use_reentrant=False)}[action]  # fmt: skip
+    full = functools.partial(checkpoint, use_reentrant=False)  # the MLP's tiling is set on the MLP itself
+    function = {KEEP: _run_as_is, SELECTIVE: selective_checkpoint_function(), FULL: full, FULL_TILED: full}[action]
     return _InKeepingRegion(function, engine) if action == KEEP or not offload_input else function
 
 
@@ -375,15 +379,20 @@ class AppliedPlan:
 
     def __init__(self) -> None:
         self._restore: list[tuple[nn.Module, dict[str, Any]]] = []
+        self._tiled: TiledMLPHandle | None = None
 
     def remove(self) -> None:
-        """Restore each layer's `gradient_checkpointing` and `_gradient_checkpointing_func`; idempotent."""
+        """Restore each layer's `gradient_checkpointing` and `_gradient_checkpointing_func`, and untile the MLPs the
+        plan tiled; idempotent."""
         for layer, attributes in reversed(self._restore):
             _restore_layer(layer, attributes)
         self._restore.clear()
+        if self._tiled is not None:
+            self._tiled.remove()
 
 
-def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction]) -> AppliedPlan:
+def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction],
+                     tile_tokens: int = 0) -> AppliedPlan:  # fmt: skip
     """Set each decoder layer of `model` to its action in `actions` (one per layer, in forward order).
 
     Args:
@@ -391,12 +400,14 @@ def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequ
         engine: the offloading context the model's forward runs under.
         actions: one entry per decoder layer, each with `action` (one of `ACTIONS`) and `offload_input` (for the
             checkpointing actions: whether the checkpoint's input goes to the host).
+        tile_tokens: tokens per chunk of the MLPs of the `FULL_TILED` layers (the plan's `tile_tokens`).
 
     Returns:
-        An `AppliedPlan` whose `remove()` restores the layers' checkpointing.
+        An `AppliedPlan` whose `remove()` restores the layers' checkpointing and MLPs.
 
     Raises:
-        ValueError: the number of actions differs from the number of decoder layers, or an action is unknown.
+        ValueError: the number of actions differs from the number of decoder layers, an action is unknown, or a
+            layer's MLP cannot be tiled (see `apply_tiled_mlp`). Nothing is changed then.
     """
     layers = [module for _, module in find_decoder_layers(model)]
     if len(actions) != len(layers):
@@ -406,6 +417,9 @@ def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequ
     if unknown:
         raise ValueError(f"unknown layer actions {unknown}: a layer's action is one of {list(ACTIONS)}")
     applied = AppliedPlan()
+    tiled = [i for i, entry in enumerate(actions) if entry.action == FULL_TILED]
+    if tiled:  # first: it checks every layer before it changes any
+        applied._tiled = apply_tiled_mlp(model, tile_tokens, layers=tiled)
     for layer, entry in zip(layers, actions):
         applied._restore.append((layer, _layer_attributes(layer)))
         layer.gradient_checkpointing = entry.action != OFFLOAD

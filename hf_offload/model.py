@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .allocator import LongContextCheck
 from .engine import OffloadActivations, top_saved_tensors_pack_hook
 from .options import OffloadOptions
 from .planner import parse_memory_budget
@@ -695,6 +696,13 @@ def get_act_offloading_ctx_manager(
     _install_prefetch_points(engine, unwrapped, head[1] if head is not None else None,
                              [module for _, module in find_attention_modules(unwrapped)])
     engine.track_hook(unwrapped.register_forward_pre_hook(_ReentrantCheckpointingCheck(engine).root_enter))
+    layers = find_decoder_layers(unwrapped)
+    if layers:
+        engine.track_hook(layers[0][1].register_forward_pre_hook(LongContextCheck(engine), with_kwargs=True))
+    if engine.options.tile_mlp is True:
+        from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk  # it imports this module
+
+        engine.track_hook(apply_tiled_mlp(unwrapped, default_tokens_per_chunk(unwrapped)))
     if engine.options.memory_budget is not None and engine.active:
         from .budget import MemoryBudgetController  # it applies plans with layer_plan, which imports this module
 

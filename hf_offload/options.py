@@ -26,6 +26,8 @@ MIB = 2**20
 DEFAULT_WINDOW_BYTES = 128 * MIB
 
 _FLAG, _BYTES, _COUNT, _FRACTION, _DEVICE, _BUDGET = "flag", "bytes", "count", "fraction", "device", "budget"
+_AUTO_FLAG = "auto_flag"
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,8 @@ class Rule:
     Args:
         kind: `"flag"` (True or False), `"bytes"` (a size), `"count"` (a whole number), `"fraction"` (a number in
             `(0, maximum]`), `"device"` (a device type string) or `"budget"` (a memory budget, as
-            `planner.parse_memory_budget` reads it).
+            `planner.parse_memory_budget` reads it) or `"auto_flag"` (`"auto"`, True or False; from the command line
+            also `true` and `false`).
         minimum: the smallest size or count allowed (bytes for sizes).
         maximum: the largest fraction allowed.
         optional: whether None is allowed (and, from the command line, the word `none`).
@@ -51,6 +54,8 @@ class Rule:
         none = "None or " if self.optional else ""
         if self.kind == _FLAG:
             return "True or False"
+        if self.kind == _AUTO_FLAG:
+            return "'auto', True or False"
         if self.kind == _DEVICE:
             return "None, 'cpu' or the available accelerator's type"
         if self.kind == _FRACTION:
@@ -63,7 +68,7 @@ class Rule:
     def type_text(self, unit: str) -> str:
         """The type of the option's values for its documentation, e.g. "`float`, MiB, or `None`"."""
         text = {_FLAG: "`bool`", _COUNT: "`int`", _FRACTION: "`float`", _DEVICE: "`str`",
-                _BUDGET: "`str` or `int`"}.get(self.kind)  # fmt: skip
+                _BUDGET: "`str` or `int`", _AUTO_FLAG: "`str` or `bool`"}.get(self.kind)  # fmt: skip
         if text is None:
             text = "`float`, MiB" if unit == "MiB" else "`int`, bytes"
         return text + (", or `None`" if self.optional else "")
@@ -81,6 +86,8 @@ class Rule:
             return str | None
         if self.kind == _BUDGET:
             return int | str | None  # the parser passes the text through (see above)
+        if self.kind == _AUTO_FLAG:
+            return str  # `check` reads the command line's `true` and `false`
         base = float if self.kind == _FRACTION or unit == "MiB" else int
         return base | str | None if self.optional else base
 
@@ -117,6 +124,13 @@ class Rule:
         if self.kind == _BUDGET:
             parse_memory_budget(value, option=name)  # raises naming the option and the forms it accepts
             return value
+        if self.kind == _AUTO_FLAG:
+            if isinstance(value, bool):
+                return value
+            words = {AUTO: AUTO, "true": True, "false": False}
+            if not isinstance(value, str) or value.strip().lower() not in words:
+                raise fail()
+            return words[value.strip().lower()]
         number = _number(value)
         if number is None:
             raise fail()
@@ -252,10 +266,18 @@ class OffloadOptions:
         "predicted peak fits. `'auto'`: the device's memory less a safety margin; a size such as `'24GiB'`, "
         "`'20000MiB'` or a number of bytes; or a share of the device such as `'60%'`. It then decides checkpointing "
         "itself, whatever `activation_checkpointing` says. `None`: no planning.", argument="memory_budget")  # fmt: skip
+    tile_mlp: str | bool = _option(
+        AUTO, Rule(_AUTO_FLAG), "Run each decoder layer's MLP over chunks of as many tokens as the hidden size, so "
+        "that its intermediates exist for one chunk at a time: what long sequences need. Not bitwise: weight "
+        "gradients are summed chunk by chunk (equal within rounding). `'auto'`: only in the layers where the "
+        "memory_budget planner finds that no plan without it fits (never without a memory_budget); `True`: every "
+        "layer; `False`: never.", argument="tile_mlp")  # fmt: skip
 
     def __post_init__(self) -> None:
         for option in dataclasses.fields(self):
             option.metadata["rule"].check(getattr(self, option.name), option.name)
+        # The command line's spelling ("True", "false") stored as what it means, so that the engine compares once.
+        object.__setattr__(self, "tile_mlp", self.rule("tile_mlp").check(self.tile_mlp, "tile_mlp"))
 
     @classmethod
     def rule(cls, name: str) -> Rule:

@@ -50,7 +50,9 @@ calls the MLP: bitwise equal, no overhead.
 With hf-offload's layer actions
 -------------------------------
 Keep and offload (no checkpoint): the layer's MLP then saves only its input, so nothing of the MLP's is kept or
-copied. Full checkpoint: the recompute holds one chunk at a time, at the cost of the third forward above. Selective
+copied. Full checkpoint: the recompute holds one chunk at a time, at the cost of the third forward above; this is the
+memory planner's tiled action (`T`, `t`), which it chooses only when no exact plan fits the budget, and the option
+`tile_mlp=True` tiles every layer whatever the plan. Selective
 checkpoint (`selective`, `selective_offload`): correct, but it saves nothing. Its policy caches the output of every
 matrix product run in the checkpointed forward, grad or no grad, so the chunks' gate and up products all end up in
 the checkpoint's cache (or go through the engine), as much as without tiling.
@@ -336,6 +338,17 @@ def _layer_indices(layers: Iterable[int] | None, count: int) -> list[int]:
         if index not in indices:
             indices.append(index)
     return indices
+
+
+def default_tokens_per_chunk(model: nn.Module) -> int:
+    """Tokens per chunk when the user names none: the model's hidden size (`config.hidden_size`; 4096 without one).
+
+    The rule of Arctic Long Sequence Training: a chunk's matrix products are then at least hidden x hidden x
+    intermediate, large enough to run at full speed, and its intermediates small (112 MiB per tokens x intermediate
+    tensor for an 8B shape).
+    """
+    hidden = getattr(getattr(unwrap_model(model), "config", None), "hidden_size", None)
+    return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) and hidden > 0 else 4096
 
 
 def apply_tiled_mlp(model: nn.Module, tokens_per_chunk: int, layers: Iterable[int] | None = None) -> TiledMLPHandle:

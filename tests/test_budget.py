@@ -135,3 +135,83 @@ def test_the_trainer_takes_a_budget_from_its_arguments_prints_the_plan_and_stays
     planned_logs = [record for record in planned.state.log_history if "offload/plan_predicted_peak_gib" in record]
     # gradient_accumulation_steps=2: the two profiled forwards are the first of the 5 steps; steps 2 to 5 log a plan.
     assert len(planned_logs) == 4
+
+
+# Tiled MLPs: planned only when nothing else fits
+
+
+def tiled_forwards(model) -> list[bool]:
+    return [type(layer.mlp.__dict__.get("forward")).__name__ == "_TiledForward" for layer in model.model.layers]
+
+
+def long_run(budget, tile_mlp="auto", steps: int = 4):
+    """128 tokens per step, twice the hidden size (64): the MLPs can run in two chunks. Which layers were tiled is
+    recorded during each step's forward."""
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget, tile_mlp=tile_mlp)
+    seen = []
+    model.model.norm.register_forward_pre_hook(lambda *_: seen.append(tiled_forwards(model)))
+    return train(model, context, steps=steps, lengths=(64,)), context, seen, model
+
+
+def test_tiling_is_planned_when_no_exact_plan_fits_and_is_close():
+    from hf_offload.planner import simulate
+
+    baseline, roomy, seen, _ = long_run(10 * 2**30)
+    assert not set(roomy.budget.plan.code) & set("Tt") and not any(map(any, seen))
+    profile = roomy.budget.profile
+    assert profile.tile_tokens == 64 and profile.tokens == 128
+    untiled, tiled = (simulate(profile, letter * LAYERS).peak_bytes for letter in "CT")
+    assert tiled < untiled
+    budget = (tiled + untiled) // 2
+    results, context, seen, model = long_run(budget)
+    plan = context.budget.plan
+    assert "T" in plan.code and plan.tile_tokens == 64 and plan.predicted.peak_bytes <= budget
+    # The profiled steps are predicted not to fit untiled either: they tile too (the probe runs before the layers).
+    # The planned ones tile the layers the plan says, no more.
+    assert seen == [[True] * LAYERS] * 2 + [[letter in "Tt" for letter in plan.code]] * 2
+    for a, b in zip(results, baseline):  # summed chunk by chunk: close, not bitwise
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    context.budget._applied.remove()
+    assert tiled_forwards(model) == [False] * LAYERS
+
+    with pytest.raises(ValueError, match="below the smallest peak"):  # the same budget, tiling switched off
+        long_run(budget, tile_mlp=False)
+
+
+def test_tile_mlp_true_tiles_every_layer_until_the_hooks_are_removed():
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", tile_mlp=True)
+    assert tiled_forwards(model) == [True] * LAYERS
+    assert model.model.layers[0].mlp.forward.tokens_per_chunk == 64  # the hidden size
+    context.remove_hooks()
+    assert tiled_forwards(model) == [False] * LAYERS
+
+
+def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
+    from hf_offload import budget
+
+    full = long_run(10 * 2**30, steps=3)[1].budget
+    monkeypatch.setattr(budget, "_PROBE_MAX_TOKENS", 64)
+    cut = long_run(10 * 2**30, steps=3)[1].budget
+    assert (cut._measured.tokens, cut._measured.step_tokens) == (64, 128)
+    assert (full._measured.tokens, full._measured.step_tokens) == (128, 128)
+    # Scaled back to 128 tokens, the first 32 tokens of each sequence predict the whole (eager attention's scores
+    # grow with the square of the length: the saved bytes are predicted lower, by them).
+    cut_layer, full_layer = cut.profile.layers[0], full.profile.layers[0]
+    assert cut_layer.input_bytes == full_layer.input_bytes
+    scores = 2 * 4 * (64 * 64 - 2 * 32 * 32) * 4  # batch x heads x (what the square adds) x fp32, softmax's output
+    assert 0 < full_layer.saved_bytes - cut_layer.saved_bytes <= 2 * scores
+
+
+def test_the_first_tokens_of_every_sequence_argument():
+    from hf_offload.budget import _first_tokens
+
+    hidden, mask = torch.zeros(2, 10, 10), torch.zeros(2, 1, 10, 10)  # hidden size = length: cut once
+    cos = torch.zeros(2, 10, 8)
+    args, kwargs = _first_tokens((hidden,), {"attention_mask": mask, "position_embeddings": (cos, cos),
+                                             "cache_position": torch.arange(10), "use_cache": False}, 8)  # fmt: skip
+    assert args[0].shape == (2, 4, 10) and kwargs["attention_mask"].shape == (2, 1, 4, 4)
+    assert kwargs["position_embeddings"][0].shape == (2, 4, 8) and kwargs["cache_position"].tolist() == [0, 1, 2, 3]
+    assert kwargs["use_cache"] is False
+    assert _first_tokens((hidden,), {}, 20)[0][0] is hidden  # short enough: unchanged

@@ -306,12 +306,13 @@ def test_removing_a_plan_restores_the_layers():
     layers = [layer for _, layer in find_decoder_layers(model)]
     before = [(layer.gradient_checkpointing, layer._gradient_checkpointing_func) for layer in layers]
     context = get_act_offloading_ctx_manager(model, device_type="cpu")
+    hooks = [(dict(layer._forward_pre_hooks), dict(layer._forward_hooks)) for layer in layers]  # the context's
     applied = apply_layer_plan(model, context, actions("KOSC"))
     # Kept layers run through a "checkpoint function" that does not checkpoint; offloaded ones run plainly.
     assert [layer.gradient_checkpointing for layer in layers] == [True, False, True, True]
     applied.remove()
     assert [(layer.gradient_checkpointing, layer._gradient_checkpointing_func) for layer in layers] == before
-    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
+    assert [(dict(layer._forward_pre_hooks), dict(layer._forward_hooks)) for layer in layers] == hooks
 
 
 def test_a_plan_must_fit_the_model():

@@ -57,6 +57,8 @@ def test_defaults_and_trls_positional_order():
         ("max_pinned_memory_fraction", math.nan, "a number in (0, 0.9]"),
         ("max_pinned_bytes", -5, "None or an int number of bytes >= 0"),
         ("device_type", "tpu", "None, 'cpu' or the available accelerator's type"),
+        ("tile_mlp", "yes", "'auto', True or False"),
+        ("tile_mlp", 1, "'auto', True or False"),
     ],
 )
 def test_a_bad_value_names_the_option_and_what_it_accepts(option, value, allowed):
@@ -153,6 +155,8 @@ def test_none_on_the_command_line_restores_a_default_of_none():
         ("max_pinned_memory_fraction", "nan", "a number in (0, 0.9]"),
         ("max_pinned_mib", "-1", "None or a number of MiB >= 0"),
         ("device_type", "tpu", "None, 'cpu' or the available accelerator's type"),
+        ("tile_mlp", "yes", "'auto', True or False"),
+        ("tile_mlp", "maybe", "'auto', True or False"),
     ],
 )
 def test_a_bad_argument_is_named_in_its_own_unit(argument, value, allowed):
@@ -224,3 +228,10 @@ def test_a_second_context_nested_inside_another_warns(caplog):
         with outer, inner:
             pass
     assert len(caplog.records) == 1 and "inside another one" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize(("text", "value"), [("auto", "auto"), ("true", True), ("False", False)])
+def test_tile_mlp_from_the_command_line(text, value):
+    args = parse("--activation_offloading", "--activation_offloading_tile_mlp", text)
+    assert args.offload_options().tile_mlp == value
+    assert OffloadOptions(tile_mlp=text).tile_mlp == value

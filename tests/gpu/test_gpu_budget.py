@@ -165,3 +165,47 @@ def test_a_budget_is_never_exceeded_and_changes_no_arithmetic(share, record):
     if share >= 1.0:
         assert plan.code == "K" * MEDIUM["layers"]
     dispose(ctx)
+
+
+# Long context: the planner tiles MLPs only when nothing else fits. 1 x 16384 tokens, MLP chunks of the hidden size
+# (1024 tokens); one tokens x intermediate tensor is 128 MiB, so an untiled layer's recompute is about 1 GiB more
+# than a tiled one's.
+LONG = dict(hidden=1024, intermediate=4096, layers=4, seq=16384, heads=8, kv_heads=4, vocab=1000)
+
+
+def long_model():
+    return build_model("llama", dtype="bf16", attn="sdpa", **LONG)
+
+
+@pytest.mark.parametrize("probe_tokens", [None, 4096])
+def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, record, monkeypatch, nondeterministic):
+    from hf_offload import budget as budget_module
+    from hf_offload.planner import simulate
+
+    if probe_tokens is not None:  # the probes then run on the first 4096 tokens and scale
+        monkeypatch.setattr(budget_module, "_PROBE_MAX_TOKENS", probe_tokens)
+    batch = make_batch("llama", batch=1, seq=LONG["seq"], vocab=LONG["vocab"])
+    steps = 5
+    _, reference = step_peaks(long_model(), batch, None, steps)
+    model = long_model()
+    roomy = make_ctx(model, memory_budget=10**12)
+    step_peaks(model, batch, roomy, 3)
+    profile = roomy.budget.profile
+    dispose(roomy)
+    del model
+    untiled, tiled = (simulate(profile, letter * LONG["layers"]).peak_bytes for letter in "CT")
+    budget = (untiled + tiled) // 2
+    model = long_model()
+    ctx = make_ctx(model, memory_budget=budget)
+    peaks, losses = step_peaks(model, batch, ctx, steps)
+    plan = ctx.budget.plan
+    difference = ((torch.stack(losses) - torch.stack(reference)).abs() / torch.stack(reference).abs()).max().item()
+    record(f"tiled_plan_probe_{probe_tokens}", {
+        "budget": budget, "untiled_lowest_predicted": untiled, "tiled_lowest_predicted": tiled, "plan": plan.code,
+        "step_peaks": peaks, "predicted_peak": plan.predicted.peak_bytes, "loss_relative_difference": difference,
+        "tile_chunk_bytes": profile.tile_chunk_bytes,
+    }, show=True)  # fmt: skip
+    assert tiled < untiled and "T" in plan.code and plan.tile_tokens == LONG["hidden"]
+    assert max(peaks) <= budget, f"plan {plan.code}: step peaks {peaks} over the budget {budget}"
+    assert difference < 2e-2  # bf16, chunked weight-gradient sums: close, not bitwise
+    dispose(ctx)
