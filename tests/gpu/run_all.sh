@@ -11,7 +11,8 @@
 # - pytest log, junit xml and the numbers the tests record go to $OUT (./gpu_out when $OUT is unset);
 # - ends with a short summary: pass/fail counts, failures, the recorded memory numbers, the 1B table, the soak;
 #   exits non-zero when pytest or the soak failed.
-# Environment knobs: PYTEST_ARGS (extra pytest arguments), PEAK_1B_ARGS (arguments for peak_1b.py),
+# Environment knobs: PYTEST_PATHS (test files to run instead of tests/gpu), PYTEST_ARGS (extra pytest
+# arguments), PEAK_1B_ARGS (arguments for peak_1b.py),
 # SKIP_1B=1, PYTEST_TIMEOUT_S (whole-suite limit, default 360), PEAK_TIMEOUT_S (default 170),
 # SOAK_STEPS (default 500), SOAK_ARGS (more arguments for soak_1b.py, e.g. --no-ckpt --seq 1024), SKIP_SOAK=1,
 # SOAK_TIMEOUT_S (default 240; the script itself stops stepping after --max-seconds, default 170).
@@ -74,11 +75,11 @@ EOF
 TIMEOUT_ARGS=""
 if $PY -c "import pytest_timeout" >/dev/null 2>&1; then TIMEOUT_ARGS="--timeout=150"; fi
 
-echo "run_all: pytest tests/gpu"
+echo "run_all: pytest ${PYTEST_PATHS:-tests/gpu}"
 set -o pipefail
 # --continue-on-collection-errors: a module whose imports fail here (a package missing from the image) is
 # reported as an error without stopping the other modules.
-timeout "${PYTEST_TIMEOUT_S:-360}" $PY -m pytest tests/gpu -q -rA --maxfail=30 $TIMEOUT_ARGS \
+timeout "${PYTEST_TIMEOUT_S:-360}" $PY -m pytest ${PYTEST_PATHS:-tests/gpu} -q -rA --maxfail=30 $TIMEOUT_ARGS \
     --continue-on-collection-errors \
     -p no:cacheprovider -W ignore::FutureWarning -W ignore::DeprecationWarning \
     --durations=15 --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
