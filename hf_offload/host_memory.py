@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import psutil
 import torch
@@ -39,6 +40,23 @@ def host_memory_cap(max_pinned_memory_fraction: float, max_pinned_bytes: int | N
         return max_pinned_bytes
     available = psutil.virtual_memory().available
     return int(available * max_pinned_memory_fraction) // local_world_size()
+
+
+def _pinned_exactly(nbytes: int) -> torch.Tensor:
+    """A host buffer of exactly `nbytes`, page-locked by registering it with CUDA.
+
+    Used for requests past the largest chunk, such as a layer's input at long context (2.4 GiB at 320K tokens of an
+    8B model): PyTorch's pinned allocator would round such a request up to a power of two and hold 4 GiB of the cap for it;
+    registering an ordinary buffer pins what is asked. The buffer is unregistered when the tensor is collected
+    before its memory is freed, as `torch.distributed`'s state-dict staging does with the same calls.
+    """
+    chunk = torch.empty(nbytes, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    error = int(cudart.cudaHostRegister(chunk.data_ptr(), nbytes, 0))
+    if error != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {error}")
+    weakref.finalize(chunk, cudart.cudaHostUnregister, chunk.data_ptr())
+    return chunk
 
 
 class HostBlock:
@@ -67,7 +85,8 @@ class PinnedHostPool:
     Args:
         cap_bytes: the most host memory the pool may hold.
         pin_memory: page-locked chunks (for the accelerator's fast asynchronous copies).
-        chunk_bytes: the largest chunk the doubling grows to (a larger request still gets a chunk of its own).
+        chunk_bytes: the largest chunk the doubling grows to (a larger request still gets a chunk of its own, of its
+            exact size on CUDA).
     """
 
     def __init__(self, cap_bytes: int, pin_memory: bool, chunk_bytes: int = _LARGEST_CHUNK_BYTES) -> None:
@@ -99,9 +118,13 @@ class PinnedHostPool:
             return self._grow(size)
 
     def _grow(self, size: int) -> HostBlock | None:
+        room = self.cap_bytes - self.capacity
+        if self.pin_memory and size > self.chunk_bytes and torch.cuda.is_available():
+            if size > room:
+                return None
+            return self._add_chunk(_pinned_exactly(size), size)
         # PyTorch's pinned allocator rounds every allocation up to a power of two; asking for exactly that keeps
         # the pool's accounting (and so its cap) equal to the pinned memory really held.
-        room = self.cap_bytes - self.capacity
         doubling = min(self.chunk_bytes, max(_SMALLEST_CHUNK_BYTES, self.capacity))
         chunk_size = max(size, min(doubling, room))
         if self.pin_memory:
@@ -110,10 +133,13 @@ class PinnedHostPool:
                 chunk_size >>= 1  # the largest power of two that still fits under the cap
         if not size <= chunk_size <= room:
             return None
-        chunk = torch.empty(chunk_size, dtype=torch.uint8, pin_memory=self.pin_memory)
+        return self._add_chunk(torch.empty(chunk_size, dtype=torch.uint8, pin_memory=self.pin_memory), size)
+
+    def _add_chunk(self, chunk: torch.Tensor, size: int) -> HostBlock:
+        """Adds `chunk` to the pool and returns its first `size` bytes as a block."""
         self.allocations += 1
         self._chunks.append(chunk)
-        self._free.append([(size, chunk_size - size)] if chunk_size > size else [])
+        self._free.append([(size, chunk.numel() - size)] if chunk.numel() > size else [])
         return HostBlock(chunk, 0, size)
 
     def free(self, block: HostBlock) -> None:

@@ -152,3 +152,34 @@ def test_pinned_pool_released(device):
         rss.append(psutil.Process().memory_info().rss)
     # allow allocator noise, but not a pool's worth per iteration
     assert rss[-1] - rss[1] < max(2 * pinned, 64 << 20), f"host RSS grows per context: {rss}"
+
+
+def test_a_request_past_the_largest_chunk_is_pinned_at_its_exact_size(record):
+    """A layer's input at long context (here 300 MiB + 4 KiB) takes its own chunk: pinned by registration at its
+    exact size, not rounded up to the next power of two (512 MiB) as PyTorch's pinned allocator would; the copies
+    through it are asynchronous and exact, and dropping the pool unregisters and frees it."""
+    import gc
+
+    import psutil
+    import torch
+
+    from hf_offload.host_memory import PinnedHostPool
+
+    nbytes = 300 * 2**20 + 4096
+    pool = PinnedHostPool(cap_bytes=2**30, pin_memory=True)
+    block = pool.allocate(nbytes)
+    assert block is not None and pool.capacity == nbytes and block.chunk.is_pinned()
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    host = block.view(torch.uint8, nbytes)
+    host.copy_(source, non_blocking=True)
+    back = torch.empty_like(source)
+    back.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, source)
+    assert pool.allocate(2**30) is None  # past the cap: refused, nothing allocated
+    assert pool.capacity == nbytes
+    rss = psutil.Process().memory_info().rss
+    del block, host, pool
+    gc.collect()
+    record("exact_pin_rss_freed_mib", (rss - psutil.Process().memory_info().rss) / 2**20)
+    assert rss - psutil.Process().memory_info().rss > nbytes // 2  # the buffer went back to the host
