@@ -46,8 +46,8 @@ def _pinned_exactly(nbytes: int) -> torch.Tensor:
     """A host buffer of exactly `nbytes`, page-locked by registering it with CUDA.
 
     Used for requests past the largest chunk, such as a layer's input at long context (2.4 GiB at 320K tokens of an
-    8B model): PyTorch's pinned allocator would round such a request up to a power of two and hold 4 GiB of the cap for it;
-    registering an ordinary buffer pins what is asked. The buffer is unregistered when the tensor is collected
+    8B model): PyTorch's pinned allocator would round such a request up to a power of two and hold 4 GiB of the cap
+    for it; registering an ordinary buffer pins what is asked. The buffer is unregistered when the tensor is collected
     before its memory is freed, as `torch.distributed`'s state-dict staging does with the same calls.
     """
     chunk = torch.empty(nbytes, dtype=torch.uint8)
@@ -119,6 +119,8 @@ class PinnedHostPool:
 
     def _grow(self, size: int) -> HostBlock | None:
         room = self.cap_bytes - self.capacity
+        if size > room:
+            room += self._release_free_chunks()
         if self.pin_memory and size > self.chunk_bytes and torch.cuda.is_available():
             if size > room:
                 return None
@@ -134,6 +136,22 @@ class PinnedHostPool:
         if not size <= chunk_size <= room:
             return None
         return self._add_chunk(torch.empty(chunk_size, dtype=torch.uint8, pin_memory=self.pin_memory), size)
+
+    def _release_free_chunks(self) -> int:
+        """Drops the chunks no block uses and returns their bytes.
+
+        A step longer than the first ones asks for blocks larger than the chunks those left: kept, the chunks would
+        hold part of the cap that the longer step's blocks cannot use (at 320K tokens after steps of 16K, about
+        4 GiB of the cap in chunks of at most 256 MiB, while each layer's input needs 2.4 GiB in one piece).
+        """
+        kept = [(chunk, free) for chunk, free in zip(self._chunks, self._free) if free != [(0, chunk.numel())]]
+        released = self.capacity - sum(chunk.numel() for chunk, _ in kept)
+        if released:
+            self._chunks, self._free = [chunk for chunk, _ in kept], [free for _, free in kept]
+            empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)  # torch 2.12+
+            if self.pin_memory and empty_host_cache is not None:
+                empty_host_cache()  # PyTorch's pinned allocator caches what it gets back: give it to the OS
+        return released
 
     def _add_chunk(self, chunk: torch.Tensor, size: int) -> HostBlock:
         """Adds `chunk` to the pool and returns its first `size` bytes as a block."""

@@ -115,6 +115,19 @@ def test_pool_first_fit_coalesces_and_caps() -> None:
     assert pool.bytes_in_use() == 0
 
 
+def test_a_request_past_the_room_left_releases_the_chunks_no_block_uses() -> None:
+    pool = PinnedHostPool(cap_bytes=8192, pin_memory=False, chunk_bytes=2048)
+    small = [pool.allocate(2048) for _ in range(3)]  # three chunks of 2 KiB
+    pool.free(small[0])
+    pool.free(small[2])
+    big = pool.allocate(4096)  # 2 KiB of room, 4 KiB of chunks nothing uses: those go, the request fits
+    assert big is not None and pool.capacity == 2048 + 4096 and pool.bytes_in_use() == 2048 + 4096
+    assert pool.allocate(4096) is None  # the chunk still in use stays: past the cap
+    pool.free(small[1])
+    pool.free(big)
+    assert pool.bytes_in_use() == 0
+
+
 def test_pool_block_views_share_the_chunk() -> None:
     pool = PinnedHostPool(cap_bytes=1 << 20, pin_memory=False, chunk_bytes=4096)
     block = pool.allocate(64)
