@@ -5,6 +5,7 @@ fitted on the small dataset shipped in `examples/data/`, so that it runs anywher
 `--model_name_or_path` and `--dataset_name` switch to a real model and dataset.
 """
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,11 @@ from pathlib import Path
 import datasets
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+# Long sequences fragment the CUDA allocator's fixed-size segments (memory freed by one layer is reserved in blocks
+# the next cannot use); expandable segments avoid that. CUDA reads the setting when it first allocates, which no
+# import does, so setting it here, before any model is built, is in time. A value the user set is kept.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 DEFAULT_DATASET = str(Path(__file__).resolve().parent / "data" / "tiny_sft.jsonl")
 TEXT_COLUMN = "text"

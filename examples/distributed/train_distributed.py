@@ -38,6 +38,7 @@ from pathlib import Path
 
 # cuBLAS reads this when it initialises; deterministic algorithms need it (full_determinism sets it too, later).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # no fragmentation at long context
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
