@@ -297,6 +297,8 @@ class _StepMeasurements:
     head_s: float | None = None
     held_at_head: int | None = None
     head_bytes: int | None = None
+    # CPU test mode, which has no peak counter: what the head and loss saved in the second profiled step.
+    head_saved_bytes: int | None = None
 
 
 class MemoryBudgetController:
@@ -368,6 +370,9 @@ class MemoryBudgetController:
             self._meter.reset_peak()
         elif self._forwards == 3:
             self._measured.step_s = self._meter.seconds(self._measured.step_start, self._meter.mark())
+            engine = self._engine()
+            if engine is not None:  # the last step's statistics are the second profiled step's, at its tokens
+                self._measured.head_saved_bytes = int(engine.get_stats()["bytes_kept_exempt"])
             self._plan_and_apply(self._measured.step_tokens)
         elif self._static_grew():
             self._plan_and_apply(self.plan.tokens)
@@ -467,8 +472,8 @@ class MemoryBudgetController:
         measured = self._measured
         engine = self._engine()
         head_bytes = measured.head_bytes
-        if head_bytes is None:  # CPU test mode: what the head and loss saved
-            head_bytes = int(engine.get_stats()["bytes_kept_exempt"]) if engine is not None else 0
+        if head_bytes is None:  # CPU test mode: what the head and loss saved (nothing known before the second step)
+            head_bytes = measured.head_saved_bytes or 0
         if engine is not None and engine.options.keep_tail and measured.head_bytes is not None:
             # The profiled steps had no learned tail yet; later ones keep up to this much through the head's peak
             # (in the CPU test mode copies finish at once, and nothing is ever left to keep).

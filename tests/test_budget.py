@@ -215,3 +215,18 @@ def test_the_first_tokens_of_every_sequence_argument():
     assert kwargs["position_embeddings"][0].shape == (2, 4, 8) and kwargs["cache_position"].tolist() == [0, 1, 2, 3]
     assert kwargs["use_cache"] is False
     assert _first_tokens((hidden,), {}, 20)[0][0] is hidden  # short enough: unchanged
+
+
+def test_a_longer_step_scales_the_profiled_head_once():
+    """The head's bytes were measured in the second profiled step; a longer step scales them from that step's tokens
+    (in the CPU test mode they come from its statistics, which later steps overwrite)."""
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
+    train(model, context, steps=4, lengths=(16, 16, 16, 16))
+    head = context.budget.profile.head_bytes
+    assert head > 0
+    train(model, context, steps=1, lengths=(64,))
+    assert context.budget.profile.tokens == 2 * 64
+    assert context.budget.profile.head_bytes == 4 * head  # four times the tokens: four times the head
+    train(model, context, steps=1, lengths=(128,))
+    assert context.budget.profile.head_bytes == 8 * head  # scaled from the profiled step, not from the last one
