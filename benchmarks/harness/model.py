@@ -3,6 +3,8 @@ the optimizer, and the batch (labels = input_ids). The same seed gives every mod
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -27,13 +29,14 @@ def apply_liger(device: torch.device, notes: list[str]) -> bool:
         return False
 
 
-def build_model(scenario: Scenario, seed: int, device: torch.device) -> LlamaForCausalLM:
-    """Random bf16 weights drawn on ``device`` from ``seed``, sdpa attention."""
+def build_model(scenario: Scenario, seed: int, device: torch.device, **config_overrides: Any) -> LlamaForCausalLM:
+    """Random bf16 weights drawn on ``device`` from ``seed``, sdpa attention. ``config_overrides`` are further
+    ``LlamaConfig`` fields that the scenario does not set (e.g. ``rope_parameters``)."""
     config = LlamaConfig(
         hidden_size=scenario.hidden, intermediate_size=scenario.intermediate, num_hidden_layers=scenario.layers,
         num_attention_heads=scenario.heads, num_key_value_heads=scenario.kv_heads, vocab_size=scenario.vocab,
         max_position_embeddings=max(scenario.seq, 4096), use_cache=False, tie_word_embeddings=False,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa", **config_overrides,
     )
     torch.manual_seed(seed)
     if device.type == "cuda":

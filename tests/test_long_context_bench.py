@@ -1,0 +1,215 @@
+"""benchmarks/long_context.py (issue 14's long-context benchmark) on CPU: the prediction's arithmetic
+(benchmarks/harness/longest.py) on numbers worked out by hand, then the script end to end in its --tiny mode (a tiny
+Llama on a pretend 16 MiB device, hf-offload in its CPU test mode): every mode is profiled, predicted and confirmed,
+and the confirmed step's peak is the one predicted. Keeps the GPU benchmark's logic from rotting between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from harness import longest  # noqa: E402
+
+SCRIPT = REPO / "benchmarks" / "long_context.py"
+MIB = 2**20
+TINY_DEVICE = 16 * MIB  # --tiny's pretend device (--device-gib 1/64)
+TINY_LIMIT = TINY_DEVICE - 2 * MIB  # less --margin-gib 1/512
+
+
+# ------------------------------------------------------------------------------------------- the arithmetic
+
+
+def test_fits_recover_the_lines_they_were_given():
+    assert longest.fit_line([1, 2, 3], [5, 7, 9]) == pytest.approx((3.0, 2.0))
+    with pytest.raises(ValueError, match="two distinct"):
+        longest.fit_line([4, 4], [1, 2])
+    tokens = [8192, 16384]
+    seconds = [0.5 + 1e-4 * t + 2e-9 * t * t for t in tokens]
+    probed = longest.fit_time(tokens, seconds, c=2e-9)  # c from the attention probe: a and b follow exactly
+    assert (probed.a, probed.b, probed.c) == pytest.approx((0.5, 1e-4, 2e-9))
+    assert probed(131072) == pytest.approx(0.5 + 13.1072 + 2e-9 * 131072**2)
+    free = longest.fit_time([1000, 2000, 4000], [0.5 + 1e-4 * t + 2e-9 * t * t for t in (1000, 2000, 4000)])
+    assert (free.a, free.b, free.c) == pytest.approx((0.5, 1e-4, 2e-9), rel=1e-6)
+    two = longest.fit_time([1000, 1000, 2000], [1.0, 3.0, 6.0])  # no probe, two lengths: a = 0, means per length
+    assert two.a == 0 and two(1000) == pytest.approx(2.0) and two(2000) == pytest.approx(6.0)
+
+
+def test_attention_terms():
+    # 32 layers, forward 0.1 s and backward 0.25 s per call at 65536 tokens; checkpointing runs the forward twice
+    c = longest.attention_seconds_per_token2(32, 2, 0.1, 0.25, 65536)
+    assert c * 65536**2 == pytest.approx(32 * 0.45)
+    # a plan's missing quadratic share: K and S run the attention forward once, C/c/T/t twice; every layer once back
+    correction = longest.attention_correction("KSCt", 4000, 1000, forward_s_per_token2=1e-9,
+                                              backward_s_per_token2=2e-9)  # fmt: skip
+    assert correction == pytest.approx((6 * 1e-9 + 4 * 2e-9) * (4000**2 - 1000 * 4000))
+    assert longest.attention_correction("K", 1000, 1000, 1e-9, 1e-9) == 0
+
+
+def test_pinned_blocks_round_up_to_powers_of_two():
+    assert [longest.pow2ceil(n) for n in (1, 3, 4, 5, 1000)] == [1, 4, 4, 8, 1024]
+    # 32 layer inputs of 8 KiB per token: 1.5 GiB each at 196,608 tokens, pinned in 2 GiB blocks
+    assert longest.pinned_pow2_bytes([64 * MIB] * 32, 8192, 196608) == 32 * 2 * 2**30
+
+
+def test_largest_multiple_bisects_to_the_boundary():
+    assert longest.largest_multiple(lambda n: n <= 100_000, 8192, 2**20) == 98304
+    assert longest.largest_multiple(lambda n: n <= 5, 8192, 2**20) == 0
+    assert longest.largest_multiple(lambda n: True, 8192, 50000) == 49152
+
+
+def test_predictions_name_what_stops_them():
+    gib = 2**30
+    step, cap = 8192, 2**20
+    # GPU memory: 20 GiB + 0.5 MiB per token under 77 GiB -> 116,736 tokens (57 GiB / 0.5 MiB = 116,736)
+    gpu = longest.MemoryModel(peak0=20 * gib, peak1=MIB / 2)
+    found = longest.predict_longest(gpu, None, 77 * gib, step, cap, 500)
+    assert found["longest_tokens"] == 114688 and found["limit"] == longest.LIMIT_GPU
+    assert found["predicted_peak_bytes"] == 20 * gib + 114688 * MIB // 2 and "predicted_host_bytes" not in found
+    # the same GPU line with 256 KiB per token offloaded into a pool capped at 40 GiB: past 163,840 tokens the rest
+    # stays on the GPU, which the prediction counts
+    pooled = longest.MemoryModel(peak0=20 * gib, peak1=MIB / 8, offload1=MIB / 4, pool_cap_bytes=40 * gib)
+    found = longest.predict_longest(pooled, None, 77 * gib, step, cap, 500)
+    assert found["limit"] == longest.LIMIT_POOL_CAP and found["predicted_host_bytes"] == 40 * gib
+    n = found["longest_tokens"]
+    assert pooled.gpu_bytes(n) <= 77 * gib < pooled.gpu_bytes(n + step) and found["predicted_gpu_excess_bytes"] > 0
+    # host RAM: 32 tensors of 64 MiB at 8192 tokens in power-of-two blocks, 100 GiB of room: 2 GiB blocks fit
+    # (up to 262,144 tokens), 4 GiB blocks do not
+    pinned = longest.MemoryModel(peak0=20 * gib, peak1=MIB / 8, sizes=(64 * MIB,) * 32, sizes_tokens=8192,
+                                 host_room_bytes=100 * gib)  # fmt: skip
+    found = longest.predict_longest(pinned, None, 77 * gib, step, cap, 500)
+    assert (found["longest_tokens"], found["limit"]) == (262144, longest.LIMIT_HOST)
+    # time: 1e-8 s per token^2 passes 500 s at 223,607 tokens, before the memory limit
+    slow = longest.TimeModel(0.0, 0.0, 1e-8, "test")
+    found = longest.predict_longest(gpu, slow, 77 * gib, step, cap, 500)
+    assert (found["longest_tokens"], found["by_memory_tokens"], found["limit"]) == (114688, 114688, longest.LIMIT_GPU)
+    found = longest.predict_longest(longest.MemoryModel(peak0=gib, peak1=1024), slow, 77 * gib, step, cap, 500)
+    assert found["limit"] == longest.LIMIT_TIME and found["longest_tokens"] == 221184
+    assert found["by_memory_tokens"] == cap and found["predicted_step_s"] <= 500
+    # nothing stops it within the search
+    found = longest.predict_longest(longest.MemoryModel(peak0=gib, peak1=1024), None, 77 * gib, step, cap, 500)
+    assert (found["longest_tokens"], found["limit"]) == (cap, longest.LIMIT_SEARCH)
+
+
+# ------------------------------------------------------------------------------------------- the script, on CPU
+
+
+def _run(out: Path, *args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--confirm", "--out", str(out), *args], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=str(REPO))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    precision = args[args.index("--precision") + 1] if "--precision" in args else "bf16"
+    return json.loads((out / f"long_context-{precision}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("long_context")
+    return out, _run(out)
+
+
+def _phases(record: dict) -> list[tuple[str, int]]:
+    return [(step["phase"], step["tokens"]) for step in record["steps"]]
+
+
+def test_every_mode_is_run_or_skipped_for_a_reason(tiny):
+    _, results = tiny
+    assert results["finished"] and results["order"] == ["ckpt", "ckpt+hfo", "ckpt+trl", "ckpt+native", "plan@auto"]
+    status = {mode: record["status"] for mode, record in results["modes"].items()}
+    assert status == {"ckpt": "ok", "ckpt+hfo": "ok", "ckpt+trl": "skipped", "ckpt+native": "skipped",
+                      "plan@auto": "ok"}  # fmt: skip
+    for mode in ("ckpt+trl", "ckpt+native"):  # both pin host memory for an accelerator
+        assert "accelerator" in results["modes"][mode]["notes"][0]
+    env = results["environment"]
+    assert env["device_total_bytes"] == TINY_DEVICE and env["gpu_limit_bytes"] == TINY_LIMIT
+    assert results["settings"]["alloc_conf"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+@pytest.mark.parametrize("mode", ["ckpt", "ckpt+hfo"])
+def test_fitted_modes_predict_the_peak_that_their_confirmation_measures(tiny, mode):
+    _, results = tiny
+    record = results["modes"][mode]
+    prediction, confirm = record["prediction"], record["confirm"]
+    longest_tokens = prediction["longest_tokens"]
+    assert _phases(record) == [("warmup", 64), ("profile", 64), ("warmup", 128), ("profile", 128),
+                               ("confirm", longest_tokens)]  # fmt: skip
+    profiled = [s for s in record["steps"] if s["phase"] == "profile"]
+    assert all(s["ok"] and s["s"] > 0 and s["rss_bytes"] > 0 for s in profiled)
+    assert profiled[1]["peak_bytes"] > profiled[0]["peak_bytes"] > record["setup"]["static_bytes"] > 0
+    if mode == "ckpt+hfo":
+        assert all(s["bytes_offloaded"] > 0 and s["pinned_bytes"] > 0 for s in profiled)
+        assert prediction["memory_model"]["pool_cap_bytes"] > 0 and "predicted_host_bytes" in prediction
+    # the longest length is the line through the two profiled peaks, cut at the pretend device less the margin
+    (t1, p1), (t2, p2) = ((s["tokens"], s["peak_bytes"]) for s in profiled)
+    slope = (p2 - p1) / (t2 - t1)
+    assert 128 < longest_tokens < results["settings"]["max_tokens"] and longest_tokens % 64 == 0
+    assert p1 + slope * (longest_tokens - t1) <= TINY_LIMIT < p1 + slope * (longest_tokens + 64 - t1)
+    assert prediction["limit"] == longest.LIMIT_GPU and str(longest_tokens + 64) in prediction["limit_detail"]
+    # the time model goes through the profiled steps, with its quadratic term from the attention probe
+    model = longest.TimeModel(prediction["time_model"]["a_s"], prediction["time_model"]["b_s_per_token"],
+                              prediction["time_model"]["c_s_per_token2"], "")  # fmt: skip
+    assert [model(s["tokens"]) for s in profiled] == pytest.approx([s["s"] for s in profiled])
+    probe = record["attention_probe"]
+    assert probe["tokens"] == 512 and probe["forward_s"] > 0 and probe["backward_s"] > 0
+    assert model.c == pytest.approx(2 * (2 * probe["forward_s"] + probe["backward_s"]) / 512**2)
+    assert prediction["predicted_step_s"] == pytest.approx(model(longest_tokens))
+    # the confirmation ran at that length and its peak is the predicted one, within the device
+    assert confirm["ok"] and confirm["tokens"] == longest_tokens and confirm["tokens_per_s"] > 0
+    assert confirm["peak_bytes"] <= TINY_DEVICE
+    assert confirm["peak_bytes"] == pytest.approx(prediction["predicted_peak_bytes"], rel=0.03)
+
+
+def test_plan_auto_predicts_with_the_library_planner(tiny):
+    _, results = tiny
+    record = results["modes"]["plan@auto"]
+    # the library's two profiling steps at the shortest length, then a warm-up and a measured step per length
+    assert _phases(record)[:6] == [("library-profile", 64), ("library-profile", 64), ("warmup", 64),
+                                   ("profile", 64), ("warmup", 128), ("profile", 128)]  # fmt: skip
+    profiled = [s for s in record["steps"] if s["phase"] == "profile"]
+    assert all(s["plan"] and s["plan_tokens"] == s["tokens"] for s in profiled)  # a plan in force, re-planned at 128
+    prediction = record["prediction"]
+    assert prediction["budget_bytes"] == TINY_LIMIT and prediction["profile_tokens"] == 128
+    assert prediction["longest_tokens"] > 128 and prediction["longest_tokens"] % 64 == 0
+    assert len(prediction["plan_code"]) == 2 and set(prediction["plan_code"]) <= set("KOSsXCcTt")
+    assert prediction["predicted_peak_bytes"] <= prediction["budget_bytes"] - prediction["margin_bytes"]
+    assert prediction["plan_table"].startswith(f"Memory plan for {prediction['longest_tokens']} tokens")
+    # one length longer, the planner says why no plan fits
+    assert prediction["limit"] in (longest.LIMIT_GPU, longest.LIMIT_POOL_CAP) and "below the smallest peak" in (
+        prediction["limit_detail"])
+    assert prediction["predicted_step_s"] == pytest.approx(prediction["planner_step_s"]
+                                                           + prediction["attention_correction_s"])  # fmt: skip
+    assert prediction["attention_correction_s"] > 0  # the library's probes scale attention linearly
+    # the confirmation ran: the library re-planned for its length, or said why no plan fits before anything ran
+    confirm = record["confirm"]
+    assert confirm["tokens"] == prediction["longest_tokens"] and "ok" in confirm
+    assert confirm.get("plan") or confirm["error_kind"] == "no plan"
+
+
+def test_markdown_and_log_are_written(tiny):
+    out, results = tiny
+    markdown = (out / "long_context-bf16.md").read_text()
+    for mode in results["order"]:
+        assert f"| `{mode}` | {results['modes'][mode]['status']} |" in markdown
+    assert "## How each prediction was made" in markdown and "attention probe" in markdown
+    log = (out / "long_context-bf16.log").read_text()
+    assert re.search(r"^\[\d\d:\d\d:\d\d\] ckpt: confirm step, [\d,]+ tokens: ", log, re.M)  # timestamped progress
+
+
+def test_qlora_quantizes_the_decoder_and_wraps_it_in_4bit_lora(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    results = _run(tmp_path, "--precision", "qlora", "--modes", "ckpt+hfo")
+    record = results["modes"]["ckpt+hfo"]
+    assert record["status"] == "ok", record.get("error")
+    quantization = record["setup"]["quantization"]
+    assert quantization["linears"] == 2 * 7 and quantization["quant_type"] == "nf4"  # q, k, v, o, gate, up, down
+    assert quantization["compute_dtype"] == "bfloat16" and record["setup"]["lora_4bit_layers"] == 2 * 7
+    assert record["confirm"]["ok"] and record["confirm"]["tokens"] == record["prediction"]["longest_tokens"] > 128
+    assert record["confirm"]["peak_bytes"] <= TINY_DEVICE
