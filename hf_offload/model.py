@@ -565,9 +565,9 @@ class _ReentrantCheckpointingCheck:
         return self  # as for _ExemptHooks: never copy the engine with a model
 
 
-def _install_prefetch_points(engine: OffloadActivations, model: nn.Module, head: nn.Module | None,
-                             attention: list[nn.Module]) -> None:  # fmt: skip
-    points = _PrefetchPoints(engine, [layer for _, layer in find_decoder_layers(model)])
+def _install_prefetch_points(engine: OffloadActivations, model: nn.Module, layers: list[nn.Module],
+                             head: nn.Module | None, attention: list[nn.Module]) -> None:  # fmt: skip
+    points = _PrefetchPoints(engine, layers)
     if attention:  # with no blocks found, unpacks keep prefetching
         engine.track_hook(model.register_forward_pre_hook(points.root_enter))
     if head is not None:
@@ -693,12 +693,12 @@ def get_act_offloading_ctx_manager(
     exempt = _outermost(find_liger_modules(unwrapped))
     for _, module in exempt:
         _install_exempt_hooks(engine, module)
-    _install_prefetch_points(engine, unwrapped, head[1] if head is not None else None,
+    layers = [layer for _, layer in find_decoder_layers(unwrapped)]
+    _install_prefetch_points(engine, unwrapped, layers, head[1] if head is not None else None,
                              [module for _, module in find_attention_modules(unwrapped)])
     engine.track_hook(unwrapped.register_forward_pre_hook(_ReentrantCheckpointingCheck(engine).root_enter))
-    layers = find_decoder_layers(unwrapped)
     if layers:
-        engine.track_hook(layers[0][1].register_forward_pre_hook(LongContextCheck(engine), with_kwargs=True))
+        engine.track_hook(layers[0].register_forward_pre_hook(LongContextCheck(engine), with_kwargs=True))
     if engine.options.tile_mlp is True:
         from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk  # it imports this module
 
