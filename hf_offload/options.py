@@ -274,10 +274,10 @@ class OffloadOptions:
         "layer; `False`: never.", argument="tile_mlp")  # fmt: skip
 
     def __post_init__(self) -> None:
+        # Each value is stored as its rule reads it: the command line's spellings ("4096", "true") as what they mean.
         for option in dataclasses.fields(self):
-            option.metadata["rule"].check(getattr(self, option.name), option.name)
-        # The command line's spelling ("True", "false") stored as what it means, so that the engine compares once.
-        object.__setattr__(self, "tile_mlp", self.rule("tile_mlp").check(self.tile_mlp, "tile_mlp"))
+            rule = option.metadata["rule"]
+            object.__setattr__(self, option.name, rule.check(getattr(self, option.name), option.name))
 
     @classmethod
     def rule(cls, name: str) -> Rule:
