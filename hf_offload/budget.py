@@ -371,7 +371,7 @@ class MemoryBudgetController:
         elif self._forwards == 3:
             self._measured.step_s = self._meter.seconds(self._measured.step_start, self._meter.mark())
             engine = self._engine()
-            if engine is not None:  # the last step's statistics are the second profiled step's, at its tokens
+            if self._meter.device is None and engine is not None:  # the last step's statistics: the second's
                 self._measured.head_saved_bytes = int(engine.get_stats()["bytes_kept_exempt"])
             self._plan_and_apply(self._measured.step_tokens)
         elif self._static_grew():
