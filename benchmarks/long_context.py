@@ -138,6 +138,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--qlora-prepare", choices=["none", "peft"], default="none",
                     help="qlora: 'peft' also calls peft.prepare_model_for_kbit_training (casts the norms, embeddings "
                     "and head to fp32); 'none' keeps them bf16, as TRL's SFTTrainer does")
+    ap.add_argument("--max-pinned-fraction", type=float, default=None,
+                    help="hf-offload's max_pinned_memory_fraction for ckpt+hfo and plan@auto (the library's default "
+                    "when not given): the share of available host RAM its pinned pool may take")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (32; tiny 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, hf-offload in its CPU test mode")
@@ -174,6 +177,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": pick("max_tokens"), "max_step_seconds": args.max_step_seconds,
         "attn_probe_tokens": pick("attn_probe_tokens"), "confirm": args.confirm or bool(args.confirm_tokens),
         "confirm_tokens": args.confirm_tokens, "max_seconds": args.max_seconds, "seed": args.seed,
+        "max_pinned_fraction": args.max_pinned_fraction,
         "shape_dims": shape, "rope_parameters": ROPE,
         "shape": (f"hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} layers, "
                   f"{shape['heads']}/{shape['kv_heads']} heads, vocab {shape['vocab']}, rope theta 500000, LoRA r=16 "
@@ -535,6 +539,8 @@ class ModeRun:
             setup["lora_4bit_layers"] = sum(type(m).__module__.endswith("lora.bnb") for m in model.modules())
         self.optimizer, setup["optimizer"] = make_optimizer(params, notes)
         hfo_options: dict[str, Any] = {"device_type": "cpu"} if s["tiny"] else {}
+        if s["max_pinned_fraction"] is not None:
+            hfo_options["max_pinned_memory_fraction"] = s["max_pinned_fraction"]
         if mode.planned:
             # On CPU there is no device memory for "auto" to take a share of: the budget is what --margin-gib leaves
             # of the pretend device. With --device-gib on a GPU, "auto" is resolved for that size, not the device's.
@@ -701,7 +707,8 @@ class ModeRun:
             if controller is not None and controller.plan is not None:
                 plan = controller.plan
                 rec.update(plan=plan.code, plan_tokens=plan.tokens, plan_predicted_peak_bytes=plan.predicted.peak_bytes,
-                           plan_predicted_step_s=plan.predicted.step_s)  # fmt: skip
+                           plan_predicted_step_s=plan.predicted.step_s,
+                           plan_static_bytes=controller.profile.static_bytes)  # fmt: skip
         elif self.counter is not None:
             sizes = self.counter.sizes
             rec.update(bytes_offloaded=self.counter.bytes, tensors_offloaded=self.counter.tensors,
@@ -851,10 +858,23 @@ class ModeRun:
         margin = int(budget_bytes * getattr(library_budget, "_PREDICTION_MARGIN", 0.005))
         attempts: dict[int, Any] = {}
 
+        # The library's static bytes are what is allocated when the first layer starts, which includes the step's own
+        # per-token tensors (the embeddings' output, the rotary tables): a line through the profiled lengths' plans.
+        statics = {step["plan_tokens"]: step["plan_static_bytes"] for step in profiled
+                   if step.get("plan_tokens") == step["tokens"] and "plan_static_bytes" in step}  # fmt: skip
+        static_per_token = 0.0
+        if len(statics) >= 2:
+            (t0, b0), (t1, b1) = min(statics.items()), max(statics.items())
+            static_per_token = max(0.0, (b1 - b0) / (t1 - t0))
+
+        def at(n: int) -> Any:
+            grown = int(static_per_token * (n - profile.tokens))
+            return dataclasses.replace(profile.scaled(n), static_bytes=profile.static_bytes + grown)
+
         def attempt(n: int) -> Any:  # a Plan, or the planner's ValueError
             if n not in attempts:
                 try:
-                    attempts[n] = make_plan(profile.scaled(n), budget_bytes, margin)
+                    attempts[n] = make_plan(at(n), budget_bytes, margin)
                 except ValueError as e:
                     attempts[n] = e
             return attempts[n]
@@ -895,6 +915,7 @@ class ModeRun:
             limit, detail = LIMIT_TIME, (f"predicted {step_s(by_memory):.0f} s/step at {by_memory} tokens (the memory "
                                          f"limit), over --max-step-seconds {s['max_step_seconds']:g}")
         out: dict[str, Any] = {"longest_tokens": longest, "limit": limit, "limit_detail": detail,
+                               "static_bytes_per_token": static_per_token,
                                "by_memory_tokens": by_memory, "budget_bytes": budget_bytes, "margin_bytes": margin,
                                "profile_tokens": profile.tokens, "probe_tokens": probe_tokens,
                                # to replay the search offline: StepProfile(**profile) with LayerProfile layers
@@ -902,7 +923,8 @@ class ModeRun:
         how = [f"The library's planner: the longest multiple of {round_to} tokens for which "
                f"hf_offload.planner.plan(ctx.budget.profile.scaled(N), {budget_bytes} (its 'auto' budget), "
                f"{margin}) finds a plan (bisection; the profile is the one its plan at {profile.tokens} tokens was "
-               "made from)."]  # fmt: skip
+               f"made from, its static bytes grown by {static_per_token:.0f} bytes/token, the line through the "
+               "profiled lengths' plans: the step's per-token tensors held when the first layer starts)."]  # fmt: skip
         if longest:
             found = attempt(longest)
             out.update(plan_code=found.code, predicted_peak_bytes=found.predicted.peak_bytes,
