@@ -73,6 +73,7 @@ from harness.longest import (  # noqa: E402
     pow2ceil,
     predict_longest,
     render_markdown,
+    static_bytes_per_token,
 )
 
 MODES = ["ckpt", "ckpt+hfo", "ckpt+trl", "ckpt+native", "plan@auto"]
@@ -858,14 +859,9 @@ class ModeRun:
         margin = int(budget_bytes * getattr(library_budget, "_PREDICTION_MARGIN", 0.005))
         attempts: dict[int, Any] = {}
 
-        # The library's static bytes are what is allocated when the first layer starts, which includes the step's own
-        # per-token tensors (the embeddings' output, the rotary tables): a line through the profiled lengths' plans.
-        statics = {step["plan_tokens"]: step["plan_static_bytes"] for step in profiled
-                   if step.get("plan_tokens") == step["tokens"] and "plan_static_bytes" in step}  # fmt: skip
-        static_per_token = 0.0
-        if len(statics) >= 2:
-            (t0, b0), (t1, b1) = min(statics.items()), max(statics.items())
-            static_per_token = max(0.0, (b1 - b0) / (t1 - t0))
+        static_per_token = static_bytes_per_token({step["plan_tokens"]: step["plan_static_bytes"] for step in profiled
+                                                   if step.get("plan_tokens") == step["tokens"]
+                                                   and "plan_static_bytes" in step})  # fmt: skip
 
         def at(n: int) -> Any:
             grown = int(static_per_token * (n - profile.tokens))

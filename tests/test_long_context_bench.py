@@ -20,6 +20,7 @@ from harness import longest  # noqa: E402
 
 SCRIPT = REPO / "benchmarks" / "long_context.py"
 MIB = 2**20
+GIB = 2**30
 TINY_DEVICE = 16 * MIB  # --tiny's pretend device (--device-gib 1/64)
 TINY_LIMIT = TINY_DEVICE - 2 * MIB  # less --margin-gib 1/512
 
@@ -57,6 +58,13 @@ def test_pinned_blocks_round_up_to_powers_of_two():
     assert [longest.pow2ceil(n) for n in (1, 3, 4, 5, 1000)] == [1, 4, 4, 8, 1024]
     # 32 layer inputs of 8 KiB per token: 1.5 GiB each at 196,608 tokens, pinned in 2 GiB blocks
     assert longest.pinned_pow2_bytes([64 * MIB] * 32, 8192, 196608) == 32 * 2 * 2**30
+
+
+def test_static_bytes_grow_along_the_plans_made_at_two_lengths():
+    assert longest.static_bytes_per_token({8192: 6 * GIB}) == 0.0  # one length: nothing to grow along
+    plans = {8192: 6 * GIB + 8192 * 17432, 16384: 6 * GIB + 16384 * 17432}  # the 8B QLoRA run's 17,432 bytes/token
+    assert longest.static_bytes_per_token(plans) == 17432
+    assert longest.static_bytes_per_token({8192: 6 * GIB, 16384: 6 * GIB - 4096}) == 0.0  # noise never shrinks it
 
 
 def test_largest_multiple_bisects_to_the_boundary():

@@ -127,6 +127,17 @@ def pinned_pow2_bytes(sizes: Sequence[int], from_tokens: int, to_tokens: int) ->
     return sum(pow2ceil(math.ceil(size * to_tokens / from_tokens)) for size in sizes)
 
 
+def static_bytes_per_token(plans: dict[int, int]) -> float:
+    """The growth per token of the static bytes hf-offload's plans were made with, from ``{tokens: static bytes}`` of
+    plans made at two lengths or more (0 with fewer). The library measures them when the first layer starts, so they
+    include the step's own per-token tensors (the embeddings' output, the rotary tables); a prediction for a longer
+    step that held them constant would plan with too little."""
+    if len(plans) < 2:
+        return 0.0
+    (short, short_bytes), (long, long_bytes) = min(plans.items()), max(plans.items())
+    return max(0.0, (long_bytes - short_bytes) / (long - short))
+
+
 def largest_multiple(fits: Callable[[int], bool], step: int, max_tokens: int) -> int:
     """The largest multiple of ``step`` up to ``max_tokens`` for which ``fits`` holds (0 if not even ``step``), by
     bisection: ``fits`` must hold up to some length and fail beyond it."""
