@@ -12,7 +12,5 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
   echo "no GPU here: running hf-offload's bookkeeping in CPU test mode (--activation_offloading_device_type cpu)"
   extra=(--activation_offloading_device_type cpu)
 fi
-# Expandable segments keep the CUDA allocator from fragmenting at long context; a value already set is kept.
-export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 python examples/sft_trainer.py --output_dir runs/sft --max_steps 20 --logging_steps 5 --report_to none \
   --activation_offloading "${extra[@]}" "$@"
