@@ -39,13 +39,22 @@ def _in_argument_unit(option: dataclasses.Field) -> Any:
     return default / MIB if option.metadata["argument_unit"] == "MiB" and default is not None else default
 
 
+def command_line_help(text: str) -> str:
+    """`text` as an argparse help string, which argparse %-formats: a literal `%` (as in `'60%'`) is written `%%`."""
+    return text.replace("%", "%%")
+
+
 def _argument_fields() -> list[tuple[str, Any, dataclasses.Field]]:
-    """The mixin's dataclass fields: the flag, then one per engine option, made from `OffloadOptions`."""
-    fields = [("activation_offloading", bool, field(default=False, metadata={"help": _FLAG_HELP}))]
+    """The mixin's dataclass fields: the flag, then one per engine option, made from `OffloadOptions`.
+
+    Their `help` metadata is what `HfArgumentParser` hands to argparse, so it is escaped for argparse; the option's
+    own help, as written, is in `OffloadOptions`.
+    """
+    fields = [("activation_offloading", bool, field(default=False, metadata={"help": command_line_help(_FLAG_HELP)}))]
     for argument, option in _argument_options():
         annotation = option.metadata["rule"].annotation(option.metadata["argument_unit"])
-        fields.append((argument, annotation, field(default=_in_argument_unit(option),
-                                                   metadata={"help": option.metadata["help"]})))  # fmt: skip
+        help_text = command_line_help(option.metadata["help"])
+        fields.append((argument, annotation, field(default=_in_argument_unit(option), metadata={"help": help_text})))
     return fields
 
 

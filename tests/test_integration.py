@@ -144,6 +144,14 @@ def test_trainer_examples_run_with_offloading(tmp_path, example, capsys):
     assert "activation offloading over" in capsys.readouterr().out  # the end-of-training summary
 
 
+@pytest.mark.parametrize("example", ["sft_trainer.py", "trl_sft_lora.py", "custom_loop.py"])
+def test_each_example_prints_its_help(example):
+    done = subprocess.run([sys.executable, str(EXAMPLES / example), "--help"], capture_output=True, text=True,
+                          timeout=240, cwd=EXAMPLES)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--activation_offloading" in done.stdout
+
+
 def test_custom_loop_example_is_exact(capsys):
     with_offloading = custom_loop.main([*EXAMPLE_ARGS, "--max_length", str(MAX_LENGTH)])
     assert "activation offloading over 2 step(s)" in capsys.readouterr().out

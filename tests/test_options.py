@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from hf_offload import OffloadActivations, OffloadOptions, TrainingArguments, get_act_offloading_ctx_manager
-from hf_offload.callbacks.arguments import ARGUMENT_PREFIX, ActivationOffloadingArguments
+from hf_offload.callbacks.arguments import ARGUMENT_PREFIX, ActivationOffloadingArguments, command_line_help
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MIB = 2**20
@@ -100,11 +100,19 @@ def test_the_arguments_are_made_from_the_options():
             continue  # an engine-only option (TRL's count of copies in flight)
         in_mib = option.metadata["argument_unit"] == "MiB" and option.default is not None
         expected[ARGUMENT_PREFIX + option.metadata["argument"]] = (
-            option.default / MIB if in_mib else option.default, option.metadata["help"]
+            option.default / MIB if in_mib else option.default, command_line_help(option.metadata["help"])
         )
     assert {name: (field.default, field.metadata["help"]) for name, field in fields.items()} == expected
     for name in expected:  # every argument is documented, once, in the class docstring
         assert TrainingArguments.__doc__.count(f"{name} (") == 1
+
+
+def test_help_prints_every_option_as_written():
+    # argparse %-formats help strings: a bare '%' in an option's help crashed `--help` of every script.
+    help_text = transformers.HfArgumentParser(TrainingArguments).format_help()
+    assert "'60%'" in help_text and "%%" not in help_text
+    assert all(ARGUMENT_PREFIX + option.metadata["argument"] in help_text
+               for option in dataclasses.fields(OffloadOptions) if option.metadata["argument"])  # fmt: skip
 
 
 def test_every_option_from_the_command_line():

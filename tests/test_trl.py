@@ -106,6 +106,7 @@ def test_trl_configs_parse_with_one_activation_offloading_flag(tmp_path, name):
     (args,) = transformers.HfArgumentParser(config_class).parse_args_into_dataclasses(args=argv)
     assert isinstance(args, getattr(trl, name))
     assert args.activation_offloading is True and args.activation_offloading_min_size == 0
+    assert "'60%'" in transformers.HfArgumentParser(config_class).format_help()  # `--help` works too
 
 
 def test_a_config_round_trips_through_pickle(tmp_path, monkeypatch):
