@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Where the time of a short step goes with checkpointing + hf-offload (issue 21): variants interleaved in one process.
+
+`run.py` runs each mode in its own process; this script builds one model and alternates blocks of steps of several
+variants on it, so that the variants see the same GPU clocks, allocator and host. For each variant it reports the
+median step, the host time spent inside the engine's hooks, and, from one profiled step, how the compute stream
+spent the step: busy, idle (and the largest idle gaps, with the kernels around them), copies on each stream, and the
+CUDA runtime calls the host made (waits and synchronisations included). Also how far the host ran ahead of the GPU:
+if the GPU finishes the backward a moment after the host has issued it, the step is bound by the host, and every
+microsecond of Python in a hook is a microsecond of the step.
+
+Usage (GPU machine):
+  python benchmarks/short_steps.py --scenario M36 --out $OUT
+  python benchmarks/short_steps.py --scenario M36 --variants ckpt,ckpt+hfo,ckpt+hfo:use_streams=False
+A variant is `ckpt` (checkpointing alone), `none` (no checkpointing, no offloading), or `ckpt+hfo` / `hfo` with
+`:key=value` engine options after it (`ckpt+hfo:min_offload_size=1099511627776`: nothing eligible).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the working tree's hf_offload first
+import torch  # noqa: E402
+from harness.model import build_model, make_input_ids, make_optimizer  # noqa: E402
+from harness.offloaders import enable_checkpointing  # noqa: E402
+from harness.scenarios import SCENARIOS  # noqa: E402
+
+import hf_offload  # noqa: E402
+from hf_offload.engine import OffloadActivations  # noqa: E402
+
+DEFAULT_VARIANTS = "ckpt,ckpt+hfo,ckpt+hfo:min_offload_size=1099511627776,ckpt+hfo:use_streams=False"
+
+
+class HookClock:
+    """Host seconds spent inside the engine's pack, unpack and prefetch entry points (patched on the class)."""
+
+    NAMES = ("_pack", "_unpack", "_prefetch_from_hook", "_begin_step")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        for name in self.NAMES:
+            original = getattr(OffloadActivations, name)
+            setattr(OffloadActivations, name, self._timed(name, original))
+
+    def _timed(self, name: str, original: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        return wrapper
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def parse_variant(text: str) -> tuple[bool, bool, dict[str, Any]]:
+    """'ckpt+hfo:use_streams=False' -> (checkpointing, offloading, options)."""
+    name, _, options_text = text.partition(":")
+    if name not in ("none", "ckpt", "hfo", "ckpt+hfo"):
+        raise SystemExit(f"unknown variant {text!r}: none, ckpt, hfo or ckpt+hfo[:key=value,...]")
+    options = {}
+    for item in filter(None, options_text.split(",")):
+        key, _, value = item.partition("=")
+        options[key.strip()] = ast.literal_eval(value.strip())
+    return name.startswith("ckpt"), "hfo" in name, options
+
+
+def trace_name(variant: str) -> str:
+    """The variant in the characters a file name brought back from the GPU machine may hold."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in variant)
+
+
+def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    if on:
+        enable_checkpointing(model, offload=False)
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", default="M36", choices=sorted(SCENARIOS))
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--rounds", type=int, default=3, help="blocks of each variant, interleaved")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per block (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2, help="steps per block before timing (the tail is learned)")
+    ap.add_argument("--trace", default="ckpt,ckpt+hfo", help="variants to profile one step of")
+    ap.add_argument("--cprofile", default=None, metavar="VARIANT",
+                    help="also run 3 steps of VARIANT under cProfile: the functions that took the most host time")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args()
+
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    scenario = SCENARIOS[args.scenario]
+    model = build_model(scenario, args.seed, device)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, _ = make_optimizer(params, [])
+    input_ids = make_input_ids(scenario, args.seed, device)
+    clock = HookClock()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    traced = {v.strip() for v in args.trace.split(",") if v.strip()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def step(context: Any) -> dict[str, float]:
+        """One step, synchronised before and after, as the benchmark times it; host-side marks along the way."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with context if context is not None else _null():
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            t_forward = time.perf_counter()
+            loss.backward()
+        t_backward = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t_issued = time.perf_counter()
+        torch.cuda.synchronize()
+        t_end = time.perf_counter()
+        return {"s": t_end - t0, "forward_issued_s": t_forward - t0, "backward_issued_s": t_backward - t0,
+                "all_issued_s": t_issued - t0, "host_ahead_s": t_end - t_issued}
+
+    results: dict[str, dict[str, Any]] = {v: {"steps": [], "hooks": defaultdict(float), "calls": defaultdict(int)}
+                                          for v in variants}
+    for round_index in range(args.rounds):
+        for variant in variants:
+            checkpointing, offloading, options = parse_variant(variant)
+            set_checkpointing(model, checkpointing)
+            context = hf_offload.get_act_offloading_ctx_manager(model, **options) if offloading else None
+            for _ in range(args.warmup):
+                step(context)
+            clock.reset()
+            for _ in range(args.steps):
+                results[variant]["steps"].append(step(context))
+            for name, seconds in clock.seconds.items():
+                results[variant]["hooks"][name] += seconds / args.steps / args.rounds
+                results[variant]["calls"][name] += clock.calls[name] // args.steps // args.rounds
+            if context is not None:
+                results[variant]["stats"] = {k: v for k, v in context.get_stats().items()}
+            if round_index == args.rounds - 1 and variant in traced:
+                path = out / f"short-steps-{args.scenario}-{trace_name(variant)}.json.gz"
+                results[variant]["trace"] = trace_summary(step, context, str(path))
+            if context is not None:
+                context.remove_hooks()
+            del context
+            steps = results[variant]["steps"]
+            print(f"round {round_index + 1} {variant}: median so far "
+                  f"{statistics.median(s['s'] for s in steps) * 1e3:.1f} ms", flush=True)
+
+    if args.cprofile:
+        host_profile(args.cprofile, model, step)
+
+    baseline = statistics.median(s["s"] for s in results[variants[0]]["steps"])
+    print(f"\n{args.scenario}: {scenario.describe()}; {args.rounds} rounds x {args.steps} steps, interleaved")
+    print(f"{'variant':58s} {'median ms':>9s} {'ratio':>6s} {'host ahead ms':>13s} {'hooks ms':>8s}")
+    for variant in variants:
+        steps = results[variant]["steps"]
+        median = statistics.median(s["s"] for s in steps)
+        ahead = statistics.median(s["host_ahead_s"] for s in steps)
+        hooks = sum(results[variant]["hooks"].values())
+        results[variant]["median_s"] = median
+        print(f"{variant:58s} {median * 1e3:9.1f} {median / baseline:6.3f} {ahead * 1e3:13.1f} {hooks * 1e3:8.1f}")
+    for variant in variants:
+        trace = results[variant].get("trace")
+        if trace:
+            print(f"\n{variant}: trace " + json.dumps({k: v for k, v in trace.items() if k != "gaps"}))
+            for gap in trace["gaps"][:8]:
+                print("   gap", json.dumps(gap))
+    (out / f"short-steps-{args.scenario}.json").write_text(json.dumps(
+        {"scenario": args.scenario, "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+         "torch": torch.__version__, "results": results}, indent=1, default=str))
+    return 0
+
+
+def host_profile(variant: str, model: torch.nn.Module, step: Any) -> None:
+    """Three steps of `variant` under cProfile (after two warm-up steps): where the host's time goes."""
+    import cProfile
+    import pstats
+
+    checkpointing, offloading, options = parse_variant(variant)
+    set_checkpointing(model, checkpointing)
+    context = hf_offload.get_act_offloading_ctx_manager(model, **options) if offloading else None
+    for _ in range(2):
+        step(context)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(3):
+        step(context)
+    profiler.disable()
+    print(f"\ncProfile of 3 steps of {variant}, by own time:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(45)
+    print(f"cProfile of 3 steps of {variant}, by cumulative time, hf_offload only:")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats("hf_offload", 30)
+    if context is not None:
+        context.remove_hooks()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def trace_summary(run_step: Any, context: Any, path: str) -> dict[str, Any]:
+    """One step under torch.profiler: the compute stream's busy and idle time, its largest gaps, the copies per
+    stream and the runtime calls, from the chrome trace (saved gzipped at `path`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_step(context)
+    raw = path[:-3]
+    prof.export_chrome_trace(raw)
+    events = json.loads(Path(raw).read_text()).get("traceEvents", [])
+    with open(raw, "rb") as source, gzip.open(path, "wb") as target:
+        shutil.copyfileobj(source, target)
+    os.remove(raw)
+
+    device_work: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+    copies: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "ms": 0.0})
+    runtime: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "ms": 0.0})
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        category, name = event.get("cat"), event.get("name", "")
+        start, duration = float(event["ts"]), float(event.get("dur", 0))
+        if category in ("kernel", "gpu_memcpy", "gpu_memset"):
+            stream = (event.get("args") or {}).get("stream")
+            device_work[stream].append((start, start + duration, name))
+            if category == "gpu_memcpy":
+                copies[f"stream {stream} {name}"]["count"] += 1
+                copies[f"stream {stream} {name}"]["ms"] += duration / 1e3
+        elif category == "cuda_runtime" or category == "cuda_driver":
+            runtime[name]["count"] += 1
+            runtime[name]["ms"] += duration / 1e3
+    # The compute stream: the one with the most kernel time.
+    compute = max(device_work, key=lambda s: sum(b - a for a, b, n in device_work[s] if "Memcpy" not in n))
+    work = sorted(device_work[compute])
+    span_start = min(a for intervals in device_work.values() for a, _, _ in intervals)
+    span_end = max(b for intervals in device_work.values() for _, b, _ in intervals)
+    busy, end, gaps, previous = 0.0, float("-inf"), [], ""
+    for start, stop, name in work:
+        if start > end and end != float("-inf"):
+            gaps.append({"ms": (start - end) / 1e3, "at": round((end - span_start) / (span_end - span_start), 3),
+                         "after": previous[:60], "before": name[:60]})
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+            previous = name
+    gaps.sort(key=lambda g: -g["ms"])
+    return {"gpu_span_ms": (span_end - span_start) / 1e3, "compute_busy_ms": busy / 1e3,
+            "compute_idle_ms": (span_end - span_start - busy) / 1e3,
+            "gaps_over_50us": sum(g["ms"] > 0.05 for g in gaps),
+            "copies": dict(copies),
+            "runtime": {k: v for k, v in sorted(runtime.items(), key=lambda kv: -kv[1]["ms"])[:14]},
+            "gaps": gaps[:20]}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
