@@ -112,6 +112,47 @@ class _ExemptRegion(NoOpManager):
         return _kept(tensor)
 
 
+class _SideStream:
+    """One side stream, and a cheap way to make it current for the few calls that issue a copy on it.
+
+    `with torch.cuda.stream(side)` costs about 18 us of host time (H100 host, `benchmarks/hook_cost.py`), and a
+    copy enters one each way: on a short step the host, not the GPU, sets the pace, so that is step time. Entering
+    this object costs two `set_stream` calls: the engine already holds the stream it returns to, the compute stream
+    of the same device, read before the switch (see the module docstring). `set_stream` also makes the stream's
+    device current, so the device current before is put back when it was another one (a model split across GPUs).
+
+    It also keeps one event for ordering this stream after another (`wait_for`), re-recorded each time: a wait
+    enqueued on a stream holds the event's state at the time of the call, so the event can be recorded again at once.
+    """
+
+    def __init__(self, device: torch.device, device_module: Any) -> None:
+        self.device_module = device_module
+        self.stream = device_module.Stream(device=device)
+        self._marker = device_module.Event()
+        self._return_to: Any = None
+        self._previous_device = 0
+
+    def wait_for(self, stream: Any) -> None:
+        """Order this stream's later work after what `stream` has queued so far (as `Stream.wait_stream`)."""
+        self._marker.record(stream)
+        self.stream.wait_event(self._marker)
+
+    def entered_from(self, compute: Any) -> _SideStream:
+        """`with side.entered_from(compute):` runs the block on this stream, then makes `compute` current again."""
+        self._return_to = compute
+        return self
+
+    def __enter__(self) -> None:
+        self._previous_device = self.device_module.current_device()
+        self.device_module.set_stream(self.stream)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.device_module.set_stream(self._return_to)
+        if self._previous_device != self.stream.device_index:
+            self.device_module.set_device(self._previous_device)
+        self._return_to = None
+
+
 class _Lane:
     """Per-device copy machinery: side streams and the windows of copies in flight."""
 
@@ -119,22 +160,24 @@ class _Lane:
         self.device = device
         self.device_module = device_module
         streamed = use_streams and device.type != "cpu"
-        self.d2h = device_module.Stream(device=device) if streamed else None
-        self.h2d = device_module.Stream(device=device) if streamed else None
+        self.d2h = _SideStream(device, device_module) if streamed else None
+        self.h2d = _SideStream(device, device_module) if streamed else None
         self.inflight: deque[_HostCopy] = deque()  # forward copies whose GPU original is still held
         self.inflight_bytes = 0
         self.prefetched_bytes = 0  # reloaded ahead of need and not yet unpacked
         self.prefetched_copies = 0
 
     def compute_stream(self) -> Any:
-        return self.device_module.current_stream(self.device)
+        # By index: `current_stream(torch.device)` spends most of its time resolving the device object, and a short
+        # step pays it several times per layer (see `benchmarks/hook_cost.py`).
+        return self.device_module.current_stream(self.device.index)
 
 
 class _HostCopy:
     """One storage span copied to the host, shared by every saved tensor that lies inside it."""
 
     __slots__ = (
-        "engine", "lane", "pool", "block", "dtype", "start", "numel", "nbytes", "position", "step",
+        "engine", "lane", "pool", "block", "host", "dtype", "start", "numel", "nbytes", "position", "step",
         "source", "d2h_done", "reloaded", "reload_done", "prefetched", "consumed", "users", "unpacks_left",
         "__weakref__",
     )  # fmt: skip
@@ -145,6 +188,7 @@ class _HostCopy:
         self.lane = lane
         self.pool = pool
         self.block = block
+        self.host = block.view(tensor.dtype, numel)  # the span's bytes on the host, as elements of its dtype
         self.dtype = tensor.dtype
         self.start = start  # first element of the span in the original storage
         self.numel = numel
@@ -160,14 +204,11 @@ class _HostCopy:
         self.users = 0
         self.unpacks_left = 0
 
-    def host_view(self) -> torch.Tensor:
-        return self.block.view(self.dtype, self.numel)
-
     def __del__(self) -> None:
         # A reload nobody consumed may still be writing into its compute-stream buffer: keep the allocator from
         # reusing that memory until the H2D stream is past it.
         if self.reloaded is not None and self.reload_done is not None and not self.reload_done.query():
-            self.reloaded.record_stream(self.lane.h2d)
+            self.reloaded.record_stream(self.lane.h2d.stream)
         self.pool.free(self.block)
 
 
@@ -248,7 +289,7 @@ class OffloadActivations(saved_tensors_hooks):
         self._planner = TailPlanner(options.keep_tail, max_tail_bytes=options.forward_window_bytes)
         self._stats = StatsRecorder()
         self._parameter_pointers: set[int] = set()
-        self._model_ref: weakref.ref[torch.nn.Module] | None = None
+        self._parameters: list[weakref.ref[torch.Tensor]] = []
         self._module_hooks: list[RemovableHandle] = []
         self._phase = _IDLE
         self._step = _Step()
@@ -282,13 +323,16 @@ class OffloadActivations(saved_tensors_hooks):
     def update_model_params(self, model: torch.nn.Module) -> None:
         """Never offload the storages of this model's parameters and buffers.
 
-        The storages are re-read at every step, so that FSDP's re-gathered parameters and a model moved between
-        devices are recognised. Only the model is kept, weakly.
+        The parameters and buffers are listed here, once: walking the module tree costs milliseconds per step on a
+        large model, a few percent of a short step. Their storages are re-read at every step, so that a model moved
+        between devices, or parameters whose storage is freed and gathered again (FSDP), are recognised. Parameters
+        are held weakly. Call again if modules are added to the model (FSDP2's gathered parameters need not: they
+        are `nn.Parameter`s, recognised as such when saved).
 
         Args:
             model: the model (the outermost wrapper, which owns FSDP1's flat parameters).
         """
-        self._model_ref = weakref.ref(model)
+        self._parameters = [weakref.ref(tensor) for tensor in (*model.parameters(), *model.buffers())]
         self._refresh_parameter_pointers()
 
     def prefetch_hook(self, window_bytes: int | None = None) -> Callable[[torch.Tensor], None]:
@@ -531,7 +575,7 @@ class OffloadActivations(saved_tensors_hooks):
         for lane in self._lanes.values():
             self._drain_inflight(lane)
             if lane.d2h is not None:
-                lane.d2h.wait_stream(lane.h2d)  # pinned blocks freed by the last backward may be reused now
+                lane.d2h.wait_for(lane.h2d.stream)  # pinned blocks freed by the last backward may be reused now
 
     def _offload(self, tensor: torch.Tensor) -> Any:
         start, numel = storage_span(tensor)
@@ -567,16 +611,16 @@ class OffloadActivations(saved_tensors_hooks):
         return self._saved(copy, tensor)
 
     def _copy_out(self, lane: _Lane, copy: _HostCopy, span: torch.Tensor) -> None:
-        compute = lane.compute_stream()  # before any stream switch: see the module docstring
         if lane.d2h is None:
-            copy.host_view().copy_(span, non_blocking=True)  # ordered on the compute stream: span may go now
+            copy.host.copy_(span, non_blocking=True)  # ordered on the compute stream: span may go now
             return
+        compute = lane.compute_stream()  # before any stream switch: see the module docstring
         self._make_room(lane, copy.nbytes, compute)
-        lane.d2h.wait_stream(compute)  # the span's producer kernels first
-        with self._device_module.stream(lane.d2h):
-            copy.host_view().copy_(span, non_blocking=True)
-            copy.d2h_done = self._device_module.Event(enable_timing=True)  # timed: see `_first_unfinished`
-            copy.d2h_done.record(lane.d2h)
+        lane.d2h.wait_for(compute)  # the span's producer kernels first
+        with lane.d2h.entered_from(compute):
+            copy.host.copy_(span, non_blocking=True)
+        copy.d2h_done = self._device_module.Event(enable_timing=True)  # timed: see `_first_unfinished`
+        copy.d2h_done.record(lane.d2h.stream)
         copy.source = span
         lane.inflight.append(copy)
         lane.inflight_bytes += copy.nbytes
@@ -618,7 +662,7 @@ class OffloadActivations(saved_tensors_hooks):
         """Drops a GPU original kept past backward's start; its copy may still be reading it, and the host copy
         must stay intact for a second backward (retain_graph)."""
         if copy.source is not None and not copy.d2h_done.query():
-            copy.source.record_stream(copy.lane.d2h)
+            copy.source.record_stream(copy.lane.d2h.stream)
         copy.source = None
 
     # ------------------------------------------------------------------ backward
@@ -736,13 +780,13 @@ class OffloadActivations(saved_tensors_hooks):
         lane = copy.lane
         buffer = torch.empty(copy.numel, dtype=copy.dtype, device=lane.device)
         if compute is None:  # no side streams: everything is ordered on the compute stream already
-            buffer.copy_(copy.host_view(), non_blocking=True)
+            buffer.copy_(copy.host, non_blocking=True)
         else:
             start = self._device_module.Event(enable_timing=True)
             end = self._device_module.Event(enable_timing=True)
             compute.wait_event(copy.d2h_done)
             start.record(compute)
-            buffer.copy_(copy.host_view(), non_blocking=True)
+            buffer.copy_(copy.host, non_blocking=True)
             end.record(compute)
             self._stats.wait(start, end)  # compute spends the copy's time waiting on the link
         copy.reloaded = buffer
@@ -752,11 +796,11 @@ class OffloadActivations(saved_tensors_hooks):
         """Starts a prefetch on the H2D stream, into a buffer allocated on the compute stream."""
         lane = copy.lane
         buffer = torch.empty(copy.numel, dtype=copy.dtype, device=lane.device)  # on the compute stream
-        lane.h2d.wait_stream(compute)  # the buffer's memory may still be in use by queued compute kernels
-        lane.h2d.wait_event(copy.d2h_done)
-        with self._device_module.stream(lane.h2d):
-            buffer.copy_(copy.host_view(), non_blocking=True)
-            copy.reload_done = lane.h2d.record_event()
+        lane.h2d.wait_for(compute)  # the buffer's memory may still be in use by queued compute kernels
+        lane.h2d.stream.wait_event(copy.d2h_done)
+        with lane.h2d.entered_from(compute):
+            buffer.copy_(copy.host, non_blocking=True)
+        copy.reload_done = lane.h2d.stream.record_event()
         copy.reloaded = buffer
 
     # ------------------------------------------------------------------ shared
@@ -793,9 +837,8 @@ class OffloadActivations(saved_tensors_hooks):
         return 0 if self._pool is None else self._pool.capacity
 
     def _refresh_parameter_pointers(self) -> None:
-        model = self._model_ref() if self._model_ref is not None else None
-        if model is not None:
-            self._parameter_pointers = parameter_storages([*model.parameters(), *model.buffers()])
+        tensors = [tensor for tensor in (ref() for ref in self._parameters) if tensor is not None]
+        self._parameter_pointers = parameter_storages(tensors)
 
     def warn_once(self, key: str, message: str) -> None:
         """Log `message` as a warning the first time this engine is asked to with `key`.

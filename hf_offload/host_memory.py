@@ -71,8 +71,7 @@ class HostBlock:
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The block's first `numel` elements as a flat tensor of `dtype` (a view: no allocation)."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return self.chunk[self.offset : self.offset + nbytes].view(dtype)
+        return self.chunk[self.offset : self.offset + numel * dtype.itemsize].view(dtype)
 
 
 class PinnedHostPool:

@@ -22,6 +22,8 @@ def storage_span(tensor: torch.Tensor) -> tuple[int, int]:
     broadcast (stride-0) tensors exactly with `as_strided`, and never copies a broadcast dimension.
     PyTorch strides are never negative, so the span runs from the storage offset to the last element.
     """
+    if tensor.is_contiguous():  # most saved tensors; the general rule below gives the same, in more calls
+        return tensor.storage_offset(), tensor.numel()
     if tensor.numel() == 0:
         return tensor.storage_offset(), 0
     last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
@@ -57,10 +59,15 @@ def kept_reason(
     decided later by the engine, because they depend on the rest of the step.
     """
     # A parameter, or a view of one (`weight.t()` saved by a linear layer): FSDP2 gathers each layer's parameters
-    # into new storage in that layer's pre-forward hook, after the step's pointers were read.
-    if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+    # into new storage in that layer's pre-forward hook, after the step's pointers were read. The checks run
+    # cheapest first: `isinstance(x, Parameter)` goes through Parameter's Python metaclass, and a short step makes
+    # this call for every saved tensor (see `benchmarks/hook_cost.py`). A plain `torch.Tensor` is never a Parameter.
+    view_of_parameter = (base := tensor._base) is not None and isinstance(base, torch.nn.Parameter)
+    if type(tensor) is not torch.Tensor:
+        return "parameter" if view_of_parameter or isinstance(tensor, torch.nn.Parameter) else "unsupported_type"
+    if view_of_parameter:
         return "parameter"
-    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_quantized:
+    if tensor.layout is not torch.strided or tensor.is_quantized:
         return "unsupported_type"
     if tensor.device.type != device_type:
         return "not_on_accelerator"
