@@ -24,6 +24,8 @@ import torch
 _ALIGNMENT = 512  # bytes; keeps every block aligned for any dtype and for fast DMA
 _SMALLEST_CHUNK_BYTES = 2 * 2**20
 _LARGEST_CHUNK_BYTES = 256 * 2**20
+# Blocks kept for reuse, at most: steps of one shape reuse a few dozen; steps whose lengths vary make new ranges.
+_MAX_REMEMBERED_BLOCKS = 1024
 
 
 def _align(nbytes: int) -> int:
@@ -60,18 +62,28 @@ def _pinned_exactly(nbytes: int) -> torch.Tensor:
 
 
 class HostBlock:
-    """A byte range of one pool chunk, owned by one offloaded copy until it is freed."""
+    """A byte range of one pool chunk, owned by one offloaded copy until it is freed.
 
-    __slots__ = ("chunk", "offset", "nbytes")
+    The pool makes each block once and hands the same object out again whenever the same range is allocated (every
+    step after the first allocates the same ranges), so the views of a block are made once too: slicing a chunk costs
+    about 14 us of host time per copy, and a short step is paced by the host (`benchmarks/hook_cost.py`).
+    """
+
+    __slots__ = ("chunk", "offset", "nbytes", "_views")
 
     def __init__(self, chunk: torch.Tensor, offset: int, nbytes: int) -> None:
         self.chunk = chunk
         self.offset = offset
         self.nbytes = nbytes
+        self._views: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The block's first `numel` elements as a flat tensor of `dtype` (a view: no allocation)."""
-        return self.chunk[self.offset : self.offset + numel * dtype.itemsize].view(dtype)
+        view = self._views.get((dtype, numel))
+        if view is None:
+            view = self.chunk[self.offset : self.offset + numel * dtype.itemsize].view(dtype)
+            self._views[(dtype, numel)] = view
+        return view
 
 
 class PinnedHostPool:
@@ -94,6 +106,7 @@ class PinnedHostPool:
         self.chunk_bytes = chunk_bytes
         self._chunks: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per chunk: sorted (offset, nbytes) free ranges
+        self._blocks: dict[tuple[int, int, int], HostBlock] = {}  # (chunk index, offset, nbytes) -> its block
         self._lock = threading.Lock()
         self.allocations = 0  # chunk allocations so far: flat after the first step
 
@@ -113,8 +126,16 @@ class PinnedHostPool:
                             del free_ranges[position]
                         else:
                             free_ranges[position] = (offset + size, length - size)
-                        return HostBlock(self._chunks[index], offset, size)
+                        return self._block(index, offset, size)
             return self._grow(size)
+
+    def _block(self, index: int, offset: int, size: int) -> HostBlock:
+        block = self._blocks.get((index, offset, size))
+        if block is None:
+            if len(self._blocks) >= _MAX_REMEMBERED_BLOCKS:
+                self._blocks.clear()
+            block = self._blocks[(index, offset, size)] = HostBlock(self._chunks[index], offset, size)
+        return block
 
     def _grow(self, size: int) -> HostBlock | None:
         room = self.cap_bytes - self.capacity
@@ -147,6 +168,7 @@ class PinnedHostPool:
         released = self.capacity - sum(chunk.numel() for chunk, _ in kept)
         if released:
             self._chunks, self._free = [chunk for chunk, _ in kept], [free for _, free in kept]
+            self._blocks.clear()  # the chunks' indices changed; blocks in use keep their own reference to their chunk
             empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)  # torch 2.12+
             if self.pin_memory and empty_host_cache is not None:
                 empty_host_cache()  # PyTorch's pinned allocator caches what it gets back: give it to the OS
@@ -157,7 +179,7 @@ class PinnedHostPool:
         self.allocations += 1
         self._chunks.append(chunk)
         self._free.append([(size, chunk.numel() - size)] if chunk.numel() > size else [])
-        return HostBlock(chunk, 0, size)
+        return self._block(len(self._chunks) - 1, 0, size)
 
     def free(self, block: HostBlock) -> None:
         with self._lock:

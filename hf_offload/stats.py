@@ -43,21 +43,24 @@ class OffloadStats:
         self._pending_waits: list[tuple[Any, Any]] = []
 
     def add_wait(self, start_event: Any, end_event: Any) -> None:
+        """A possible stall: from `start_event` (compute reaches a wait) to `end_event` (the awaited copy is done),
+        if the copy is done later; the copy may complete first, and the stall is then zero."""
         self._pending_waits.append((start_event, end_event))
 
     def collect_finished_waits(self) -> None:
         """Reads back the stalls whose events have completed, without blocking."""
         still_pending = []
         for start, end in self._pending_waits:
-            if end.query():
-                self._wait_seconds += start.elapsed_time(end) / 1000.0
+            if end.query() and start.query():
+                self._wait_seconds += max(start.elapsed_time(end), 0.0) / 1000.0
             else:
                 still_pending.append((start, end))
         self._pending_waits = still_pending
 
     def compute_wait_seconds(self) -> float:
         """Total stall time; waits for outstanding timing events (a device sync on those events only)."""
-        for _, end in self._pending_waits:
+        for start, end in self._pending_waits:
+            start.synchronize()
             end.synchronize()
         self.collect_finished_waits()
         return self._wait_seconds

@@ -7,6 +7,7 @@ import torch
 
 from hf_offload.host_memory import PinnedHostPool, host_memory_cap
 from hf_offload.policy import TailPlanner, kept_reason, parameter_storages, storage_span
+from hf_offload.stats import OffloadStats
 
 
 def reason(tensor: torch.Tensor, **overrides) -> str | None:
@@ -134,6 +135,45 @@ def test_pool_block_views_share_the_chunk() -> None:
     view = block.view(torch.float32, 16)
     view.fill_(3.0)
     assert view.shape == (16,) and block.chunk[:64].view(torch.float32).eq(3.0).all()
+
+
+def test_pool_hands_out_the_same_block_and_view_for_the_same_range() -> None:
+    # Every step after the first allocates the ranges of the one before: the blocks and their views are made once.
+    pool = PinnedHostPool(cap_bytes=1 << 20, pin_memory=False, chunk_bytes=4096)
+    first = pool.allocate(1024)
+    view = first.view(torch.bfloat16, 512)
+    pool.free(first)
+    again = pool.allocate(1024)
+    assert again is first and again.view(torch.bfloat16, 512) is view
+    assert again.view(torch.float32, 256).data_ptr() == view.data_ptr()  # another dtype: another view, same bytes
+
+
+def test_pool_remembers_a_bounded_number_of_blocks(monkeypatch) -> None:
+    monkeypatch.setattr("hf_offload.host_memory._MAX_REMEMBERED_BLOCKS", 8)
+    pool = PinnedHostPool(cap_bytes=1 << 24, pin_memory=False, chunk_bytes=1 << 20)
+    for size in range(512, 512 * 40, 512):  # steps whose lengths vary: a new range each time
+        pool.free(pool.allocate(size))
+    assert len(pool._blocks) <= 8 and pool.bytes_in_use() == 0
+
+
+def test_a_stall_is_timed_from_the_wait_to_the_copy_and_never_negative() -> None:
+    class Done:
+        def __init__(self, at_ms: float) -> None:
+            self.at_ms = at_ms
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: Done) -> float:
+            return end.at_ms - self.at_ms
+
+    stats = OffloadStats()
+    stats.add_wait(Done(10.0), Done(12.5))  # compute reached the wait 2.5 ms before the copy completed
+    stats.add_wait(Done(10.0), Done(4.0))  # the copy had completed before compute reached the wait
+    assert stats.compute_wait_seconds() == pytest.approx(0.0025)
 
 
 def test_host_cap_is_shared_by_local_ranks(monkeypatch) -> None:
