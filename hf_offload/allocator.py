@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compile_guard import eager_only
+
 # A step of this many tokens or more is long context: its layers' tensors are GiB-sized.
 LONG_CONTEXT_TOKENS = 32768
 _SETTING_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -47,6 +49,7 @@ class LongContextCheck:
     def __init__(self, engine: Any) -> None:
         self._engine = weakref.ref(engine)
 
+    @eager_only
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs.get("hidden_states")
         engine = self._engine()

@@ -235,7 +235,8 @@ class _SavedTensor:
 class _Step:
     """One forward pass's offloaded copies, in save order, and the backward's prefetch cursor over them."""
 
-    __slots__ = ("copies", "cursor", "backward_started", "prefetch_window_bytes", "end_of_forward", "__weakref__")
+    __slots__ = ("copies", "cursor", "backward_started", "prefetch_window_bytes", "end_of_forward", "prefetch_points",
+                 "__weakref__")  # fmt: skip
 
     def __init__(self) -> None:
         # Backward unpacks in roughly the reverse order of the saves, and a storage saved several times (a layer
@@ -248,6 +249,9 @@ class _Step:
         # Where the forward ended (the tail region or the first unpack): for each copy still in flight then,
         # (its position, a compute-stream marker, its completion event). Read at the next step, in GPU time.
         self.end_of_forward: list[tuple[int, Any, Any]] | None = None
+        # Gradient hooks made by `prefetch_hook` for this step: none when the modules that place them were compiled
+        # (a model layer's hooks are traced away), and unpacks then prefetch themselves.
+        self.prefetch_points = 0
 
 
 class OffloadActivations(saved_tensors_hooks):
@@ -282,6 +286,10 @@ class OffloadActivations(saved_tensors_hooks):
         self.use_pin_memory = options.use_pin_memory and self.device_type not in (None, "cpu")
         # Whether each unpack starts the next reloads; a model layer whose `prefetch_hook`s time them turns it off.
         self.prefetch_on_unpack = True
+        # Set by the model hooks of `get_act_offloading_ctx_manager` whenever one runs: a forward that saved tensors
+        # while none ran was compiled as a whole, and the engine then stands aside (see `_begin_backward`).
+        self.model_hooks_ran = False
+        self._whole_model_compiled = False
         # The memory budget's controller (`hf_offload.budget`), attached by `get_act_offloading_ctx_manager` when
         # `memory_budget` is set: its `plan` is the per-layer plan in force.
         self.budget: Any = None
@@ -315,6 +323,8 @@ class OffloadActivations(saved_tensors_hooks):
         engine_ref = weakref.ref(self)
 
         def pack(tensor: torch.Tensor) -> Any:
+            if torch.compiler.is_compiling():  # traced: nothing of the engine in compiled code (see compile_guard)
+                return tensor
             engine = engine_ref()
             return _kept(tensor) if engine is None else engine._pack(tensor)
 
@@ -379,6 +389,7 @@ class OffloadActivations(saved_tensors_hooks):
         """
         if self._set_aside:
             return _no_prefetch
+        self._step.prefetch_points += 1
         engine_ref, step_ref = weakref.ref(self), weakref.ref(self._step)
 
         def hook(grad: torch.Tensor) -> None:
@@ -532,7 +543,7 @@ class OffloadActivations(saved_tensors_hooks):
             return _kept(tensor)
         with self._lock:
             in_backward = self._note_pack()
-            reason = kept_reason(
+            reason = "compiled" if self._whole_model_compiled else kept_reason(
                 tensor,
                 device_type=self.device_type,
                 min_offload_size=self.options.min_offload_size,
@@ -709,7 +720,7 @@ class OffloadActivations(saved_tensors_hooks):
                 self._drop_source(copy)
                 copy.reloaded = None
                 copy.unpacks_left = copy.users  # a second backward (retain_graph) unpacks all of them again
-            if self.prefetch_on_unpack:
+            if self.prefetch_on_unpack or not copy.step.prefetch_points:
                 self._prefetch(copy.step)
             # as_strided's offset counts from the start of the storage: the source span starts at `copy.start`
             # of the original storage, a reloaded buffer at 0.
@@ -719,6 +730,7 @@ class OffloadActivations(saved_tensors_hooks):
         """The first unpack or prefetch hook of a step: keep unfinished copies' originals, start prefetching."""
         step.backward_started = True
         self._phase = _BACKWARD
+        self._note_whole_model_compile(step)
         self._mark_end_of_forward(step, drain=False)
         for lane in self._lanes.values():
             # Copies still in flight (no tail region drained them) keep their GPU original until it is
@@ -733,6 +745,24 @@ class OffloadActivations(saved_tensors_hooks):
             step.prefetch_window_bytes = max(DEFAULT_WINDOW_BYTES, _PREFETCH_WINDOW_COPIES * largest)
         if prefetch:
             self._prefetch(step)
+
+    def _note_whole_model_compile(self, step: _Step) -> None:
+        """Stands aside from the next step on if this one saved tensors while no model hook of ours ran.
+
+        `torch.compile(model)` (or the Trainer's `torch_compile=True`) traces the model's hooks away, and the compiled
+        forward hands every tensor it saves to the pack hook at once, after its last kernel: the step's peak, at the
+        loss, is behind it, so moving them could only cost (and the head's and the loss's, which backward needs first,
+        would move too). Compiling the decoder layers instead (regional compilation) keeps the hooks and the overlap.
+        """
+        if self._module_hooks and step.copies and not self.model_hooks_ran and not self._whole_model_compiled:
+            self._whole_model_compiled = True
+            self.warn_once("compiled", "the model's forward is compiled as a whole (torch.compile(model) or "
+                            "torch_compile=True): its saved tensors reach hf-offload only after the compiled forward "
+                            "has ended, when moving them cannot lower the step's peak, so activation offloading "
+                            "stands aside from now on. Compile the decoder layers instead (regional compilation, e.g. "
+                            "`for layer in model.model.layers: layer.compile()`): hf-offload then moves their inputs "
+                            "as it does without compilation.")  # fmt: skip
+        self.model_hooks_ran = False
 
     def _mark_end_of_forward(self, step: _Step, drain: bool) -> None:
         """Records, once per step, which copies were still in flight when the forward ended.

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .allocator import LongContextCheck
+from .compile_guard import eager_only
 from .engine import OffloadActivations, top_saved_tensors_pack_hook
 from .options import OffloadOptions
 from .planner import parse_memory_budget
@@ -321,12 +322,14 @@ class _ExemptHooks:
             stack = self._local.stack = []
         return stack
 
+    @eager_only
     def enter(self, module: nn.Module, args: Any) -> None:
         region = self.engine.exempt() if _engine_is_innermost(self.engine) else None
         if region is not None:
             region.__enter__()
         self._stack().append(region)
 
+    @eager_only
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
         if stack:
@@ -359,9 +362,12 @@ class _TailHooks(_ExemptHooks):
     def _depth(self) -> int:
         return getattr(self._local, "depth", 0)
 
+    @eager_only
     def root_enter(self, module: nn.Module, args: Any) -> None:
+        self.engine.model_hooks_ran = True
         self._local.depth = self._depth() + 1
 
+    @eager_only
     def enter(self, module: nn.Module, args: Any) -> None:
         stack = self._stack()
         if stack and stack[-1][1] == self._depth() and self._depth() > 0:
@@ -371,10 +377,12 @@ class _TailHooks(_ExemptHooks):
             region.__enter__()
         stack.append((region, self._depth()))
 
+    @eager_only
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._depth() == 0:
             self._close(0)
 
+    @eager_only
     def root_exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self._close(self._depth())
         self._local.depth = self._depth() - 1
@@ -482,6 +490,7 @@ class _PrefetchPoints:
         self._engine = weakref.ref(engine)  # a model that outlives the engine must not keep it alive
         self._layers = layers
 
+    @eager_only
     def root_enter(self, module: nn.Module, args: Any) -> None:
         engine = self._engine()
         if engine is None:
@@ -500,9 +509,14 @@ class _PrefetchPoints:
             return False
         return not getattr(getattr(layer, "_gradient_checkpointing_func", None), "offloads_saved_tensors", False)
 
+    @eager_only
     def point_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        engine = self._engine()
+        if engine is not None:
+            engine.model_hooks_ran = True  # a forward of a part of the model (`model.model(...)`), not compiled
         self._prefetch_at(output, head=False)
 
+    @eager_only
     def head_exit(self, module: nn.Module, args: Any, output: Any) -> None:
         """As `point_exit`, within the engine's head window: a memory plan that prefetches far ahead keeps the
         head's reloads narrow, since the loss's peak is then still close."""
@@ -553,6 +567,7 @@ class _ReentrantCheckpointingCheck:
         self._engine = weakref.ref(engine)
         self._checked = False
 
+    @eager_only
     def root_enter(self, module: nn.Module, args: Any) -> None:
         if self._checked or not _checkpointing_on(module):
             return

@@ -23,6 +23,7 @@ KEPT_REASONS: dict[str, str] = {
     "not_on_accelerator": "on another device type",
     "in_backward": "saved during backward (reentrant checkpointing), used at once",
     "unsupported_type": "a tensor subclass (DTensor, quantized, sparse)",
+    "compiled": "saved by a model compiled as a whole, after its forward: moving them cannot lower the peak",
 }
 
 
