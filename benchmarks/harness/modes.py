@@ -1,5 +1,7 @@
 """Mode names: an offloader, with or without activation checkpointing ("ckpt+hfo" is checkpointing plus ours),
-checkpointing on every K-th layer only ("ckpt-every-2+hfo"), or ours under a memory budget ("plan@50", "plan@auto")."""
+checkpointing on every K-th layer only ("ckpt-every-2+hfo"), or ours under a memory budget ("plan@50", "plan@auto");
+any of them compiled: "/compile" compiles the whole model (`torch.compile(model)`), "/regional" each decoder layer
+(`layer.compile()`), e.g. "ckpt+hfo/regional"."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ OFFLOADERS = ("none", "native", "trl", "trl-sync", "hfo")
 EVERY_PREFIX = "ckpt-every-"  # "ckpt-every-K": checkpointing on the decoder layers whose index % K == 0
 # "plan@P": ours with memory_budget = P% of the `none` mode's peak in the same run; "plan@auto": memory_budget="auto"
 PLAN_PREFIX = "plan@"
+# "MODE/compile": torch.compile(model); "MODE/regional": each decoder layer compiled (regional compilation)
+COMPILE_SUFFIXES = {"compile": "model", "regional": "layers"}
 # The memory budget profiles the first two forwards and plans at the third: the third step is the first planned one
 # and pays its one-off costs (new kernels, allocator growth), so a plan mode's timed steps start after it.
 PLAN_MIN_WARMUP = 3
@@ -48,6 +52,7 @@ class Mode(NamedTuple):
     ckpt_every: int  # 0: no checkpointing; 1: every decoder layer; K: the layers whose index % K == 0
     offloader: str  # one of OFFLOADERS
     budget: float | str | None = None  # plan modes: a percentage of `none`'s peak, or "auto"
+    compiled: str | None = None  # "model" (torch.compile(model)), "layers" (each decoder layer compiled) or None
 
     @property
     def checkpointing(self) -> bool:
@@ -64,7 +69,13 @@ class Mode(NamedTuple):
 
 def parse_mode(mode: str) -> Mode:
     """'ckpt+trl' -> (1, 'trl'); 'ckpt' -> (1, 'none'); 'hfo' -> (0, 'hfo'); 'ckpt-every-2+hfo' -> (2, 'hfo');
-    'plan@50' -> (0, 'hfo', 50.0), 'plan@auto' -> (0, 'hfo', 'auto'): the budget decides what is checkpointed."""
+    'plan@50' -> (0, 'hfo', 50.0), 'plan@auto' -> (0, 'hfo', 'auto'): the budget decides what is checkpointed;
+    'ckpt+hfo/regional' -> (1, 'hfo', None, 'layers')."""
+    base, slash, how = mode.partition("/")
+    if slash:
+        if how not in COMPILE_SUFFIXES or not base:
+            raise ValueError(_unknown(mode))
+        return parse_mode(base)._replace(compiled=COMPILE_SUFFIXES[how])
     if mode == PLAN_PREFIX + "auto":
         return Mode(0, "hfo", "auto")
     if mode.startswith(PLAN_PREFIX):
@@ -104,7 +115,8 @@ def _budget_percent(mode: str) -> float:
 
 def _unknown(mode: str) -> str:
     return (f"unknown mode {mode!r}; known: {', '.join(ALL_MODES)}, ckpt+trl-sync, {EVERY_PREFIX}K and "
-            f"{EVERY_PREFIX}K+OFFLOADER (K >= 2), {PLAN_PREFIX}P (P% of none's peak), {PLAN_PREFIX}auto")
+            f"{EVERY_PREFIX}K+OFFLOADER (K >= 2), {PLAN_PREFIX}P (P% of none's peak), {PLAN_PREFIX}auto; any of them "
+            f"followed by /compile or /regional")
 
 
 def budget_sweep(spec: str) -> list[str]:

@@ -246,7 +246,7 @@ def _run_child(kind: str, spec: ModeSpec | dict[str, Any], log_path: Path, timeo
 
 def _file_part(mode: str) -> str:
     """A mode's name in a file name: "ckpt+hfo" -> "ckpt_hfo", "plan@50" -> "plan-50" (what $OUT hands back)."""
-    return mode.replace("+", "_").replace("@", "-")
+    return mode.replace("+", "_").replace("@", "-").replace("/", "-")
 
 
 def _slug(s: str) -> str:

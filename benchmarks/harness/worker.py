@@ -48,6 +48,9 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
     if scenario.lora:
         model = apply_lora(model)
     model.train()
+    runs = compile_model(model, mode.compiled)  # what the steps call: the model, or its compiled wrapper
+    if mode.compiled:
+        res["compiled"] = mode.compiled
     params = [p for p in model.parameters() if p.requires_grad]
     res["trainable_params"] = sum(p.numel() for p in params)
     res["total_params"] = sum(p.numel() for p in model.parameters())
@@ -57,7 +60,7 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
     hfo_opts = dict(spec.get("hfo_opts", {}))
     if mode.planned:
         hfo_opts["memory_budget"] = spec["memory_budget"]["option"]
-    offload = start_offload(mode.offloader, factory, model, hfo_opts)
+    offload = start_offload(mode.offloader, factory, runs, hfo_opts)
     if mode.offloader == "hfo":
         res["hfo_active"] = bool(getattr(offload.context, "active", True))
         if not res["hfo_active"]:
@@ -67,7 +70,7 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
                        "--hfo-opt device_type=cpu)")
     res["bytes_counted"] = offload.bytes_counted
 
-    train_step = make_train_step(model, input_ids, params, optimizer, offload.context, spec["span"])
+    train_step = make_train_step(runs, input_ids, params, optimizer, offload.context, spec["span"])
     try:
         time_steps(train_step, offload, spec["warmup"], spec["steps"], device, res)
     except ValueError as e:
@@ -80,6 +83,19 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
     if spec.get("profile_path"):
         res["profile_streams"] = trace_step(train_step, device, spec["profile_path"])
         res["profile_path"] = spec["profile_path"]
+
+
+def compile_model(model: torch.nn.Module, how: str | None) -> torch.nn.Module:
+    """`how` "model": `torch.compile(model)`, returned; "layers": each decoder layer compiled in place (regional
+    compilation), the model returned; None: the model."""
+    if how == "model":
+        return torch.compile(model)
+    if how == "layers":
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        for layer in (m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)):
+            layer.compile()
+    return model
 
 
 class Infeasible(Exception):
