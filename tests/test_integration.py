@@ -173,4 +173,4 @@ def test_two_processes_each_offload_and_the_main_one_summarises(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Total train batch size (w. parallel, distributed & accumulation) = 16" in done.stdout + done.stderr
     assert done.stdout.count("activation offloading over 2 step(s)") == 1
-    assert "'offload/offloaded_gib_per_step'" in done.stdout  # the console shows the headline entries
+    assert "'offload/offloaded_mib_per_step'" in done.stdout  # the console shows the headline entries
