@@ -13,7 +13,6 @@ from typing import Any
 
 import transformers
 
-from hf_offload.model import REENTRANT_CHECKPOINTING_ADVICE
 from hf_offload.options import MIB, OffloadOptions, format_option_doc
 
 ARGUMENT_PREFIX = "activation_offloading_"
@@ -94,7 +93,6 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
         self.offload_options()  # fails here, naming the argument, rather than when training starts
         if self.activation_offloading and isinstance(self, transformers.TrainingArguments):
             self._turn_off_native_checkpoint_offload()
-            self._warn_if_reentrant_checkpointing()
 
     def offload_options(self) -> OffloadOptions:
         """The engine options these fields stand for, validated in the fields' own names and units.
@@ -135,10 +133,6 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
             # A new dict: the caller's may be shared with other arguments objects.
             kwargs = getattr(self, name)
             setattr(self, name, {key: value for key, value in kwargs.items() if key != _NATIVE_OFFLOAD_KEY})
-
-    def _warn_if_reentrant_checkpointing(self) -> None:
-        if any(getattr(self, name).get("use_reentrant") for name in self._checkpointing_kwargs()):
-            warnings.warn(f"activation_offloading=True: {REENTRANT_CHECKPOINTING_ADVICE}.", UserWarning, stacklevel=4)
 
 
 def with_offloading_doc(summary: str) -> str:
