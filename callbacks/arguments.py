@@ -90,7 +90,13 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
             parent_post_init()
-        self.offload_options()  # fails here, naming the argument, rather than when training starts
+        # Each field as its rule reads it, in the field's unit: the command line's text as what it means ('true' ->
+        # True, 'none' -> None, '64' -> 64.0), so that code reading the arguments sees values, not spellings. A value
+        # a rule refuses fails here, naming the argument, rather than when training starts.
+        for argument, option in _argument_options():
+            rule, unit = option.metadata["rule"], option.metadata["argument_unit"]
+            setattr(self, argument, rule.read(getattr(self, argument), argument, unit))
+        self.offload_options()
         if self.activation_offloading and isinstance(self, transformers.TrainingArguments):
             self._turn_off_native_checkpoint_offload()
 

@@ -49,13 +49,18 @@ class Rule:
     maximum: float = 1.0
     optional: bool = False
 
-    def describe(self, unit: str) -> str:
-        """The allowed values, in the words and unit of the option as the user spells it."""
-        none = "None or " if self.optional else ""
+    def describe(self, unit: str, text: bool = False) -> str:
+        """The allowed values, in the words and unit of the option as the user spells it.
+
+        Args:
+            unit: `"bytes"` or `"MiB"`.
+            text: the user gave text (the command line's spelling): name the words it takes, `none`, `true`, ...
+        """
+        none = ("none or " if text else "None or ") if self.optional else ""
         if self.kind == _FLAG:
             return "True or False"
         if self.kind == _AUTO_FLAG:
-            return "'auto', True or False"
+            return "'auto', 'true' or 'false'" if text else "'auto', True or False"
         if self.kind == _DEVICE:
             return "None, 'cpu' or the available accelerator's type"
         if self.kind == _FRACTION:
@@ -105,9 +110,22 @@ class Rule:
         Raises:
             ValueError: naming `name`, the allowed values in `unit`, and the value given.
         """
+        value = self.read(value, name, unit)
+        return round(value * MIB) if unit == "MiB" and value is not None else value
+
+    def read(self, value: Any, name: str, unit: str = "bytes") -> Any:
+        """As `check`, but the value stays in `unit`: the command line's text read as what it means.
+
+        Returns:
+            `None` for `none`, `True` for `true`, a number for digits (a float for MiB and fractions, an int for
+            bytes and counts); a budget's text stays text.
+
+        Raises:
+            ValueError: as `check`.
+        """
 
         def fail() -> ValueError:
-            return ValueError(f"{name} must be {self.describe(unit)}, got {value!r}")
+            return ValueError(f"{name} must be {self.describe(unit, text=isinstance(value, str))}, got {value!r}")
 
         if value is None or (self.optional and isinstance(value, str) and value.strip().lower() == "none"):
             if self.optional:
@@ -139,10 +157,9 @@ class Rule:
                 raise fail()
             return number
         if unit == "MiB":
-            nbytes = round(number * MIB)
-            if number < 0 or nbytes < self.minimum:
+            if number < 0 or round(number * MIB) < self.minimum:
                 raise fail()
-            return nbytes
+            return float(number)
         if number != int(number) or (not isinstance(value, str) and not _is_int(value)):
             raise fail()  # bytes and counts given as such are whole numbers: 1.5 bytes is a mistake, not a rounding
         if number < self.minimum:

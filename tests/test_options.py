@@ -58,7 +58,7 @@ def test_defaults_and_trls_positional_order():
         ("max_pinned_memory_fraction", math.nan, "a number in (0, 0.9]"),
         ("max_pinned_bytes", -5, "None or an int number of bytes >= 0"),
         ("device_type", "tpu", "None, 'cpu' or the available accelerator's type"),
-        ("tile_mlp", "yes", "'auto', True or False"),
+        ("tile_mlp", "yes", "'auto', 'true' or 'false'"),
         ("tile_mlp", 1, "'auto', True or False"),
     ],
 )
@@ -157,15 +157,15 @@ def test_none_on_the_command_line_restores_a_default_of_none():
         ("forward_window_mib", "0", "a number of MiB > 0"),
         ("forward_window_mib", "nan", "a number of MiB > 0"),
         ("forward_window_mib", "inf", "a number of MiB > 0"),
-        ("prefetch_window_mib", "-2", "None or a number of MiB >= 0"),
-        ("prefetch_window_mib", "nan", "None or a number of MiB >= 0"),
-        ("prefetch_window_mib", "lots", "None or a number of MiB >= 0"),
+        ("prefetch_window_mib", "-2", "none or a number of MiB >= 0"),
+        ("prefetch_window_mib", "nan", "none or a number of MiB >= 0"),
+        ("prefetch_window_mib", "lots", "none or a number of MiB >= 0"),
         ("max_pinned_memory_fraction", "1.5", "a number in (0, 0.9]"),
         ("max_pinned_memory_fraction", "nan", "a number in (0, 0.9]"),
-        ("max_pinned_mib", "-1", "None or a number of MiB >= 0"),
+        ("max_pinned_mib", "-1", "none or a number of MiB >= 0"),
         ("device_type", "tpu", "None, 'cpu' or the available accelerator's type"),
-        ("tile_mlp", "yes", "'auto', True or False"),
-        ("tile_mlp", "maybe", "'auto', True or False"),
+        ("tile_mlp", "yes", "'auto', 'true' or 'false'"),
+        ("tile_mlp", "maybe", "'auto', 'true' or 'false'"),
     ],
 )
 def test_a_bad_argument_is_named_in_its_own_unit(argument, value, allowed):
@@ -174,6 +174,18 @@ def test_a_bad_argument_is_named_in_its_own_unit(argument, value, allowed):
         parse(f"--{name}", value)
     assert str(error.value).startswith(f"{name} must be {allowed}, got ")
     assert "bytes" not in str(error.value) or argument == "min_size"
+
+
+def test_parsed_fields_hold_what_the_command_line_text_means():
+    args = parse("--activation_offloading_tile_mlp", "true", "--activation_offloading_prefetch_window_mib", "none",
+                 "--activation_offloading_forward_window_mib", "64", "--activation_offloading_min_size", "4096",
+                 "--activation_offloading_max_pinned_memory_fraction", "0.25")  # fmt: skip
+    assert args.activation_offloading_tile_mlp is True
+    assert args.activation_offloading_prefetch_window_mib is None
+    assert args.activation_offloading_forward_window_mib == 64.0
+    assert args.activation_offloading_min_size == 4096 and args.activation_offloading_max_pinned_memory_fraction == 0.25
+    assert parse("--activation_offloading_tile_mlp", "AUTO").activation_offloading_tile_mlp == "auto"
+    assert args.offload_options().forward_window_bytes == 64 * 2**20
 
 
 def test_non_finite_numbers_from_python_name_the_field(tmp_path):
