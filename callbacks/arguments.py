@@ -13,7 +13,8 @@ from typing import Any
 
 import transformers
 
-from hf_offload.options import MIB, OffloadOptions, format_option_doc
+from hf_offload.options import OffloadOptions, check_budget_for_device, format_option_doc
+from hf_offload.units import MIB
 
 ARGUMENT_PREFIX = "activation_offloading_"
 _NATIVE_OFFLOAD_KEY = "offload"
@@ -110,6 +111,8 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
         for argument, option in _argument_options():
             rule, unit = option.metadata["rule"], option.metadata["argument_unit"]
             values[option.name] = rule.check(getattr(self, argument), argument, unit)
+        check_budget_for_device(values["memory_budget"], values["device_type"], ARGUMENT_PREFIX + "memory_budget",
+                                ARGUMENT_PREFIX + "device_type")  # fmt: skip
         return OffloadOptions(**values)
 
     def _checkpointing_kwargs(self) -> list[str]:

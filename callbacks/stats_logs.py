@@ -7,12 +7,13 @@ only the headlines: a line of twenty raw counters is noise to a person watching 
 
 from collections.abc import Mapping
 
+from hf_offload.units import GIB, MIB
+
 LOG_PREFIX = "offload/"
 # Levels read when the statistics are taken, not counts: a total keeps the latest value instead of a sum.
 _LEVELS = frozenset({"pinned_bytes"})
 # One counter per reason a tensor stayed on the accelerator; most are zero in a given run, and zeros only clutter.
 _KEPT_PREFIXES = ("tensors_kept_", "bytes_kept_")
-_MIB, _GIB = 2**20, 2**30
 
 # The entries the console shows, each a figure a person can act on.
 HEADLINE_KEYS = (
@@ -41,10 +42,10 @@ def log_entries(stats: Mapping[str, float], peak_memory_bytes: int | None = None
     if steps:
         entries[LOG_PREFIX + "bytes_offloaded_per_step"] = stats["bytes_offloaded"] / steps
         entries[LOG_PREFIX + "compute_wait_s_per_step"] = stats["compute_wait_s"] / steps
-        entries[HEADLINE_KEYS[0]] = stats["bytes_offloaded"] / steps / _MIB
+        entries[HEADLINE_KEYS[0]] = stats["bytes_offloaded"] / steps / MIB
         entries[HEADLINE_KEYS[1]] = round(1000.0 * stats["compute_wait_s"] / steps, 3)
     if peak_memory_bytes is not None:
-        entries[HEADLINE_KEYS[2]] = round(peak_memory_bytes / _GIB, 3)
+        entries[HEADLINE_KEYS[2]] = round(peak_memory_bytes / GIB, 3)
     return entries
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from .planner import parse_memory_budget
+from .units import MIB
 
-MIB = 2**20
 # Enough for a copy stream never to idle; small, because when copies lag the window is on top of peak memory.
 DEFAULT_WINDOW_BYTES = 128 * MIB
 
@@ -195,6 +195,27 @@ def _device_type_available(device_type: str) -> bool:
     return device_type == "cpu" or device_type == current_accelerator_type()
 
 
+def check_budget_for_device(memory_budget: Any, device_type: str | None, budget_name: str = "memory_budget",
+                            device_name: str = "device_type") -> None:  # fmt: skip
+    """Refuses a budget relative to the device's memory ('60%', 'auto') in the CPU test mode, which has no device
+    memory to take a share of: at construction, not when the first planned step asks for the device's size.
+
+    Args:
+        memory_budget: the budget as given.
+        device_type: the device type as given.
+        budget_name, device_name: the two options' names as the user wrote them, for the message.
+
+    Raises:
+        ValueError: naming both options and the forms the CPU test mode takes.
+    """
+    budget = parse_memory_budget(memory_budget, option=budget_name)
+    if device_type == "cpu" and budget is not None and budget.nbytes is None:
+        raise ValueError(
+            f"{budget_name} must be a size with {device_name}='cpu' (the CPU test mode has no device memory to take "
+            f"a share of): an int number of bytes or a string such as '512MiB', got {memory_budget!r}"
+        )
+
+
 def format_option_doc(name: str, type_text: str, default: Any, help: str) -> str:
     """One entry of a Hugging Face style `Args:` / `Parameters:` list, indented for a class docstring."""
     default_text = f"{default:g}" if isinstance(default, float) else repr(default)
@@ -295,6 +316,7 @@ class OffloadOptions:
         for option in dataclasses.fields(self):
             rule = option.metadata["rule"]
             object.__setattr__(self, option.name, rule.check(getattr(self, option.name), option.name))
+        check_budget_for_device(self.memory_budget, self.device_type)
 
     @classmethod
     def rule(cls, name: str) -> Rule:

@@ -188,6 +188,23 @@ def test_parsed_fields_hold_what_the_command_line_text_means():
     assert args.offload_options().forward_window_bytes == 64 * 2**20
 
 
+@pytest.mark.parametrize("budget", ["60%", "auto"])
+def test_a_share_of_the_device_in_the_cpu_test_mode_fails_where_it_is_given(tmp_path, budget):
+    """The CPU test mode has no device memory to take a share of: the arguments and the options refuse such a budget
+    when they are built, naming the option as the user wrote it, instead of a traceback in `train()`."""
+    with pytest.raises(ValueError) as error:
+        TrainingArguments(str(tmp_path), activation_offloading=True, activation_offloading_memory_budget=budget,
+                          activation_offloading_device_type="cpu")  # fmt: skip
+    assert str(error.value) == (
+        "activation_offloading_memory_budget must be a size with activation_offloading_device_type='cpu' (the CPU "
+        f"test mode has no device memory to take a share of): an int number of bytes or a string such as '512MiB', "
+        f"got {budget!r}"
+    )
+    with pytest.raises(ValueError, match=r"^memory_budget must be a size with device_type='cpu' "):
+        OffloadOptions(memory_budget=budget, device_type="cpu")
+    assert OffloadOptions(memory_budget="512MiB", device_type="cpu").memory_budget == "512MiB"
+
+
 def test_non_finite_numbers_from_python_name_the_field(tmp_path):
     for name in ("activation_offloading_forward_window_mib", "activation_offloading_max_pinned_mib"):
         for value in (math.nan, math.inf, -math.inf):
