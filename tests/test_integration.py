@@ -152,6 +152,15 @@ def test_each_example_prints_its_help(example):
     assert "--activation_offloading" in done.stdout
 
 
+def test_without_the_examples_extra_an_example_says_which_extra_to_install():
+    # `pip install -e .` installs no datasets library; run the example as if it were missing.
+    code = (f"import runpy, sys; sys.modules['datasets'] = None; sys.argv = ['sft_trainer.py', '--help']; "
+            f"runpy.run_path({str(EXAMPLES / 'sft_trainer.py')!r}, run_name='__main__')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=EXAMPLES)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().endswith('the examples need the "examples" extra: pip install -e ".[examples]"')
+
+
 def test_custom_loop_example_is_exact(capsys):
     with_offloading = custom_loop.main([*EXAMPLE_ARGS, "--max_length", str(MAX_LENGTH)])
     summary = capsys.readouterr().out.split("activation offloading over 2 step(s)", 1)[1]
