@@ -187,8 +187,8 @@ def _is_int(value: Any) -> bool:
 
 def current_accelerator_type() -> str | None:
     """The type of this process's accelerator (`"cuda"`, `"xpu"`, ...), or None without one."""
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return None if accelerator is None else accelerator.type
+    # torch 2.6's current_accelerator() raises where there is none (later versions return None).
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
 
 
 def _device_type_available(device_type: str) -> bool:

@@ -37,3 +37,19 @@ def test_the_dev_environment_has_no_bitsandbytes():
     # Imported by transformers.Trainer when installed, it logs an error-like line on CPUs with AVX512-BF16.
     assert "bitsandbytes" not in requirement_names("dev") and "bitsandbytes" in requirement_names("qlora")
     assert requirement_names("examples") <= requirement_names("dev")
+
+
+def lower_bound(name: str) -> tuple[int, ...]:
+    (requirement,) = [r for r in PROJECT["dependencies"] if re.match(rf"{name}\b", r)]
+    return tuple(int(part) for part in re.search(r">=([\d.]+)", requirement)[1].split("."))
+
+
+def test_the_lower_bounds_are_versions_the_code_and_the_readme_run_on():
+    # scripts/lowest_versions.sh runs the README's snippets at these two; what each needs:
+    readme = (ROOT / "README.md").read_text()
+    assert "activation_checkpointing=True" in readme and lower_bound("transformers") >= (5, 23)  # added in 5.23
+    options = (ROOT / "hf_offload" / "options.py").read_text()
+    assert "torch.accelerator." in options and lower_bound("torch") >= (2, 6)  # torch.accelerator: 2.6
+    assert lower_bound("accelerate") >= (1, 3)  # transformers 5.23's Trainer calls unwrap_model(keep_torch_compile=)
+    script = (ROOT / "scripts" / "lowest_versions.sh").read_text()
+    assert "lowest torch" in script and "lowest transformers" in script
