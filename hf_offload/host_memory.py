@@ -21,11 +21,9 @@ import weakref
 import psutil
 import torch
 
-from .units import MIB
-
 _ALIGNMENT = 512  # bytes; keeps every block aligned for any dtype and for fast DMA
-_SMALLEST_CHUNK_BYTES = 2 * MIB
-_LARGEST_CHUNK_BYTES = 256 * MIB
+_SMALLEST_CHUNK_BYTES = 2 * 2**20
+_LARGEST_CHUNK_BYTES = 256 * 2**20
 
 
 def _align(nbytes: int) -> int:
