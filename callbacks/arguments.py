@@ -13,8 +13,8 @@ from typing import Any
 
 import transformers
 
-from hf_offload.model import REENTRANT_CHECKPOINTING_ADVICE
-from hf_offload.options import MIB, OffloadOptions, format_option_doc
+from hf_offload.options import OffloadOptions, check_budget_for_device, format_option_doc
+from hf_offload.units import MIB
 
 ARGUMENT_PREFIX = "activation_offloading_"
 _NATIVE_OFFLOAD_KEY = "offload"
@@ -91,10 +91,15 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
             parent_post_init()
-        self.offload_options()  # fails here, naming the argument, rather than when training starts
+        # Each field as its rule reads it, in the field's unit: the command line's text as what it means ('true' ->
+        # True, 'none' -> None, '64' -> 64.0), so that code reading the arguments sees values, not spellings. A value
+        # a rule refuses fails here, naming the argument, rather than when training starts.
+        for argument, option in _argument_options():
+            rule, unit = option.metadata["rule"], option.metadata["argument_unit"]
+            setattr(self, argument, rule.read(getattr(self, argument), argument, unit))
+        self.offload_options()
         if self.activation_offloading and isinstance(self, transformers.TrainingArguments):
             self._turn_off_native_checkpoint_offload()
-            self._warn_if_reentrant_checkpointing()
 
     def offload_options(self) -> OffloadOptions:
         """The engine options these fields stand for, validated in the fields' own names and units.
@@ -106,6 +111,8 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
         for argument, option in _argument_options():
             rule, unit = option.metadata["rule"], option.metadata["argument_unit"]
             values[option.name] = rule.check(getattr(self, argument), argument, unit)
+        check_budget_for_device(values["memory_budget"], values["device_type"], ARGUMENT_PREFIX + "memory_budget",
+                                ARGUMENT_PREFIX + "device_type")  # fmt: skip
         return OffloadOptions(**values)
 
     def _checkpointing_kwargs(self) -> list[str]:
@@ -135,10 +142,6 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
             # A new dict: the caller's may be shared with other arguments objects.
             kwargs = getattr(self, name)
             setattr(self, name, {key: value for key, value in kwargs.items() if key != _NATIVE_OFFLOAD_KEY})
-
-    def _warn_if_reentrant_checkpointing(self) -> None:
-        if any(getattr(self, name).get("use_reentrant") for name in self._checkpointing_kwargs()):
-            warnings.warn(f"activation_offloading=True: {REENTRANT_CHECKPOINTING_ADVICE}.", UserWarning, stacklevel=4)
 
 
 def with_offloading_doc(summary: str) -> str:

@@ -13,6 +13,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from hf_offload.engine import OffloadActivations
 from hf_offload.model import get_act_offloading_ctx_manager
 from hf_offload.stats import format_summary
+from hf_offload.units import GIB
 
 from .arguments import ActivationOffloadingArguments
 from .stats_logs import LOG_PREFIX, accumulate, keep_headlines, log_entries
@@ -149,7 +150,7 @@ class ActivationOffloadingCallback(TrainerCallback):
         entries = log_entries(interval, _peak_memory_bytes(self._context.device_type))
         memory_plan = self._memory_plan()
         if memory_plan is not None:
-            entries[LOG_PREFIX + "plan_predicted_peak_gib"] = round(memory_plan.predicted.peak_bytes / 2**30, 3)
+            entries[LOG_PREFIX + "plan_predicted_peak_gib"] = round(memory_plan.predicted.peak_bytes / GIB, 3)
             entries[LOG_PREFIX + "plan_predicted_step_s"] = round(memory_plan.predicted.step_s, 4)
         logs.update(entries)
         # Trainer.log appends its record to the history just before this event, as a copy of `logs`.

@@ -7,16 +7,19 @@ only the headlines: a line of twenty raw counters is noise to a person watching 
 
 from collections.abc import Mapping
 
+from hf_offload.units import GIB, MIB
+
 LOG_PREFIX = "offload/"
 # Levels read when the statistics are taken, not counts: a total keeps the latest value instead of a sum.
 _LEVELS = frozenset({"pinned_bytes"})
 # One counter per reason a tensor stayed on the accelerator; most are zero in a given run, and zeros only clutter.
 _KEPT_PREFIXES = ("tensors_kept_", "bytes_kept_")
-_GIB = 2**30
 
 # The entries the console shows, each a figure a person can act on.
 HEADLINE_KEYS = (
-    LOG_PREFIX + "offloaded_gib_per_step",  # what moved to host memory per step
+    # What moved to host memory per step, in MiB: the console prints 4 significant digits, which shows a small
+    # model's KiB (0.02734) and a large one's GiB (5120) alike; GiB rounded a few KiB to '0'.
+    LOG_PREFIX + "offloaded_mib_per_step",
     LOG_PREFIX + "compute_wait_ms_per_step",  # what it cost: the compute stream's stalls on copies
     LOG_PREFIX + "peak_memory_gib",  # what memory the run has reached
 )
@@ -39,10 +42,10 @@ def log_entries(stats: Mapping[str, float], peak_memory_bytes: int | None = None
     if steps:
         entries[LOG_PREFIX + "bytes_offloaded_per_step"] = stats["bytes_offloaded"] / steps
         entries[LOG_PREFIX + "compute_wait_s_per_step"] = stats["compute_wait_s"] / steps
-        entries[HEADLINE_KEYS[0]] = round(stats["bytes_offloaded"] / steps / _GIB, 4)
+        entries[HEADLINE_KEYS[0]] = stats["bytes_offloaded"] / steps / MIB
         entries[HEADLINE_KEYS[1]] = round(1000.0 * stats["compute_wait_s"] / steps, 3)
     if peak_memory_bytes is not None:
-        entries[HEADLINE_KEYS[2]] = round(peak_memory_bytes / _GIB, 3)
+        entries[HEADLINE_KEYS[2]] = round(peak_memory_bytes / GIB, 3)
     return entries
 
 

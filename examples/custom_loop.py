@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     dataset = load_text_dataset(data_args)
     model, tokenizer = load_model_and_tokenizer(model_args, dataset)
-    device = torch.accelerator.current_accelerator() or torch.device("cpu")
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
     model.to(device).train()
     features = dataset.map(
         lambda batch: tokenizer(batch[TEXT_COLUMN], truncation=True, max_length=loop_args.max_length),
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     if offload_args.activation_offloading:
         if offloading.active:
-            print(format_summary(offloading.consume_stats()))
+            print(format_summary(offloading.consume_stats(), offloading.device_type))
         offloading.remove_hooks()  # the exemption hooks on the output head
     return losses
 

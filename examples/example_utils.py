@@ -10,9 +10,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import datasets
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+try:
+    import datasets
+except ModuleNotFoundError as error:  # `pip install -e .` installs the library alone
+    raise SystemExit(f'{error}: the examples need the "examples" extra: pip install -e ".[examples]"') from error
 
 # Long sequences fragment the CUDA allocator's fixed-size segments (memory freed by one layer is reserved in blocks
 # the next cannot use); expandable segments avoid that. CUDA reads the setting when it first allocates, which no

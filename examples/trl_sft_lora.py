@@ -32,7 +32,7 @@ class LoraArguments:
 
 def main(argv: list[str] | None = None) -> trl.SFTTrainer:
     parser = transformers.HfArgumentParser((ModelArguments, DataArguments, LoraArguments, SFTConfig))
-    if torch.accelerator.current_accelerator() is None:
+    if not torch.accelerator.is_available():
         parser.set_defaults(bf16=False)  # SFTConfig defaults to bf16, which transformers refuses without a GPU
     model_args, data_args, lora_args, training_args = parse_arguments(parser, argv)
     transformers.set_seed(training_args.seed)

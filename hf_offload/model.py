@@ -22,7 +22,6 @@ are recognised by class name, so importing hf-offload never imports them.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import warnings
@@ -532,54 +531,6 @@ class _PrefetchPoints:
         return self  # as for _ExemptHooks: never copy the engine with a model
 
 
-REENTRANT_CHECKPOINTING_ADVICE = (
-    "reentrant activation checkpointing recomputes each layer inside backward, so its activations are saved where "
-    "hf-offload cannot move them: use non-reentrant checkpointing (activation_checkpointing_kwargs="
-    "{'use_reentrant': False} in the training arguments; on a model, gradient_checkpointing_enable("
-    "gradient_checkpointing_kwargs={'use_reentrant': False}))"
-)
-
-
-def _uses_reentrant_checkpointing(model: nn.Module) -> bool:
-    """Whether a checkpointed layer of a transformers model checkpoints reentrantly.
-
-    transformers stores each layer's checkpoint function as a partial of torch's `checkpoint` with the user's
-    kwargs; without `use_reentrant` torch (up to at least 2.13) defaults to the reentrant kind.
-    """
-    for module in model.modules():
-        function = getattr(module, "_gradient_checkpointing_func", None)
-        if getattr(module, "gradient_checkpointing", False) and isinstance(function, functools.partial):
-            if function.keywords.get("use_reentrant", True):
-                return True
-    return False
-
-
-class _ReentrantCheckpointingCheck:
-    """Warns once, at the first forward with checkpointing on, when that checkpointing is reentrant.
-
-    Under reentrant checkpointing the forward runs the layers without saving anything, and backward recomputes them
-    outside any offloading context (or inside, but during backward, where nothing may move): offloading silently
-    does nothing. Checked at the forward because a Trainer or the user may turn checkpointing on after the context
-    is built.
-    """
-
-    def __init__(self, engine: OffloadActivations) -> None:
-        self._engine = weakref.ref(engine)
-        self._checked = False
-
-    @eager_only
-    def root_enter(self, module: nn.Module, args: Any) -> None:
-        if self._checked or not _checkpointing_on(module):
-            return
-        self._checked = True
-        engine = self._engine()
-        if engine is not None and _uses_reentrant_checkpointing(module):
-            engine.warn_once("reentrant", f"hf_offload: {REENTRANT_CHECKPOINTING_ADVICE}")
-
-    def __deepcopy__(self, memo: dict) -> _ReentrantCheckpointingCheck:
-        return self  # as for _ExemptHooks: never copy the engine with a model
-
-
 def _install_prefetch_points(engine: OffloadActivations, model: nn.Module, layers: list[nn.Module],
                              head: nn.Module | None, attention: list[nn.Module]) -> None:  # fmt: skip
     points = _PrefetchPoints(engine, layers)
@@ -600,7 +551,7 @@ def _remove_stale_exempt_hooks(model: nn.Module) -> None:
                 continue
             for hook_id, hook in list(hooks.items()):
                 if isinstance(getattr(hook, "__self__", None),
-                              (_ExemptHooks, _PrefetchPoints, _ReentrantCheckpointingCheck)):  # fmt: skip
+                              (_ExemptHooks, _PrefetchPoints)):  # fmt: skip
                     del hooks[hook_id]
                     for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
                                   "_forward_hooks_always_called"):
@@ -711,7 +662,6 @@ def get_act_offloading_ctx_manager(
     layers = [layer for _, layer in find_decoder_layers(unwrapped)]
     _install_prefetch_points(engine, unwrapped, layers, head[1] if head is not None else None,
                              [module for _, module in find_attention_modules(unwrapped)])
-    engine.track_hook(unwrapped.register_forward_pre_hook(_ReentrantCheckpointingCheck(engine).root_enter))
     if layers:
         engine.track_hook(layers[0].register_forward_pre_hook(LongContextCheck(engine), with_kwargs=True))
     if engine.options.tile_mlp is True:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from .planner import parse_memory_budget
+from .units import MIB
 
-MIB = 2**20
 # Enough for a copy stream never to idle; small, because when copies lag the window is on top of peak memory.
 DEFAULT_WINDOW_BYTES = 128 * MIB
 
@@ -49,13 +49,18 @@ class Rule:
     maximum: float = 1.0
     optional: bool = False
 
-    def describe(self, unit: str) -> str:
-        """The allowed values, in the words and unit of the option as the user spells it."""
-        none = "None or " if self.optional else ""
+    def describe(self, unit: str, text: bool = False) -> str:
+        """The allowed values, in the words and unit of the option as the user spells it.
+
+        Args:
+            unit: `"bytes"` or `"MiB"`.
+            text: the user gave text (the command line's spelling): name the words it takes, `none`, `true`, ...
+        """
+        none = ("none or " if text else "None or ") if self.optional else ""
         if self.kind == _FLAG:
             return "True or False"
         if self.kind == _AUTO_FLAG:
-            return "'auto', True or False"
+            return "'auto', 'true' or 'false'" if text else "'auto', True or False"
         if self.kind == _DEVICE:
             return "None, 'cpu' or the available accelerator's type"
         if self.kind == _FRACTION:
@@ -105,9 +110,22 @@ class Rule:
         Raises:
             ValueError: naming `name`, the allowed values in `unit`, and the value given.
         """
+        value = self.read(value, name, unit)
+        return round(value * MIB) if unit == "MiB" and value is not None else value
+
+    def read(self, value: Any, name: str, unit: str = "bytes") -> Any:
+        """As `check`, but the value stays in `unit`: the command line's text read as what it means.
+
+        Returns:
+            `None` for `none`, `True` for `true`, a number for digits (a float for MiB and fractions, an int for
+            bytes and counts); a budget's text stays text.
+
+        Raises:
+            ValueError: as `check`.
+        """
 
         def fail() -> ValueError:
-            return ValueError(f"{name} must be {self.describe(unit)}, got {value!r}")
+            return ValueError(f"{name} must be {self.describe(unit, text=isinstance(value, str))}, got {value!r}")
 
         if value is None or (self.optional and isinstance(value, str) and value.strip().lower() == "none"):
             if self.optional:
@@ -139,10 +157,9 @@ class Rule:
                 raise fail()
             return number
         if unit == "MiB":
-            nbytes = round(number * MIB)
-            if number < 0 or nbytes < self.minimum:
+            if number < 0 or round(number * MIB) < self.minimum:
                 raise fail()
-            return nbytes
+            return float(number)
         if number != int(number) or (not isinstance(value, str) and not _is_int(value)):
             raise fail()  # bytes and counts given as such are whole numbers: 1.5 bytes is a mistake, not a rounding
         if number < self.minimum:
@@ -170,12 +187,33 @@ def _is_int(value: Any) -> bool:
 
 def current_accelerator_type() -> str | None:
     """The type of this process's accelerator (`"cuda"`, `"xpu"`, ...), or None without one."""
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return None if accelerator is None else accelerator.type
+    # torch 2.6's current_accelerator() raises where there is none (later versions return None).
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
 
 
 def _device_type_available(device_type: str) -> bool:
     return device_type == "cpu" or device_type == current_accelerator_type()
+
+
+def check_budget_for_device(memory_budget: Any, device_type: str | None, budget_name: str = "memory_budget",
+                            device_name: str = "device_type") -> None:  # fmt: skip
+    """Refuses a budget relative to the device's memory ('60%', 'auto') in the CPU test mode, which has no device
+    memory to take a share of: at construction, not when the first planned step asks for the device's size.
+
+    Args:
+        memory_budget: the budget as given.
+        device_type: the device type as given.
+        budget_name, device_name: the two options' names as the user wrote them, for the message.
+
+    Raises:
+        ValueError: naming both options and the forms the CPU test mode takes.
+    """
+    budget = parse_memory_budget(memory_budget, option=budget_name)
+    if device_type == "cpu" and budget is not None and budget.nbytes is None:
+        raise ValueError(
+            f"{budget_name} must be a size with {device_name}='cpu' (the CPU test mode has no device memory to take "
+            f"a share of): an int number of bytes or a string such as '512MiB', got {memory_budget!r}"
+        )
 
 
 def format_option_doc(name: str, type_text: str, default: Any, help: str) -> str:
@@ -278,6 +316,7 @@ class OffloadOptions:
         for option in dataclasses.fields(self):
             rule = option.metadata["rule"]
             object.__setattr__(self, option.name, rule.check(getattr(self, option.name), option.name))
+        check_budget_for_device(self.memory_budget, self.device_type)
 
     @classmethod
     def rule(cls, name: str) -> Rule:

@@ -64,7 +64,7 @@ from fractions import Fraction
 from numbers import Real
 from typing import Any, NamedTuple
 
-GIB = 2**30
+from .units import GIB, format_bytes
 
 # "auto" leaves this much of the device outside the budget. The budget bounds `max_memory_allocated`, which does
 # not count the CUDA context, NCCL's buffers or the memory the caching allocator reserves but cannot reuse
@@ -102,8 +102,7 @@ _ACCEPTED_FORMS = (
 )
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB"
+_gib = format_bytes  # one formatter for the library (units.py): a budget of 1,000 bytes reads '1000 B', not '0.00 GiB'
 
 
 def _is_int(value: Any) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from .units import format_bytes
+
 # Why a saved tensor stayed where it was, with the words the summary explains each reason in.
 KEPT_REASONS: dict[str, str] = {
     "too_small": "under min_offload_size, not worth a copy",
@@ -129,14 +131,6 @@ class StatsRecorder:
         return out
 
 
-def _size(nbytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the number at or above 1."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def format_summary(stats: dict[str, int | float], device_type: str = "cuda") -> str:
     """A few lines a person reads about a stats dict from `get_stats()` or `consume_stats()`.
 
@@ -151,7 +145,7 @@ def format_summary(stats: dict[str, int | float], device_type: str = "cuda") -> 
     steps = max(int(stats.get("steps", 0)), 1)
     test_mode = device_type == "cpu"
     device = "GPU" if device_type == "cuda" else device_type.upper()
-    kept = [f"    {reason}: {_size(stats.get(f'bytes_kept_{reason}', 0) / steps)} ({meaning})"
+    kept = [f"    {reason}: {format_bytes(stats.get(f'bytes_kept_{reason}', 0) / steps)} ({meaning})"
             for reason, meaning in KEPT_REASONS.items() if stats.get(f"tensors_kept_{reason}", 0)]  # fmt: skip
     hits, misses = stats.get("prefetch_hits", 0), stats.get("prefetch_misses", 0)
     reloads = hits + misses
@@ -160,13 +154,13 @@ def format_summary(stats: dict[str, int | float], device_type: str = "cuda") -> 
     lines = [
         f"activation offloading over {steps} step(s)"
         + (" in CPU test mode (CPU tensors copied to a separate host buffer; no GPU involved):" if test_mode else ":"),
-        f"  moved to host memory per step: {_size(stats.get('bytes_offloaded', 0) / steps)} "
+        f"  moved to host memory per step: {format_bytes(stats.get('bytes_offloaded', 0) / steps)} "
         f"({stats.get('tensors_offloaded', 0) / steps:.0f} tensors)",
         f"  {'kept in place' if test_mode else f'kept on the {device}'} per step:"
         + ("\n" + "\n".join(kept) if kept else " nothing"),
         f"  reloads in backward: {ready}",
         f"  compute waited for copies: {1000.0 * stats.get('compute_wait_s', 0.0) / steps:.2f} ms per step",
         f"  {'host buffer' if test_mode else 'pinned host memory'} held (a pool reused every step): "
-        f"{_size(stats.get('pinned_bytes', 0))}",
+        f"{format_bytes(stats.get('pinned_bytes', 0))}",
     ]
     return "\n".join(lines)

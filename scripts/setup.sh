@@ -8,6 +8,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-# Pin torch before anything can pull a different build: on a CPU-only machine torch==2.13.0 is the CPU wheel.
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+# Pin torch before anything can pull a different build. Which build pip's index serves is its own affair (PyPI's
+# Linux wheel is the CUDA build, on any machine): TORCH_INDEX_URL names another index, such as
+# https://download.pytorch.org/whl/cpu for the CPU-only build.
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 python -m pip install -q -e ".[dev]"

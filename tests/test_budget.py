@@ -96,9 +96,9 @@ def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step():
     for _ in range(2):  # the profiled steps run under the safe plan
         with context:
             model(input_ids=ids, labels=ids).loss.backward()
-    with pytest.raises(ValueError, match="GiB") as error, context:
+    with pytest.raises(ValueError) as error, context:
         model(input_ids=ids, labels=ids)
-    assert "1KiB" in str(error.value) or "1024" in str(error.value)
+    assert str(error.value).startswith("the memory budget of 1.00 KiB (1024 bytes) is below the smallest peak")
 
 
 @pytest.mark.parametrize("budget", ["auto", "60%"])

@@ -5,6 +5,7 @@ import logging
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ def test_defaults_and_trls_positional_order():
         ("max_pinned_memory_fraction", math.nan, "a number in (0, 0.9]"),
         ("max_pinned_bytes", -5, "None or an int number of bytes >= 0"),
         ("device_type", "tpu", "None, 'cpu' or the available accelerator's type"),
-        ("tile_mlp", "yes", "'auto', True or False"),
+        ("tile_mlp", "yes", "'auto', 'true' or 'false'"),
         ("tile_mlp", 1, "'auto', True or False"),
     ],
 )
@@ -156,15 +157,15 @@ def test_none_on_the_command_line_restores_a_default_of_none():
         ("forward_window_mib", "0", "a number of MiB > 0"),
         ("forward_window_mib", "nan", "a number of MiB > 0"),
         ("forward_window_mib", "inf", "a number of MiB > 0"),
-        ("prefetch_window_mib", "-2", "None or a number of MiB >= 0"),
-        ("prefetch_window_mib", "nan", "None or a number of MiB >= 0"),
-        ("prefetch_window_mib", "lots", "None or a number of MiB >= 0"),
+        ("prefetch_window_mib", "-2", "none or a number of MiB >= 0"),
+        ("prefetch_window_mib", "nan", "none or a number of MiB >= 0"),
+        ("prefetch_window_mib", "lots", "none or a number of MiB >= 0"),
         ("max_pinned_memory_fraction", "1.5", "a number in (0, 0.9]"),
         ("max_pinned_memory_fraction", "nan", "a number in (0, 0.9]"),
-        ("max_pinned_mib", "-1", "None or a number of MiB >= 0"),
+        ("max_pinned_mib", "-1", "none or a number of MiB >= 0"),
         ("device_type", "tpu", "None, 'cpu' or the available accelerator's type"),
-        ("tile_mlp", "yes", "'auto', True or False"),
-        ("tile_mlp", "maybe", "'auto', True or False"),
+        ("tile_mlp", "yes", "'auto', 'true' or 'false'"),
+        ("tile_mlp", "maybe", "'auto', 'true' or 'false'"),
     ],
 )
 def test_a_bad_argument_is_named_in_its_own_unit(argument, value, allowed):
@@ -173,6 +174,35 @@ def test_a_bad_argument_is_named_in_its_own_unit(argument, value, allowed):
         parse(f"--{name}", value)
     assert str(error.value).startswith(f"{name} must be {allowed}, got ")
     assert "bytes" not in str(error.value) or argument == "min_size"
+
+
+def test_parsed_fields_hold_what_the_command_line_text_means():
+    args = parse("--activation_offloading_tile_mlp", "true", "--activation_offloading_prefetch_window_mib", "none",
+                 "--activation_offloading_forward_window_mib", "64", "--activation_offloading_min_size", "4096",
+                 "--activation_offloading_max_pinned_memory_fraction", "0.25")  # fmt: skip
+    assert args.activation_offloading_tile_mlp is True
+    assert args.activation_offloading_prefetch_window_mib is None
+    assert args.activation_offloading_forward_window_mib == 64.0
+    assert args.activation_offloading_min_size == 4096 and args.activation_offloading_max_pinned_memory_fraction == 0.25
+    assert parse("--activation_offloading_tile_mlp", "AUTO").activation_offloading_tile_mlp == "auto"
+    assert args.offload_options().forward_window_bytes == 64 * 2**20
+
+
+@pytest.mark.parametrize("budget", ["60%", "auto"])
+def test_a_share_of_the_device_in_the_cpu_test_mode_fails_where_it_is_given(tmp_path, budget):
+    """The CPU test mode has no device memory to take a share of: the arguments and the options refuse such a budget
+    when they are built, naming the option as the user wrote it, instead of a traceback in `train()`."""
+    with pytest.raises(ValueError) as error:
+        TrainingArguments(str(tmp_path), activation_offloading=True, activation_offloading_memory_budget=budget,
+                          activation_offloading_device_type="cpu")  # fmt: skip
+    assert str(error.value) == (
+        "activation_offloading_memory_budget must be a size with activation_offloading_device_type='cpu' (the CPU "
+        f"test mode has no device memory to take a share of): an int number of bytes or a string such as '512MiB', "
+        f"got {budget!r}"
+    )
+    with pytest.raises(ValueError, match=r"^memory_budget must be a size with device_type='cpu' "):
+        OffloadOptions(memory_budget=budget, device_type="cpu")
+    assert OffloadOptions(memory_budget="512MiB", device_type="cpu").memory_budget == "512MiB"
 
 
 def test_non_finite_numbers_from_python_name_the_field(tmp_path):
@@ -196,35 +226,36 @@ def test_a_bad_command_line_value_exits_with_usage_not_a_traceback(tmp_path):
 # ---------------------------------------------------------------------------------------------------- warnings
 
 
-@pytest.mark.parametrize("kwargs_name", ["activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"])
-def test_reentrant_checkpointing_in_the_arguments_warns_with_the_fix(tmp_path, kwargs_name):
-    with pytest.warns(UserWarning, match=r"use_reentrant': False"):
-        TrainingArguments(str(tmp_path), activation_offloading=True, activation_checkpointing=True,
-                          **{kwargs_name: {"use_reentrant": True}})  # fmt: skip
-
-
 def tiny_llama() -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     return transformers.LlamaForCausalLM(config)
 
 
-@pytest.mark.parametrize("use_reentrant", [True, None, False])
-def test_reentrant_checkpointing_on_the_model_warns_once_with_the_fix(caplog, use_reentrant):
-    model = tiny_llama().train()
-    kwargs = {} if use_reentrant is None else {"use_reentrant": use_reentrant}
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # {}: torch's default, reentrant
-    context = get_act_offloading_ctx_manager(model, device_type="cpu")
-    ids = torch.randint(64, (2, 8))
-    with caplog.at_level(logging.WARNING, logger="hf_offload"):
-        for _ in range(2):
-            with context:
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-    warnings = [record for record in caplog.records if "reentrant" in record.getMessage()]
-    assert len(warnings) == (0 if use_reentrant is False else 1)
-    if warnings:
-        assert "use_reentrant': False" in warnings[0].getMessage()
+def test_either_kind_of_checkpointing_moves_the_layer_inputs_without_a_warning(tmp_path, caplog):
+    """Reentrant checkpointing saves each layer's input in the forward as the non-reentrant kind does, and the
+    engine moves it; what a layer recomputes in backward is used at once under either kind. No warning is due."""
+    offloaded = {}
+    for use_reentrant in (True, None, False):
+        kwargs = {} if use_reentrant is None else {"use_reentrant": use_reentrant}  # {}: torch's default, reentrant
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            TrainingArguments(str(tmp_path), activation_offloading=True, activation_checkpointing=True,
+                              activation_checkpointing_kwargs=kwargs)  # fmt: skip
+        model = tiny_llama().train()
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        context = get_act_offloading_ctx_manager(model, device_type="cpu")
+        ids = torch.randint(64, (2, 8))
+        with caplog.at_level(logging.WARNING, logger="hf_offload"):
+            for _ in range(2):
+                with context:
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+        stats = context.get_stats()
+        offloaded[use_reentrant] = stats["tensors_offloaded"], stats["bytes_offloaded"]
+        context.remove_hooks()
+    assert not [record.getMessage() for record in caplog.records if "reentrant" in record.getMessage()]
+    assert offloaded[True] == offloaded[None] == offloaded[False] and offloaded[True][0] > 0, offloaded
 
 
 def test_a_second_context_nested_inside_another_warns(caplog):

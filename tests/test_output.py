@@ -8,7 +8,7 @@ import transformers
 from helpers import COMMON_ARGS, CPU_TEST_MODE, EXAMPLES, tiny_model
 
 from hf_offload import TrainingArguments, format_summary
-from hf_offload.callbacks.stats_logs import HEADLINE_KEYS
+from hf_offload.callbacks.stats_logs import HEADLINE_KEYS, log_entries
 from hf_offload.stats import KEPT_REASONS
 
 STATS = {
@@ -49,6 +49,13 @@ def test_the_console_gets_the_headlines_and_the_history_gets_everything(tmp_path
         assert sorted(re.findall(r"'(offload/[^']+)'", line)) == sorted(HEADLINE_KEYS[:2])  # no peak in CPU test mode
     history = [record for record in trainer.state.log_history if "loss" in record]
     assert all({"offload/bytes_offloaded", "offload/steps", *HEADLINE_KEYS[:2]} <= record.keys() for record in history)
+
+
+def test_the_console_shows_a_few_kib_offloaded_per_step_as_more_than_zero():
+    # A tiny model offloads 28-52 KiB per step; the console prints each float with 4 significant digits.
+    stats = {"steps": 2, "bytes_offloaded": 2 * 28 * 2**10, "compute_wait_s": 0.0}
+    shown = f"{log_entries(stats)[HEADLINE_KEYS[0]]:.4g}"
+    assert shown == "0.02734" and HEADLINE_KEYS[0].endswith("_mib_per_step")
 
 
 def test_the_summary_starts_on_a_line_of_its_own_after_the_progress_bar(tmp_path):

@@ -11,7 +11,7 @@ from qlora_models import assert_bitwise_equal, load_qlora, max_relative_differen
 
 from hf_offload import apply_tiled_mlp, get_act_offloading_ctx_manager
 
-bitsandbytes = pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (the dev extra installs it)")
+bitsandbytes = pytest.importorskip("bitsandbytes", reason='QLoRA needs bitsandbytes: pip install -e ".[qlora]"')
 
 VOCAB, LAYERS = 128, 4
 SHAPE = (2, 48)
