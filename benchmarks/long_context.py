@@ -436,12 +436,11 @@ def quantize_decoder_nf4(model: Any) -> dict[str, Any]:
 
 
 def _raised_by_planner(error: BaseException) -> bool:
-    """Whether the error comes from hf_offload's planner (a budget no plan fits: the library's clear error, raised
-    before anything runs out of memory), judged by its innermost frame."""
-    import hf_offload.planner
+    """Whether the error is hf_offload's planner refusing the budget (a budget no plan fits: the library's clear
+    error, raised before anything runs out of memory)."""
+    from hf_offload import InfeasibleBudgetError
 
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and os.path.realpath(frames[-1].filename) == os.path.realpath(hf_offload.planner.__file__)
+    return isinstance(error, InfeasibleBudgetError)
 
 
 def _pool_cap(ctx: Any) -> int | None:
