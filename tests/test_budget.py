@@ -1,12 +1,10 @@
 """The memory budget end to end in CPU test mode: profile, plan, apply, re-plan, and exact arithmetic throughout."""
 
-import re
-
 import pytest
 import torch
 import transformers
 
-from hf_offload import get_act_offloading_ctx_manager
+from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 
 LAYERS = 4
 VOCAB = 128
@@ -83,10 +81,12 @@ def test_a_tight_budget_gets_a_mixed_plan_that_fits_and_is_exact(baseline):
 
 
 def planned_minimum() -> int:
-    with pytest.raises(ValueError, match="budget") as error:
+    """The smallest peak any plan reaches at 16 tokens, as the refusal of a budget of 1 byte names it."""
+    with pytest.raises(InfeasibleBudgetError, match="budget") as error:
         planned(1)
-    # The message names the budget, then the smallest peak any plan reaches, each in bytes.
-    return int(re.findall(r"\((\d+) bytes", str(error.value))[1])
+    peak = error.value.lowest_plan.predicted.peak_bytes
+    assert f"({peak} bytes" in str(error.value)
+    return peak
 
 
 def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step():
@@ -96,7 +96,7 @@ def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step():
     for _ in range(2):  # the profiled steps run under the safe plan
         with context:
             model(input_ids=ids, labels=ids).loss.backward()
-    with pytest.raises(ValueError, match="GiB") as error, context:
+    with pytest.raises(InfeasibleBudgetError, match="GiB") as error, context:
         model(input_ids=ids, labels=ids)
     assert "1KiB" in str(error.value) or "1024" in str(error.value)
 
@@ -194,8 +194,9 @@ def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
     full = long_run(10 * 2**30, steps=3)[1].budget
     monkeypatch.setattr(budget, "_PROBE_MAX_TOKENS", 64)
     cut = long_run(10 * 2**30, steps=3)[1].budget
-    assert (cut._measured.tokens, cut._measured.step_tokens) == (64, 128)
-    assert (full._measured.tokens, full._measured.step_tokens) == (128, 128)
+    [cut_probe], [full_probe] = cut._measured.probes.values(), full._measured.probes.values()  # one kind of layer
+    assert (cut_probe.tokens, cut_probe.step_tokens, cut._measured.step_tokens) == (64, 128, 128)
+    assert (full_probe.tokens, full_probe.step_tokens, full._measured.step_tokens) == (128, 128, 128)
     # Scaled back to 128 tokens, the first 32 tokens of each sequence predict the whole (eager attention's scores
     # grow with the square of the length: the saved bytes are predicted lower, by them).
     cut_layer, full_layer = cut.profile.layers[0], full.profile.layers[0]

@@ -1,0 +1,87 @@
+"""The memory budget on every family of model, in the CPU test mode: vision-language models (a vision tower and a
+language model), mixtures of experts with the router's auxiliary loss on, hybrids of attention with Mamba or linear
+attention, encoder-decoders; with and without LoRA on every linear layer.
+
+Each case trains under a budget halfway between the lowest-memory plan's predicted peak and keeping everything, so
+the plan must act on some layers, and checks that losses, gradients and weights are bitwise equal to training
+without offloading (whose two runs are compared first: the comparison means something only if it repeats). The
+probes run each kind of layer on the arguments of its own call, inside the first step: a text layer probed on a
+vision block's arguments, a decoder layer on an encoder layer's, or router logits collected from a probe all
+crashed that step.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from _gpu_models import (  # noqa: E402
+    ENCODER_DECODER,
+    HYBRIDS,
+    MOES,
+    VLMS,
+    assert_bitwise_equal,
+    build_model,
+    dispose,
+    make_batch,
+    make_ctx,
+    run_steps,
+)
+
+from hf_offload import InfeasibleBudgetError  # noqa: E402
+from hf_offload.model import find_decoder_layers, unwrap_model  # noqa: E402
+from hf_offload.planner import plan  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+SIZE = dict(hidden=32, layers=2, vocab=128)
+SEQ = 24
+STEPS = 4  # two profiled under the safe plan, two under the budget's plan
+ROOMY = 10 * 2**30
+
+# Every family without LoRA; with LoRA, one of each class (LoRA on a layer it skips in a call leaves a trainable
+# parameter without a gradient there: Jamba's Mamba layers).
+CASES = [(arch, False) for arch in VLMS + MOES + HYBRIDS + ENCODER_DECODER]
+CASES += [(arch, True) for arch in ("qwen2_vl", "llava", "mixtral", "jamba", "qwen3_next", "t5")]
+
+
+def train(arch: str, lora: bool, budget: int | None = None):
+    """`STEPS` AdamW steps on one batch; under `budget` (bytes), with the CPU test mode's planner."""
+    model = build_model(arch, device="cpu", lora=lora, seq=SEQ, **SIZE)
+    batch = make_batch(arch, device="cpu", seq=SEQ, vocab=SIZE["vocab"])
+    context = None if budget is None else make_ctx(model, device_type="cpu", memory_budget=budget)
+    try:
+        return run_steps(model, batch, steps=STEPS, ctx=context, device="cpu"), context, model
+    finally:
+        if context is not None:
+            dispose(context)
+
+
+@pytest.mark.parametrize("arch, lora", CASES, ids=[f"{arch}-{'lora' if lora else 'full'}" for arch, lora in CASES])
+def test_a_budget_between_the_lowest_plan_and_keeping_everything_is_met_exactly(arch, lora):
+    baseline = train(arch, lora)[0]
+    assert_bitwise_equal(baseline, train(arch, lora)[0], f"{arch}: baseline against itself")
+
+    _, roomy, model = train(arch, lora, ROOMY)
+    layers = find_decoder_layers(unwrap_model(model))
+    keep_all = roomy.budget.plan
+    assert keep_all.code == "K" * len(layers)  # one action per layer of every stack
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        plan(roomy.budget.profile, 1)
+    lowest = refused.value.lowest_plan.predicted.peak_bytes
+    assert lowest < keep_all.predicted.peak_bytes
+    budget = (lowest + keep_all.predicted.peak_bytes) // 2
+
+    planned, context, model = train(arch, lora, budget)
+    chosen = context.budget.plan
+    assert chosen.predicted.peak_bytes <= budget and chosen.code != keep_all.code
+    assert_bitwise_equal(baseline, planned, f"{arch} under {chosen.code}")
+    # The plan was applied to every layer, the vision tower's and the encoder's too.
+    for name, layer in find_decoder_layers(unwrap_model(model)):
+        assert "gradient_checkpointing" in vars(layer), name
+    if arch in VLMS:
+        assert any("vision" in name or "visual" in name for name, _ in layers)
