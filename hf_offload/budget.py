@@ -20,7 +20,8 @@ training forwards of the model (grad enabled, model in training mode) and:
    the engine's windows; a budget no plan fits is an `InfeasibleBudgetError` here. On every later forward it
    re-plans if the step has more tokens than it planned for (checked as each stack starts, before its layers run;
    each stack's tokens scale the whole step from the first step's) or the memory held between steps has grown
-   (optimizer state created after a gradient accumulation cycle).
+   (optimizer state created after a gradient accumulation cycle). Such a step that no plan fits runs on the
+   lowest-memory plan, with a warning: never an exception in the middle of training.
 
 While profiling, the device's peak-memory counter is reset at the phase boundaries it measures. Every rank plans
 the same: under `torch.distributed`, rank 0's plan is broadcast. In the CPU test mode nothing on the host has a
@@ -61,6 +62,7 @@ from .model import find_decoder_layers, find_output_head, first_tensor
 from .planner import (
     FULL,
     FULL_TILED,
+    InfeasibleBudgetError,
     LayerProfile,
     MemoryBudget,
     Plan,
@@ -377,6 +379,7 @@ class MemoryBudgetController:
         self._probing = False
         self._probes_finished = False
         self._step_tokens = 0  # this step's tokens, in the profile's terms, from the stacks that have started
+        self._warned_over_budget = False
         self._tile_tokens = default_tokens_per_chunk(model) if engine.options.tile_mlp == "auto" else 0
         if self._tile_tokens:
             try:  # checks every layer's MLP, changes nothing when one cannot be tiled
@@ -575,14 +578,29 @@ class MemoryBudgetController:
     def _plan_and_apply(self, tokens: int) -> None:
         """Plans for `tokens` per step with the memory held now, on rank 0, and applies the plan on every rank.
 
+        A later step that no plan fits (longer than any before it) runs on the lowest-memory plan, with a warning
+        the first time: an exception there would end a run that may be hours in.
+
         Raises:
-            InfeasibleBudgetError: the budget is below the smallest peak any plan reaches (naming it and what
-                dominates it).
+            InfeasibleBudgetError: for the first plan, made for the profiled steps' tokens: the budget is below the
+                smallest peak any plan reaches (naming it and what dominates it).
         """
         profile = self._profile_now(tokens)
         budget_bytes = self.budget.resolve(self._meter.total())
         margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
-        new_plan = _same_on_every_rank(lambda: plan(profile, budget_bytes, margin_bytes))
+        first = self.plan is None
+
+        def make_plan() -> Plan:
+            try:
+                return plan(profile, budget_bytes, margin_bytes)
+            except InfeasibleBudgetError as error:
+                if first:
+                    raise
+                return error.lowest_plan
+
+        new_plan = _same_on_every_rank(make_plan)
+        if new_plan.predicted.peak_bytes > budget_bytes - margin_bytes:
+            self._over_budget(new_plan, budget_bytes, margin_bytes)
         self.plan, self._profile = new_plan, profile
         engine = self._engine()
         forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
@@ -596,6 +614,20 @@ class MemoryBudgetController:
                              f"({new_plan.host_cap_bytes / 2**30:.1f} GiB) is full. Raise "
                              "activation_offloading_max_pinned_memory_fraction (or max_pinned_mib) if the host has "
                              "the room.")  # fmt: skip
+
+    def _over_budget(self, lowest: Plan, budget_bytes: int, margin_bytes: int) -> None:
+        """Says that this step runs on the lowest-memory plan, over the budget: a warning once, then in the log."""
+        peak = lowest.predicted.peak_bytes
+        message = (f"hf_offload: training forward {self._forwards} has {lowest.tokens} tokens (in the profiled "
+                   f"step's terms), more than memory_budget={self.budget} ({budget_bytes} bytes) fits: it runs on the "
+                   f"lowest-memory plan {lowest.code!r}, predicted to peak at {peak / 2**30:.2f} GiB ({peak} bytes; "
+                   f"a budget of {peak + margin_bytes} bytes would fit it), and so do the steps after it up to that "
+                   "length. Raise the budget or cap the sequence length to stay within it.")  # fmt: skip
+        if self._warned_over_budget:
+            logger.info(message)
+        else:
+            self._warned_over_budget = True
+            logger.warning(message)
 
     def _apply(self, actions: list[Any], windows: tuple[int, int | None, int | None] | None,
                tile_tokens: int = 0) -> None:  # fmt: skip

@@ -1,5 +1,7 @@
 """The memory budget end to end in CPU test mode: profile, plan, apply, re-plan, and exact arithmetic throughout."""
 
+import logging
+
 import pytest
 import torch
 import transformers
@@ -101,6 +103,27 @@ def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step():
     assert "1KiB" in str(error.value) or "1024" in str(error.value)
 
 
+def test_a_later_longer_step_that_no_plan_fits_runs_on_the_lowest_plan_with_one_warning(caplog):
+    """Four steps of 16 tokens, then one of 24 and one of 32, under a budget just above the smallest that fits 16
+    tokens: the longer steps run on the lowest-memory plan, exactly, with one warning naming the first of them."""
+    lengths = (16, 16, 16, 16, 24, 32)
+    baseline = train(tiny_llama(), Unchanged(), steps=len(lengths), lengths=lengths)
+    assert_bitwise_equal(baseline, train(tiny_llama(), Unchanged(), steps=len(lengths), lengths=lengths))
+    budget = int(planned_minimum() * 1.006)  # the plans' margin (0.5% of the budget) included
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        results = train(model, context, steps=len(lengths), lengths=lengths)
+    assert_bitwise_equal(results, baseline)
+    over = [record for record in caplog.records if "runs on the lowest-memory plan" in record.getMessage()]
+    assert [record.levelno for record in over] == [logging.WARNING, logging.INFO]  # the second is only logged
+    message = over[0].getMessage()
+    assert "training forward 5 has 48 tokens" in message and f"memory_budget={budget} ({budget} bytes)" in message
+    plan = context.budget.plan
+    assert (plan.code, plan.tokens) == ("C" * LAYERS, 2 * 32)
+    assert plan.predicted.peak_bytes > budget
+
+
 @pytest.mark.parametrize("budget", ["auto", "60%"])
 def test_a_share_of_the_device_needs_a_device(budget):
     with pytest.raises(ValueError, match="memory"):
@@ -114,27 +137,58 @@ def test_a_longer_step_is_planned_for_before_its_layers_run():
     assert context.budget.plan.tokens == 2 * 32
 
 
-def test_the_trainer_takes_a_budget_from_its_arguments_prints_the_plan_and_stays_exact(tmp_path, tokenizer,
-                                                                                      lm_dataset, capsys):  # fmt: skip
-    from helpers import COMMON_ARGS, CPU_TEST_MODE, tiny_model, train_losses
+def trainer_run(output_dir, tokenizer, lm_dataset, **offloading) -> transformers.Trainer:
+    """5 steps of the Trainer, 2 micro-batches each, padded to each batch's longest line (up to 32 tokens)."""
+    from helpers import COMMON_ARGS, tiny_model
 
     from hf_offload import TrainingArguments
 
-    def run(**offloading):
-        args = TrainingArguments(str(tmp_path), **{**COMMON_ARGS, "eval_strategy": "no", "max_steps": 5}, **offloading)
-        collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
-        trainer = transformers.Trainer(model=tiny_model(tokenizer), args=args, train_dataset=lm_dataset,
-                                       data_collator=collator)  # fmt: skip
-        trainer.train()
-        return trainer
+    args = TrainingArguments(str(output_dir), **{**COMMON_ARGS, "eval_strategy": "no", "max_steps": 5}, **offloading)
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    trainer = transformers.Trainer(model=tiny_model(tokenizer), args=args, train_dataset=lm_dataset,
+                                   data_collator=collator)  # fmt: skip
+    trainer.train()
+    return trainer
 
-    baseline = run()
-    planned = run(activation_offloading=True, activation_offloading_memory_budget="1GiB", **CPU_TEST_MODE)
+
+def test_the_trainer_takes_a_budget_from_its_arguments_prints_the_plan_and_stays_exact(tmp_path, tokenizer,
+                                                                                      lm_dataset, capsys):  # fmt: skip
+    from helpers import CPU_TEST_MODE, train_losses
+
+    baseline = trainer_run(tmp_path, tokenizer, lm_dataset)
+    planned = trainer_run(tmp_path, tokenizer, lm_dataset, activation_offloading=True,
+                          activation_offloading_memory_budget="1GiB", **CPU_TEST_MODE)  # fmt: skip
     assert train_losses(planned) == train_losses(baseline)
     assert "Memory plan for" in capsys.readouterr().out
     planned_logs = [record for record in planned.state.log_history if "offload/plan_predicted_peak_gib" in record]
     # gradient_accumulation_steps=2: the two profiled forwards are the first of the 5 steps; steps 2 to 5 log a plan.
     assert len(planned_logs) == 4
+
+
+def test_the_trainer_near_the_minimum_runs_longer_padded_batches_on_the_lowest_plan(tmp_path, tokenizer, lm_dataset,
+                                                                                   caplog):  # fmt: skip
+    """Dynamic padding makes later batches longer than the profiled ones: under a budget just above the smallest
+    that fits those, training goes on (one warning) and stays exact. Without tiled MLPs, whose gradients are not
+    bitwise, the lowest-memory plan checkpoints every layer."""
+    from helpers import CPU_TEST_MODE, assert_same_weights, train_losses
+
+    def planned(budget):
+        return trainer_run(tmp_path, tokenizer, lm_dataset, activation_offloading=True,
+                           activation_offloading_memory_budget=str(budget), activation_offloading_tile_mlp=False,
+                           **CPU_TEST_MODE)  # fmt: skip
+
+    with pytest.raises(InfeasibleBudgetError) as refused:  # at the first plan, from the profiled batches
+        planned(1)
+    budget = int(refused.value.lowest_plan.predicted.peak_bytes * 1.006)  # the plans' margin included
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        tight = planned(budget)
+    over = [record for record in caplog.records if "runs on the lowest-memory plan" in record.getMessage()]
+    assert over and over[0].levelno == logging.WARNING
+    assert all(record.levelno == logging.INFO for record in over[1:])
+    baseline = trainer_run(tmp_path, tokenizer, lm_dataset)
+    assert_same_weights(trainer_run(tmp_path, tokenizer, lm_dataset).model, baseline.model)  # it repeats
+    assert_same_weights(tight.model, baseline.model)
+    assert train_losses(tight) == train_losses(baseline)
 
 
 # Tiled MLPs: planned only when nothing else fits
