@@ -344,9 +344,10 @@ class MemoryBudgetController:
     """Profiles, plans and applies a per-layer plan so that the step's peak stays under `budget`.
 
     The plan has one action per checkpointable layer of every stack (a vision-language model's vision tower and
-    language model, an encoder-decoder's encoder and decoder), in `find_decoder_layers` order, which is the order
-    the profile and `apply_layer_plan` use. A stack is the layers of one container (`model.visual.blocks`,
-    `model.language_model.layers`); each has its own number of tokens per step.
+    language model, an encoder-decoder's encoder and decoder), in the order the first step called them: the
+    planner's model of the step walks the layers in forward order, and a model may register its stacks in another
+    (several VLMs define the language model before the vision tower). A stack is the layers of one container
+    (`model.visual.blocks`, `model.language_model.layers`); each has its own number of tokens per step.
 
     Args:
         model: the unwrapped model (its decoder layers are found with `find_decoder_layers`).
@@ -365,7 +366,11 @@ class MemoryBudgetController:
         self._layers = [layer for _, layer in named]
         self._kinds = [_layer_kind(layer) for layer in self._layers]
         self._stacks = [name.rpartition(".")[0] for name, _ in named]
-        self._stack_starts = {self._stacks.index(stack) for stack in self._stacks}  # each stack's first layer
+        # The plan's and the profile's layer i is `self._layers[self._order[i]]`: the first step's call order, the
+        # layers it did not call last. Until that step is over, the registration order.
+        self._order = list(range(len(self._layers)))
+        self._called: list[int] = []
+        self._stack_starts: set[int] = set()  # each stack's first layer called
         self._model = weakref.ref(model)
         self._engine = weakref.ref(engine)
         self.budget = budget
@@ -392,7 +397,6 @@ class MemoryBudgetController:
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
             engine.track_hook(layer.register_forward_pre_hook(hook, with_kwargs=True))
-        engine.track_hook(self._layers[-1].register_forward_hook(self._last_layer_ends))
         for _, module in tail[-1:]:  # the final norm (or the head): where the head's phase begins
             engine.track_hook(module.register_forward_pre_hook(self._head_starts))
         engine.warn_once("budget", f"hf_offload: memory_budget={budget} is set, so hf-offload decides per decoder "
@@ -422,6 +426,7 @@ class MemoryBudgetController:
         elif self._forwards == 2:
             if not self._probes_finished:
                 self._finish_probes()
+            self._take_call_order()
             self._measured.step_start = self._meter.mark()
             self._meter.reset_peak()
         elif self._forwards == 3:
@@ -442,6 +447,8 @@ class MemoryBudgetController:
             if not measured.step_tokens:
                 measured.step_tokens, measured.device = tokens, args[0].device
             measured.stack_tokens.setdefault(stack, tokens)
+            if index not in self._called:
+                self._called.append(index)
             if not self._probes_finished and self._kinds[index] not in measured.probes:
                 self._probe(index, layer, args, kwargs)
         elif self.plan is not None and index in self._stack_starts and stack in measured.stack_tokens:
@@ -482,6 +489,18 @@ class MemoryBudgetController:
             measured.d2h_bytes_per_s, measured.h2d_bytes_per_s = measure_link_bandwidth(self._meter, measured.device,
                                                                                          pin_memory)  # fmt: skip
         self._apply_safe_plan(measured.step_tokens)
+
+    def _take_call_order(self) -> None:
+        """After the first step: the plan's order becomes the order it called the layers in, and the head's phase is
+        timed from the end of the last layer it called."""
+        engine = self._engine()
+        self._order = self._called + [index for index in range(len(self._layers)) if index not in self._called]
+        if self._order != sorted(self._order):
+            logger.info("hf_offload: the model calls its decoder layers in another order than it registers them: "
+                        "the plan follows the calls (%s)", self._order)  # fmt: skip
+        self._stack_starts = {next(i for i in self._order if self._stacks[i] == stack) for stack in set(self._stacks)}
+        if engine is not None and self._called:
+            engine.track_hook(self._layers[self._called[-1]].register_forward_hook(self._last_layer_ends))
 
     def _apply_safe_plan(self, tokens: int) -> None:
         """The first two steps' plan, once the probes are in: every layer fully checkpointed, its input offloaded,
@@ -536,7 +555,7 @@ class MemoryBudgetController:
         step's own measurements (head, step time) were taken."""
         measured = self._measured
         engine = self._engine()
-        probes = [measured.probes[kind] for kind in self._kinds]
+        probes = [measured.probes[self._kinds[index]] for index in self._order]
         tiled = all(probe.tiled_working_bytes is not None for probe in probes)
         head_bytes = measured.head_bytes
         if head_bytes is None:  # CPU test mode: what the head and loss saved (nothing known before the second step)
@@ -631,12 +650,16 @@ class MemoryBudgetController:
 
     def _apply(self, actions: list[Any], windows: tuple[int, int | None, int | None] | None,
                tile_tokens: int = 0) -> None:  # fmt: skip
+        """Applies `actions`, in the plan's order, to the layers."""
         engine, model = self._engine(), self._model()
         if engine is None or model is None:
             return
+        in_registration_order = [None] * len(actions)
+        for position, index in enumerate(self._order):
+            in_registration_order[index] = actions[position]
         if self._applied is not None:
             self._applied.remove()
-        self._applied = apply_layer_plan(model, engine, actions, tile_tokens)
+        self._applied = apply_layer_plan(model, engine, in_registration_order, tile_tokens)
         if windows is not None:
             engine.use_windows(*windows)
 

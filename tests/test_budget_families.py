@@ -33,6 +33,7 @@ from _gpu_models import (  # noqa: E402
 )
 
 from hf_offload import InfeasibleBudgetError  # noqa: E402
+from hf_offload.layer_plan import _run_as_is  # noqa: E402
 from hf_offload.model import find_decoder_layers, unwrap_model  # noqa: E402
 from hf_offload.planner import plan  # noqa: E402
 
@@ -85,3 +86,40 @@ def test_a_budget_between_the_lowest_plan_and_keeping_everything_is_met_exactly(
         assert "gradient_checkpointing" in vars(layer), name
     if arch in VLMS:
         assert any("vision" in name or "visual" in name for name, _ in layers)
+
+
+def test_the_plan_follows_the_order_the_layers_are_called_in():
+    """A model may register its language model before its vision tower (Ernie 4.5 VL, HunYuan VL, Kosmos-2): the
+    plan and its profile follow the first step's calls, and each action lands on its layer."""
+
+    def vision_last(model):
+        model.model._modules["vision_tower"] = model.model._modules.pop("vision_tower")
+        return model
+
+    def run(budget=None):
+        model = vision_last(build_model("llava", device="cpu", seq=SEQ, **SIZE))
+        batch = make_batch("llava", device="cpu", seq=SEQ, vocab=SIZE["vocab"])
+        context = None if budget is None else make_ctx(model, device_type="cpu", memory_budget=budget)
+        return run_steps(model, batch, steps=STEPS, ctx=context, device="cpu"), context, model
+
+    baseline = run()[0]
+    assert_bitwise_equal(baseline, run()[0], "baseline against itself")
+    _, roomy, model = run(ROOMY)
+    names = [name for name, _ in find_decoder_layers(model)]
+    assert names[0].startswith("model.language_model") and names[-1].startswith("model.vision_tower")
+    # In call order: the vision blocks (16 patches and the CLS per image), then the text layers.
+    hidden, image_tokens = SIZE["hidden"], 2 * 17
+    assert [layer.input_bytes for layer in roomy.budget.profile.layers] == [image_tokens * hidden * 4] * 2 + [
+        2 * SEQ * hidden * 4] * 2
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        plan(roomy.budget.profile, 1)
+    budget = (refused.value.lowest_plan.predicted.peak_bytes + roomy.budget.plan.predicted.peak_bytes) // 2
+
+    planned, context, model = run(budget)
+    code = context.budget.plan.code
+    assert set(code) - {"K"} and "K" in code
+    assert_bitwise_equal(baseline, planned, f"llava, vision tower registered last, under {code}")
+    in_call_order = [layer for name, layer in find_decoder_layers(model) if "vision" in name] + [
+        layer for name, layer in find_decoder_layers(model) if "vision" not in name]
+    kept = [getattr(layer._gradient_checkpointing_func, "function", None) is _run_as_is for layer in in_call_order]
+    assert kept == [letter == "K" for letter in code]
