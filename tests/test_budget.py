@@ -270,6 +270,10 @@ def test_the_first_tokens_of_every_sequence_argument():
     assert kwargs["position_embeddings"][0].shape == (2, 4, 8) and kwargs["cache_position"].tolist() == [0, 1, 2, 3]
     assert kwargs["use_cache"] is False
     assert _first_tokens((hidden,), {}, 20)[0][0] is hidden  # short enough: unchanged
+    # Packed sequences (a vision tower's 2-d hidden states, their bounds in `cu_seqlens`) are never cut.
+    packed, bounds = torch.zeros(100, 8), torch.tensor([0, 50, 100])
+    args, kwargs = _first_tokens((packed,), {"cu_seqlens": bounds}, 8)
+    assert args[0] is packed and kwargs["cu_seqlens"] is bounds
 
 
 def test_a_longer_step_scales_the_profiled_head_once():

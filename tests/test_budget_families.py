@@ -12,10 +12,12 @@ crashed that step.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
@@ -123,3 +125,23 @@ def test_the_plan_follows_the_order_the_layers_are_called_in():
         layer for name, layer in find_decoder_layers(model) if "vision" not in name]
     kept = [getattr(layer._gradient_checkpointing_func, "function", None) is _run_as_is for layer in in_call_order]
     assert kept == [letter == "K" for letter in code]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "jamba"])
+def test_the_probes_leave_no_trace_in_the_first_step(arch):
+    """The first step, whose layers are probed, returns what it returns without a budget: as many router logits as
+    the model has routers, the same losses, and no keys or values in the cache (its layers are checkpointed, where
+    transformers passes none; the probes run them kept, twice). The random streams: T5's and BART's dropout in the
+    bitwise test above."""
+    batch = make_batch(arch, device="cpu", seq=SEQ, vocab=SIZE["vocab"])
+
+    def first_step(budget=None):
+        model = build_model(arch, device="cpu", seq=SEQ, **SIZE)
+        context = make_ctx(model, device_type="cpu", memory_budget=budget) if budget else contextlib.nullcontext()
+        with context:
+            return model(**batch, use_cache=True)
+
+    plain, probed = first_step(), first_step(ROOMY)
+    assert len(probed.router_logits) == len(plain.router_logits) > 0
+    assert plain.past_key_values.get_seq_length() == SEQ and probed.past_key_values.get_seq_length() == 0
+    assert torch.equal(probed.loss, plain.loss) and torch.equal(probed.aux_loss, plain.aux_loss)
