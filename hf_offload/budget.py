@@ -690,12 +690,24 @@ def _first_tokens(args: tuple, kwargs: dict, max_tokens: int) -> tuple[tuple, di
     return (hidden[..., :keep, :].contiguous(), *tree_map(cut, args[1:])), tree_map(cut, kwargs)
 
 
-def _same_on_every_rank(make_plan: Any) -> Plan:
-    """Rank 0's plan on every rank (ranks that checkpoint different layers can hang FSDP); the plan alone
-    otherwise."""
+def _same_on_every_rank(make_plan: Callable[[], Plan]) -> Plan:
+    """Rank 0's plan on every rank (ranks that checkpoint different layers can hang FSDP); the plan alone otherwise.
+
+    Raises:
+        InfeasibleBudgetError: rank 0's refusal, on every rank: raised on rank 0 alone, it would leave the others
+            waiting in the broadcast.
+    """
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed or torch.distributed.get_world_size() == 1:
         return make_plan()
-    message = [make_plan().to_dict() if torch.distributed.get_rank() == 0 else None]
+    message: list[Any] = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            message = [{"plan": make_plan().to_dict()}]
+        except InfeasibleBudgetError as error:
+            message = [{"refused": (str(error), error.budget_bytes, error.minimum_bytes, error.lowest_plan.to_dict())}]
     torch.distributed.broadcast_object_list(message, src=0)
-    return Plan.from_dict(message[0])
+    if "refused" in message[0]:
+        text, budget_bytes, minimum_bytes, lowest = message[0]["refused"]
+        raise InfeasibleBudgetError(text, budget_bytes, minimum_bytes, Plan.from_dict(lowest))
+    return Plan.from_dict(message[0]["plan"])
