@@ -879,8 +879,10 @@ class ModeRun:
 
         quadratic_missing = all(layer.attention_forward_s == 0 and layer.attention_backward_s == 0
                                 for layer in profile.layers)  # fmt: skip
-        # The library's probes ran on the first step's tokens (at most its _PROBE_MAX_TOKENS).
-        probe_tokens = getattr(getattr(controller, "_measured", None), "tokens", None) or s["profile_tokens"][0]
+        # The library's probes ran on the first step's tokens (at most its _PROBE_MAX_TOKENS), per kind of layer: the
+        # first layer's is the decoder's.
+        probes = getattr(getattr(controller, "_measured", None), "probes", None)
+        probe_tokens = next(iter(probes.values())).tokens if probes else s["profile_tokens"][0]
         attention = self.record.get("attention_probe") or {}
         c_forward = c_backward = None
         if "forward_s" in attention:  # per layer and attention call, seconds per token^2
