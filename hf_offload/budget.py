@@ -363,9 +363,10 @@ class MemoryBudgetController:
         if not named:
             raise ValueError(f"memory_budget needs a transformers model with decoder layers (GradientCheckpointingLayer"
                              f"); {type(model).__name__} has none")  # fmt: skip
+        self._names = [name for name, _ in named]
         self._layers = [layer for _, layer in named]
         self._kinds = [_layer_kind(layer) for layer in self._layers]
-        self._stacks = [name.rpartition(".")[0] for name, _ in named]
+        self._stacks = [name.rpartition(".")[0] for name in self._names]
         # The plan's and the profile's layer i is `self._layers[self._order[i]]`: the first step's call order, the
         # layers it did not call last. Until that step is over, the registration order.
         self._order = list(range(len(self._layers)))
@@ -481,8 +482,8 @@ class MemoryBudgetController:
         self._probes_finished = True
         idle = [index for index, kind in enumerate(self._kinds) if kind not in measured.probes]
         if idle:
-            logger.info("hf_offload: decoder layers %s did not run in the first step: the plan counts nothing for "
-                        "them", idle)  # fmt: skip
+            logger.info("hf_offload: %s did not run in the first step: the plan counts nothing for them",
+                        ", ".join(self._names[index] for index in idle))
             measured.probes.update({self._kinds[index]: _NOT_CALLED for index in idle})
         pin_memory = engine is not None and engine.use_pin_memory
         with engine.set_aside() if engine is not None else contextlib.nullcontext():

@@ -13,6 +13,7 @@ crashed that step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from pathlib import Path
 
@@ -145,3 +146,31 @@ def test_the_probes_leave_no_trace_in_the_first_step(arch):
     assert len(probed.router_logits) == len(plain.router_logits) > 0
     assert plain.past_key_values.get_seq_length() == SEQ and probed.past_key_values.get_seq_length() == 0
     assert torch.equal(probed.loss, plain.loss) and torch.equal(probed.aux_loss, plain.aux_loss)
+
+
+def test_a_stack_the_first_step_does_not_call_is_planned_as_costing_nothing(caplog):
+    """Text-only steps of a VLM never call its vision tower: its layers get an empty profile and an action, and the
+    steps stay exact."""
+    batch = make_batch("llama", device="cpu", seq=SEQ, vocab=SIZE["vocab"])
+
+    def run(budget=None):
+        model = build_model("llava", device="cpu", seq=SEQ, **SIZE)
+        context = None if budget is None else make_ctx(model, device_type="cpu", memory_budget=budget)
+        return run_steps(model, batch, steps=STEPS, ctx=context, device="cpu"), context
+
+    baseline = run()[0]
+    assert_bitwise_equal(baseline, run()[0], "baseline against itself")
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        _, roomy = run(ROOMY)
+    messages = [record.getMessage() for record in caplog.records]
+    idle = "model.vision_tower.encoder.layers.0, model.vision_tower.encoder.layers.1 did not run in the first step"
+    assert any(idle in message for message in messages)
+    text, vision = roomy.budget.profile.layers[:2], roomy.budget.profile.layers[2:]  # the layers called come first
+    assert all(layer.saved_bytes == layer.input_bytes == 0 for layer in vision)
+    assert all(layer.saved_bytes > 0 for layer in text)
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        plan(roomy.budget.profile, 1)
+    budget = (refused.value.lowest_plan.predicted.peak_bytes + roomy.budget.plan.predicted.peak_bytes) // 2
+    planned, context = run(budget)
+    assert len(context.budget.plan.code) == 4 and set(context.budget.plan.code[:2]) != {"K"}
+    assert_bitwise_equal(baseline, planned, f"llava without images under {context.budget.plan.code}")
