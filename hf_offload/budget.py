@@ -67,7 +67,7 @@ from .planner import (
     MemoryBudget,
     Plan,
     StepProfile,
-    grow_bytes,
+    in_proportion,
     plan,
     simulate,
     tiling_available,
@@ -181,7 +181,7 @@ class _LayerProbe:
 
     def at_step(self, nbytes: int) -> int:
         """`nbytes` measured by this probe, grown to the call it was cut from."""
-        return grow_bytes(nbytes, self.tokens, self.step_tokens)
+        return in_proportion(nbytes, self.tokens, self.step_tokens)
 
 
 # A kind of layer that did not run in the first step: it held and cost nothing there.
@@ -455,7 +455,7 @@ class MemoryBudgetController:
         elif self.plan is not None and index in self._stack_starts and stack in measured.stack_tokens:
             # The stack's layers have not run yet: plan for this step if it grew past the plan's tokens.
             self._step_tokens = max(self._step_tokens,
-                                    grow_bytes(measured.step_tokens, measured.stack_tokens[stack], tokens))
+                                    in_proportion(measured.step_tokens, measured.stack_tokens[stack], tokens))
             if self._step_tokens > self.plan.tokens:
                 self._plan_and_apply(self._step_tokens)
 

@@ -110,9 +110,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not to a user
 
 
-def grow_bytes(nbytes: int, measured_tokens: int, tokens: int) -> int:
-    """Bytes measured at `measured_tokens`, in proportion at `tokens`, rounded up (exact integer arithmetic)."""
-    return -(-nbytes * tokens // measured_tokens)
+def in_proportion(amount: int, measured_tokens: int, tokens: int) -> int:
+    """An amount (bytes, tokens) measured at `measured_tokens`, in proportion at `tokens`, rounded up (exact integer
+    arithmetic)."""
+    return -(-amount * tokens // measured_tokens)
 
 
 @dataclass(frozen=True)
@@ -295,16 +296,16 @@ class LayerProfile:
 
         return dataclasses.replace(  # parameter gradients do not grow with the tokens
             self,
-            saved_bytes=grow_bytes(self.saved_bytes, measured_tokens, tokens),
-            selective_bytes=grow_bytes(self.selective_bytes, measured_tokens, tokens),
-            input_bytes=grow_bytes(self.input_bytes, measured_tokens, tokens),
+            saved_bytes=in_proportion(self.saved_bytes, measured_tokens, tokens),
+            selective_bytes=in_proportion(self.selective_bytes, measured_tokens, tokens),
+            input_bytes=in_proportion(self.input_bytes, measured_tokens, tokens),
             forward_s=grow_time(self.forward_s, self.attention_forward_s),
             backward_s=grow_time(self.backward_s, self.attention_backward_s),
             # What selective checkpointing drops is elementwise work, which grows with the tokens.
             selective_recompute_s=self.selective_recompute_s * ratio,
             attention_forward_s=self.attention_forward_s * ratio * ratio,
             attention_backward_s=self.attention_backward_s * ratio * ratio,
-            tiled_saved_bytes=grow_bytes(self.tiled_saved_bytes, measured_tokens, tokens),
+            tiled_saved_bytes=in_proportion(self.tiled_saved_bytes, measured_tokens, tokens),
             tiled_extra_s=self.tiled_extra_s * ratio,  # the MLP's work, per token
         )
 
@@ -387,7 +388,7 @@ class StepProfile:
         ratio = tokens / self.tokens
 
         def grow(nbytes: int) -> int:
-            return grow_bytes(nbytes, self.tokens, tokens)
+            return in_proportion(nbytes, self.tokens, tokens)
 
         layers = tuple(layer.scaled(self.tokens, tokens) for layer in self.layers)
         return dataclasses.replace(
