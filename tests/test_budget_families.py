@@ -174,3 +174,18 @@ def test_a_stack_the_first_step_does_not_call_is_planned_as_costing_nothing(capl
     planned, context = run(budget)
     assert len(context.budget.plan.code) == 4 and set(context.budget.plan.code[:2]) != {"K"}
     assert_bitwise_equal(baseline, planned, f"llava without images under {context.budget.plan.code}")
+
+
+def test_a_stack_that_grows_scales_the_planned_step():
+    """Longer text with the same images: the language model's tokens double, the vision tower's do not, and the
+    step is re-planned, as the language model starts, for the profile's tokens (the vision tower's, which ran
+    first) doubled."""
+    model = build_model("llava", device="cpu", seq=2 * SEQ, **SIZE)
+    context = make_ctx(model, device_type="cpu", memory_budget=ROOMY)
+    batches = [make_batch("llava", device="cpu", seq=seq, vocab=SIZE["vocab"]) for seq in (SEQ, 2 * SEQ)]
+    for step in range(5):
+        with context:
+            model(**batches[step == 4]).loss.backward()
+    image_tokens = 2 * 17  # 16 patches and the CLS, per image
+    assert context.budget.plan.tokens == 2 * image_tokens
+    dispose(context)
