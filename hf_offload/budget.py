@@ -620,7 +620,7 @@ class MemoryBudgetController:
 
         new_plan = _same_on_every_rank(make_plan)
         if new_plan.predicted.peak_bytes > budget_bytes - margin_bytes:
-            self._over_budget(new_plan, budget_bytes, margin_bytes)
+            self._over_budget(new_plan, profile, budget_bytes, margin_bytes)
         self.plan, self._profile = new_plan, profile
         engine = self._engine()
         forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
@@ -635,14 +635,15 @@ class MemoryBudgetController:
                              "activation_offloading_max_pinned_memory_fraction (or max_pinned_mib) if the host has "
                              "the room.")  # fmt: skip
 
-    def _over_budget(self, lowest: Plan, budget_bytes: int, margin_bytes: int) -> None:
+    def _over_budget(self, lowest: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
         """Says that this step runs on the lowest-memory plan, over the budget: a warning once, then in the log."""
         peak = lowest.predicted.peak_bytes
-        message = (f"hf_offload: training forward {self._forwards} has {lowest.tokens} tokens (in the profiled "
-                   f"step's terms), more than memory_budget={self.budget} ({budget_bytes} bytes) fits: it runs on the "
-                   f"lowest-memory plan {lowest.code!r}, predicted to peak at {peak / 2**30:.2f} GiB ({peak} bytes; "
-                   f"a budget of {peak + margin_bytes} bytes would fit it), and so do the steps after it up to that "
-                   "length. Raise the budget or cap the sequence length to stay within it.")  # fmt: skip
+        message = (f"hf_offload: no plan fits memory_budget={self.budget} ({budget_bytes} bytes) at training forward "
+                   f"{self._forwards}: {lowest.tokens} tokens (in the profiled step's terms), {profile.static_bytes} "
+                   f"bytes held between steps. It runs on the lowest-memory plan {lowest.code!r}, predicted to peak "
+                   f"at {peak / 2**30:.2f} GiB ({peak} bytes; a budget of {peak + margin_bytes} bytes would fit it), "
+                   "and so do the later steps up to that length. Raise the budget or cap the sequence length to stay "
+                   "within it.")  # fmt: skip
         if self._warned_over_budget:
             logger.info(message)
         else:

@@ -115,10 +115,10 @@ def test_a_later_longer_step_that_no_plan_fits_runs_on_the_lowest_plan_with_one_
     with caplog.at_level(logging.INFO, logger="hf_offload"):
         results = train(model, context, steps=len(lengths), lengths=lengths)
     assert_bitwise_equal(results, baseline)
-    over = [record for record in caplog.records if "runs on the lowest-memory plan" in record.getMessage()]
+    over = [record for record in caplog.records if "It runs on the lowest-memory plan" in record.getMessage()]
     assert [record.levelno for record in over] == [logging.WARNING, logging.INFO]  # the second is only logged
     message = over[0].getMessage()
-    assert "training forward 5 has 48 tokens" in message and f"memory_budget={budget} ({budget} bytes)" in message
+    assert f"memory_budget={budget} ({budget} bytes) at training forward 5: 48 tokens" in message
     plan = context.budget.plan
     assert (plan.code, plan.tokens) == ("C" * LAYERS, 2 * 32)
     assert plan.predicted.peak_bytes > budget
@@ -182,7 +182,7 @@ def test_the_trainer_near_the_minimum_runs_longer_padded_batches_on_the_lowest_p
     budget = int(refused.value.lowest_plan.predicted.peak_bytes * 1.006)  # the plans' margin included
     with caplog.at_level(logging.INFO, logger="hf_offload"):
         tight = planned(budget)
-    over = [record for record in caplog.records if "runs on the lowest-memory plan" in record.getMessage()]
+    over = [record for record in caplog.records if "It runs on the lowest-memory plan" in record.getMessage()]
     assert over and over[0].levelno == logging.WARNING
     assert all(record.levelno == logging.INFO for record in over[1:])
     baseline = trainer_run(tmp_path, tokenizer, lm_dataset)
