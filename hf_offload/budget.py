@@ -322,7 +322,7 @@ def measure_link_bandwidth(meter: _Meter, device: torch.device, pin_memory: bool
 class _StepMeasurements:
     """What the controller measured of the first steps, to build the profile from."""
 
-    probes: dict[tuple, _LayerProbe] = dataclasses.field(default_factory=dict)  # per layer kind (`_layer_kind`)
+    probes: dict[tuple, _LayerProbe] = dataclasses.field(default_factory=dict)  # per stack and `_layer_kind`
     # The tokens of the first layer called in the first step: the profile's tokens, which the step's own
     # measurements (head, step time) are at; and each stack's own tokens in that step, which later steps scale from.
     step_tokens: int = 0
@@ -365,8 +365,9 @@ class MemoryBudgetController:
                              f"); {type(model).__name__} has none")  # fmt: skip
         self._names = [name for name, _ in named]
         self._layers = [layer for _, layer in named]
-        self._kinds = [_layer_kind(layer) for layer in self._layers]
         self._stacks = [name.rpartition(".")[0] for name in self._names]
+        # Probed once per kind and stack: layers of one class in two stacks see different tokens and arguments.
+        self._kinds = [(stack, *_layer_kind(layer)) for stack, layer in zip(self._stacks, self._layers)]
         # The plan's and the profile's layer i is `self._layers[self._order[i]]`: the first step's call order, the
         # layers it did not call last. Until that step is over, the registration order.
         self._order = list(range(len(self._layers)))

@@ -189,3 +189,40 @@ def test_a_stack_that_grows_scales_the_planned_step():
     image_tokens = 2 * 17  # 16 patches and the CLS, per image
     assert context.budget.plan.tokens == 2 * image_tokens
     dispose(context)
+
+
+class TwoStacksOfOneLayer(torch.nn.Module):
+    """Two stacks of the same Llama layer, the second over the sequence twice over (as a decoder of targets longer
+    than its sources would run): one kind of layer, two calls of different sizes."""
+
+    def __init__(self):
+        super().__init__()
+        config = transformers.LlamaConfig(vocab_size=SIZE["vocab"], hidden_size=SIZE["hidden"], intermediate_size=64,
+                                          num_attention_heads=2, num_key_value_heads=1, attn_implementation="eager")
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(SIZE["vocab"], SIZE["hidden"])
+        self.rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+        self.first = torch.nn.ModuleList([transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0)])
+        self.second = torch.nn.ModuleList([transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 1)])
+        self.lm_head = torch.nn.Linear(SIZE["hidden"], SIZE["vocab"])
+
+    def forward(self, ids):
+        hidden = self.embed(ids)
+        for stack in (self.first, self.second):
+            positions = torch.arange(hidden.shape[1])[None]
+            for layer in stack:
+                hidden = layer(hidden, position_embeddings=self.rotary(hidden, positions))
+            hidden = torch.cat([hidden, hidden], dim=1)
+        return torch.nn.functional.cross_entropy(self.lm_head(hidden).flatten(0, 1), ids.repeat(1, 4).flatten())
+
+
+def test_one_kind_of_layer_in_two_stacks_is_probed_in_each():
+    model = TwoStacksOfOneLayer().train()
+    context = make_ctx(model, device_type="cpu", memory_budget=ROOMY, warn_if_no_head=False)
+    ids = torch.randint(SIZE["vocab"], (2, SEQ))
+    for _ in range(3):
+        with context:
+            model(ids).backward()
+    first, second = context.budget.profile.layers
+    assert (first.input_bytes, second.input_bytes) == (2 * SEQ * SIZE["hidden"] * 4, 2 * 2 * SEQ * SIZE["hidden"] * 4)
+    dispose(context)
