@@ -436,12 +436,11 @@ def quantize_decoder_nf4(model: Any) -> dict[str, Any]:
 
 
 def _raised_by_planner(error: BaseException) -> bool:
-    """Whether the error comes from hf_offload's planner (a budget no plan fits: the library's clear error, raised
-    before anything runs out of memory), judged by its innermost frame."""
-    import hf_offload.planner
+    """Whether the error is hf_offload's planner refusing the budget (a budget no plan fits: the library's clear
+    error, raised before anything runs out of memory)."""
+    from hf_offload import InfeasibleBudgetError
 
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and os.path.realpath(frames[-1].filename) == os.path.realpath(hf_offload.planner.__file__)
+    return isinstance(error, InfeasibleBudgetError)
 
 
 def _pool_cap(ctx: Any) -> int | None:
@@ -880,8 +879,10 @@ class ModeRun:
 
         quadratic_missing = all(layer.attention_forward_s == 0 and layer.attention_backward_s == 0
                                 for layer in profile.layers)  # fmt: skip
-        # The library's probes ran on the first step's tokens (at most its _PROBE_MAX_TOKENS).
-        probe_tokens = getattr(getattr(controller, "_measured", None), "tokens", None) or s["profile_tokens"][0]
+        # The library's probes ran on the first step's tokens (at most its _PROBE_MAX_TOKENS), per kind of layer: the
+        # first layer's is the decoder's.
+        probes = getattr(getattr(controller, "_measured", None), "probes", None)
+        probe_tokens = next(iter(probes.values())).tokens if probes else s["profile_tokens"][0]
         attention = self.record.get("attention_probe") or {}
         c_forward = c_backward = None
         if "forward_s" in attention:  # per layer and attention call, seconds per token^2

@@ -12,6 +12,7 @@ from typing import Any
 
 from .engine import NoOpManager, OffloadActivations
 from .options import OffloadOptions
+from .planner import InfeasibleBudgetError
 from .stats import format_summary
 
 __version__ = "0.1.0"
@@ -25,7 +26,7 @@ _LAZY = {
     "ActivationOffloadingCallback": "hf_offload.callbacks",
 }
 
-__all__ = ["NoOpManager", "OffloadActivations", "OffloadOptions", "format_summary", *_LAZY]
+__all__ = ["InfeasibleBudgetError", "NoOpManager", "OffloadActivations", "OffloadOptions", "format_summary", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,18 +4,24 @@
 training forwards of the model (grad enabled, model in training mode) and:
 
 1. First forward: applies the safe plan (every decoder layer fully checkpointed, its input offloaded: the lowest
-   memory that works without a plan) and, when the first layer is called, probes one layer of each kind on the very
+   memory that works without a plan) and, when the first layer of each kind is called, probes it on the very
    arguments it receives (`_probe_layer`; on the first `_PROBE_MAX_TOKENS` of them at long context): the bytes it
    saves, the bytes a selective checkpoint would keep, the times of its forward, backward and selective recompute,
-   and with `tile_mlp="auto"` the same with its MLP tiled. It measures the link's bandwidth once. If the safe plan
-   is predicted not to fit the budget and tiling would, the safe plan tiles every layer's MLP.
+   and with `tile_mlp="auto"` the same with its MLP tiled. Every stack of layers is probed so, each kind in its own
+   call: a vision tower's blocks on theirs, a language model's or a decoder's layers on theirs (with the encoder's
+   states). Probes leave no trace in the step: their saved tensors stay out of the engine, the random streams are
+   restored, the cache is not passed, and transformers' output recorders (router logits, for the auxiliary loss)
+   do not see them. Once every kind is probed it measures the link's bandwidth; if the safe plan is predicted not
+   to fit the budget and tiling would, the safe plan tiles every layer's MLP.
 2. Second forward, still safe: measures the step: memory held before it starts, the head and loss's peak over what
    the forward leaves, the head's time, and the whole step's time (the rest of the step, embedding and optimizer,
    is what the model of the safe step does not explain).
 3. Third forward: plans (`planner.plan`) for the budget, applies the plan (`layer_plan.apply_layer_plan`) and sizes
-   the engine's windows. On every later forward it re-plans, before any layer runs, if the step has more tokens than
-   it planned for or the memory held between steps has grown (optimizer state created after a gradient
-   accumulation cycle).
+   the engine's windows; a budget no plan fits is an `InfeasibleBudgetError` here. On every later forward it
+   re-plans if the step has more tokens than it planned for (checked as each stack starts, before its layers run;
+   each stack's tokens scale the whole step from the first step's) or the memory held between steps has grown
+   (optimizer state created after a gradient accumulation cycle). Such a step that no plan fits runs on the
+   lowest-memory plan, with a warning: never an exception in the middle of training.
 
 While profiling, the device's peak-memory counter is reset at the phase boundaries it measures. Every rank plans
 the same: under `torch.distributed`, rank 0's plan is broadcast. In the CPU test mode nothing on the host has a
@@ -26,6 +32,7 @@ plan is computed and applied the same way, so its bookkeeping is tested without 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -55,10 +62,12 @@ from .model import find_decoder_layers, find_output_head, first_tensor
 from .planner import (
     FULL,
     FULL_TILED,
+    InfeasibleBudgetError,
     LayerProfile,
     MemoryBudget,
     Plan,
     StepProfile,
+    in_proportion,
     plan,
     simulate,
     tiling_available,
@@ -74,7 +83,7 @@ _SAFE_TILED_ACTION = SimpleNamespace(action=FULL_TILED, offload_input=True)
 # checkpoint at 256K tokens would not fit where the step itself does. Memory scales with the tokens from there.
 _PROBE_MAX_TOKENS = 32768
 _BANDWIDTH_PROBE_BYTES = 64 * 2**20
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 # Re-plan when the memory held between steps grows by more than this (optimizer state appearing); smaller changes
 # are the allocator's noise and within the planner's margin.
 _STATIC_GROWTH_TOLERANCE = 0.02
@@ -160,19 +169,38 @@ class _Kept:
 
 @dataclasses.dataclass
 class _LayerProbe:
-    """What `_probe_layer` measured of one decoder layer."""
+    """What `_probe_layer` measured of one decoder layer, at `tokens` tokens of a call that had `step_tokens`."""
 
     profile: LayerProfile
     working_bytes: int  # its backward's transient bytes on top of its saved tensors
+    tokens: int
+    step_tokens: int
     # With its MLP tiled (None when not measured): the same less one chunk's share, and that share per chunk token.
     tiled_working_bytes: int | None = None
     chunk_bytes_per_token: float = 0.0
 
+    def at_step(self, nbytes: int) -> int:
+        """`nbytes` measured by this probe, grown to the call it was cut from."""
+        return in_proportion(nbytes, self.tokens, self.step_tokens)
+
+
+# A kind of layer that did not run in the first step: it held and cost nothing there.
+_NOT_CALLED = _LayerProbe(LayerProfile(saved_bytes=0, selective_bytes=0, input_bytes=0, forward_s=0.0, backward_s=0.0,
+                                       selective_recompute_s=0.0),
+                          working_bytes=0, tokens=1, step_tokens=1, tiled_working_bytes=0)  # fmt: skip
+
+
+def _gradients(out: torch.Tensor, x: torch.Tensor, parameters: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients a layer's backward creates, taken with `torch.autograd.grad` so that nothing accumulates into
+    the parameters' `.grad`. A trainable parameter this call does not use (an adapter on a branch it skips, a
+    decoder's cross-attention in a call without encoder states) gets none."""
+    grads = torch.autograd.grad(out, [x, *parameters], torch.ones_like(out), allow_unused=True)
+    return [grad for grad in grads if grad is not None]
+
 
 def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], pointers: set[int],
               meter: _Meter) -> _Kept:  # fmt: skip
-    """Runs the layer once without a checkpoint and measures it. Gradients are taken with `torch.autograd.grad`, so
-    nothing accumulates into the parameters' `.grad`."""
+    """Runs the layer once without a checkpoint and measures it."""
     counter, selective = _CountSavedBytes(pointers), _CountSelectiveOutputs()
     with checkpointing_as(layer, None):
         start = meter.mark()
@@ -182,11 +210,11 @@ def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], po
     before_backward = meter.allocated()
     meter.reset_peak()
     backward_start = meter.mark()
-    torch.autograd.grad(out, [x, *parameters], torch.ones_like(out))
+    grads = _gradients(out, x, parameters)
     backward_end = meter.mark()
     peak = meter.peak()
     if peak is None:  # no peak counter: the gradients of its input and parameters
-        working = x.numel() * x.element_size() + sum(p.numel() * p.element_size() for p in parameters)
+        working = sum(grad.numel() * grad.element_size() for grad in grads)
     else:
         working = peak - before_backward
     return _Kept(saved_bytes=counter.nbytes, selective_bytes=selective.nbytes,
@@ -196,14 +224,26 @@ def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], po
 
 def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter,
                  tile: Callable[[int], Any] | None = None) -> _LayerProbe:  # fmt: skip
-    """Measures one decoder layer on the arguments it was called with: kept, then selectively checkpointed, then
-    (with `tile`, which tiles this layer's MLP in chunks of the tokens it is given, as a context manager) kept with
-    its MLP tiled in chunks of a half and a quarter of the tokens.
+    """Measures one decoder layer on the arguments it was called with (their first `_PROBE_MAX_TOKENS` tokens):
+    kept, then selectively checkpointed, then (with `tile`, which tiles this layer's MLP in chunks of the tokens it
+    is given, as a context manager) kept with its MLP tiled in chunks of a half and a quarter of the tokens.
 
     Each measurement runs twice and keeps the second (the first pays for kernel selection and allocator growth).
     The two tiled runs separate what a tiled layer's backward needs into a part that grows with the tokens and one
     that grows with the chunk (the chunk's intermediates and their gradients): their difference is the chunk's.
+
+    The probe runs in an empty `contextvars` context. transformers (5.x) records router logits, attentions and
+    hidden states with forward hooks that append to a collector held in a context variable while the model's
+    forward runs; the probe's layer calls would be collected too, and an auxiliary loss built from them would
+    backpropagate into graphs the probe has already freed. Outside that context the hooks see no collector.
     """
+    return contextvars.Context().run(_probe_outside_the_step, layer, args, kwargs, meter, tile)
+
+
+def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter,
+                            tile: Callable[[int], Any] | None) -> _LayerProbe:  # fmt: skip
+    step_tokens = args[0].shape[:-1].numel()
+    args, kwargs = _first_tokens(args, kwargs, _PROBE_MAX_TOKENS)
     parameters = [p for p in layer.parameters() if p.requires_grad]
     pointers = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     hidden, rest = args[0], args[1:]
@@ -219,7 +259,7 @@ def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter,
         with checkpointing_as(layer, selective_checkpoint_function()):
             x, out = forward()
         checkpointed_start = meter.mark()
-        torch.autograd.grad(out, [x, *parameters], torch.ones_like(out))
+        _gradients(out, x, parameters)
         checkpointed_end = meter.mark()
         del x, out
     profile = LayerProfile(
@@ -233,7 +273,7 @@ def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter,
     )
     tokens = hidden.shape[:-1].numel()
     if tile is None or tokens < 4:
-        return _LayerProbe(profile, kept.working_bytes)
+        return _LayerProbe(profile, kept.working_bytes, tokens, step_tokens)
     tiled = {}
     for chunk in (tokens // 2, tokens // 4):
         with tile(chunk):
@@ -243,7 +283,7 @@ def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter,
     per_token = max(0.0, (half.working_bytes - quarter.working_bytes) / (tokens // 2 - tokens // 4))
     profile = dataclasses.replace(profile, tiled_saved_bytes=quarter.saved_bytes,
                                   tiled_extra_s=max(0.0, quarter.backward_s - kept.backward_s))  # fmt: skip
-    return _LayerProbe(profile, kept.working_bytes,
+    return _LayerProbe(profile, kept.working_bytes, tokens, step_tokens,
                        tiled_working_bytes=max(0, round(quarter.working_bytes - per_token * (tokens // 4))),
                        chunk_bytes_per_token=per_token)  # fmt: skip
 
@@ -282,13 +322,12 @@ def measure_link_bandwidth(meter: _Meter, device: torch.device, pin_memory: bool
 class _StepMeasurements:
     """What the controller measured of the first steps, to build the profile from."""
 
-    layers: list[LayerProfile] = dataclasses.field(default_factory=list)
-    backward_working_bytes: int = 0
-    tokens: int = 0  # of the probes
-    step_tokens: int = 0  # of the first steps, which the step's own measurements (head, step time) are at
-    tile_tokens: int = 0
-    tiled_backward_working_bytes: int = 0
-    tile_chunk_bytes: int = 0
+    probes: dict[tuple, _LayerProbe] = dataclasses.field(default_factory=dict)  # per stack and `_layer_kind`
+    # The tokens of the first layer called in the first step: the profile's tokens, which the step's own
+    # measurements (head, step time) are at; and each stack's own tokens in that step, which later steps scale from.
+    step_tokens: int = 0
+    stack_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    device: torch.device | None = None
     d2h_bytes_per_s: float = 0.0
     h2d_bytes_per_s: float = 0.0
     step_start: Any = None
@@ -304,6 +343,12 @@ class _StepMeasurements:
 class MemoryBudgetController:
     """Profiles, plans and applies a per-layer plan so that the step's peak stays under `budget`.
 
+    The plan has one action per checkpointable layer of every stack (a vision-language model's vision tower and
+    language model, an encoder-decoder's encoder and decoder), in the order the first step called them: the
+    planner's model of the step walks the layers in forward order, and a model may register its stacks in another
+    (several VLMs define the language model before the vision tower). A stack is the layers of one container
+    (`model.visual.blocks`, `model.language_model.layers`); each has its own number of tokens per step.
+
     Args:
         model: the unwrapped model (its decoder layers are found with `find_decoder_layers`).
         engine: the offloading context; its device type decides what is measured.
@@ -314,10 +359,20 @@ class MemoryBudgetController:
     """
 
     def __init__(self, model: nn.Module, engine: OffloadActivations, budget: MemoryBudget) -> None:
-        self._layers = [layer for _, layer in find_decoder_layers(model)]
-        if not self._layers:
+        named = find_decoder_layers(model)
+        if not named:
             raise ValueError(f"memory_budget needs a transformers model with decoder layers (GradientCheckpointingLayer"
                              f"); {type(model).__name__} has none")  # fmt: skip
+        self._names = [name for name, _ in named]
+        self._layers = [layer for _, layer in named]
+        self._stacks = [name.rpartition(".")[0] for name in self._names]
+        # Probed once per kind and stack: layers of one class in two stacks see different tokens and arguments.
+        self._kinds = [(stack, *_layer_kind(layer)) for stack, layer in zip(self._stacks, self._layers)]
+        # The plan's and the profile's layer i is `self._layers[self._order[i]]`: the first step's call order, the
+        # layers it did not call last. Until that step is over, the registration order.
+        self._order = list(range(len(self._layers)))
+        self._called: list[int] = []
+        self._stack_starts: set[int] = set()  # each stack's first layer called
         self._model = weakref.ref(model)
         self._engine = weakref.ref(engine)
         self.budget = budget
@@ -329,6 +384,9 @@ class MemoryBudgetController:
         self._measured = _StepMeasurements()
         self._forwards = 0
         self._probing = False
+        self._probes_finished = False
+        self._step_tokens = 0  # this step's tokens, in the profile's terms, from the stacks that have started
+        self._warned_over_budget = False
         self._tile_tokens = default_tokens_per_chunk(model) if engine.options.tile_mlp == "auto" else 0
         if self._tile_tokens:
             try:  # checks every layer's MLP, changes nothing when one cannot be tiled
@@ -338,8 +396,9 @@ class MemoryBudgetController:
                 self._tile_tokens = 0
         tail = find_output_head(model)
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
-        engine.track_hook(self._layers[0].register_forward_pre_hook(self._first_layer_starts, with_kwargs=True))
-        engine.track_hook(self._layers[-1].register_forward_hook(self._last_layer_ends))
+        for index, layer in enumerate(self._layers):
+            hook = functools.partial(self._layer_starts, index)
+            engine.track_hook(layer.register_forward_pre_hook(hook, with_kwargs=True))
         for _, module in tail[-1:]:  # the final norm (or the head): where the head's phase begins
             engine.track_hook(module.register_forward_pre_hook(self._head_starts))
         engine.warn_once("budget", f"hf_offload: memory_budget={budget} is set, so hf-offload decides per decoder "
@@ -363,9 +422,13 @@ class MemoryBudgetController:
         if not self._training_forward(module):
             return
         self._forwards += 1
+        self._step_tokens = 0
         if self._forwards == 1:
             self._apply([_SAFE_ACTION] * len(self._layers), windows=None)
         elif self._forwards == 2:
+            if not self._probes_finished:
+                self._finish_probes()
+            self._take_call_order()
             self._measured.step_start = self._meter.mark()
             self._meter.reset_peak()
         elif self._forwards == 3:
@@ -377,52 +440,75 @@ class MemoryBudgetController:
         elif self._static_grew():
             self._plan_and_apply(self.plan.tokens)
 
-    def _first_layer_starts(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._training_forward(layer) or not args or not isinstance(args[0], torch.Tensor):
-            return
+    def _layer_starts(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._probing or not self._training_forward(layer) or not args or not isinstance(args[0], torch.Tensor):
+            return  # the probes call the layers too
         tokens = args[0].shape[:-1].numel()
-        if self._probing:  # the probes call the layers too
-            return
-        if self._forwards == 1 and not self._measured.layers:
-            self._probing = True
-            try:
-                self._probe(args, kwargs)
-            finally:
-                self._probing = False
-            self._apply_safe_plan(tokens)
-        elif self.plan is not None and tokens > self.plan.tokens:  # the layers have not run yet: plan for these
-            self._plan_and_apply(tokens)
+        measured, stack = self._measured, self._stacks[index]
+        if self._forwards == 1:
+            if not measured.step_tokens:
+                measured.step_tokens, measured.device = tokens, args[0].device
+            measured.stack_tokens.setdefault(stack, tokens)
+            if index not in self._called:
+                self._called.append(index)
+            if not self._probes_finished and self._kinds[index] not in measured.probes:
+                self._probe(index, layer, args, kwargs)
+        elif self.plan is not None and index in self._stack_starts and stack in measured.stack_tokens:
+            # The stack's layers have not run yet: plan for this step if it grew past the plan's tokens.
+            self._step_tokens = max(self._step_tokens,
+                                    in_proportion(measured.step_tokens, measured.stack_tokens[stack], tokens))
+            if self._step_tokens > self.plan.tokens:
+                self._plan_and_apply(self._step_tokens)
 
-    def _probe(self, args: tuple, kwargs: dict) -> None:
-        measured, engine, model = self._measured, self._engine(), self._model()
-        measured.step_tokens = args[0].shape[:-1].numel()
-        args, kwargs = _first_tokens(args, kwargs, _PROBE_MAX_TOKENS)
-        hidden = args[0]
-        measured.tokens = hidden.shape[:-1].numel()
-        probes: dict[tuple, _LayerProbe] = {}
-        with random_state_untouched(hidden.device), (engine.set_aside() if engine else contextlib.nullcontext()):
-            for index, layer in enumerate(self._layers):
-                kind = _layer_kind(layer)
-                if kind not in probes:
-                    tile = None
-                    if self._tile_tokens and model is not None:
-                        tile = functools.partial(apply_tiled_mlp, model, layers=[index])
-                    probes[kind] = _probe_layer(layer, args, kwargs, self._meter, tile)
-                measured.layers.append(probes[kind].profile)
-            measured.backward_working_bytes = max(probe.working_bytes for probe in probes.values())
-            if all(probe.tiled_working_bytes is not None for probe in probes.values()):
-                measured.tile_tokens = self._tile_tokens
-                measured.tiled_backward_working_bytes = max(probe.tiled_working_bytes for probe in probes.values())
-                per_token = max(probe.chunk_bytes_per_token for probe in probes.values())
-                measured.tile_chunk_bytes = math.ceil(per_token * self._tile_tokens)
-            pin_memory = engine is not None and engine.use_pin_memory
-            measured.d2h_bytes_per_s, measured.h2d_bytes_per_s = measure_link_bandwidth(self._meter, hidden.device,
+    def _probe(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Probes the kind of layer `index` on the arguments of its call, from its pre-hook; once every kind is
+        probed, finishes the profiled steps' set-up."""
+        engine, model = self._engine(), self._model()
+        tile = None
+        if self._tile_tokens and model is not None:
+            tile = functools.partial(apply_tiled_mlp, model, layers=[index])
+        self._probing = True
+        try:
+            with random_state_untouched(args[0].device), (engine.set_aside() if engine else contextlib.nullcontext()):
+                self._measured.probes[self._kinds[index]] = _probe_layer(layer, args, kwargs, self._meter, tile)
+        finally:
+            self._probing = False
+        if self._measured.probes.keys() >= set(self._kinds):
+            self._finish_probes()
+
+    def _finish_probes(self) -> None:
+        """Once every kind of layer is probed, or the first step is over: the kinds that did not run get an empty
+        profile, the link is measured, and the safe plan is tiled if it must be."""
+        measured, engine = self._measured, self._engine()
+        self._probes_finished = True
+        idle = [index for index, kind in enumerate(self._kinds) if kind not in measured.probes]
+        if idle:
+            logger.info("hf_offload: %s did not run in the first step: the plan counts nothing for them",
+                        ", ".join(self._names[index] for index in idle))
+            measured.probes.update({self._kinds[index]: _NOT_CALLED for index in idle})
+        pin_memory = engine is not None and engine.use_pin_memory
+        with engine.set_aside() if engine is not None else contextlib.nullcontext():
+            measured.d2h_bytes_per_s, measured.h2d_bytes_per_s = measure_link_bandwidth(self._meter, measured.device,
                                                                                          pin_memory)  # fmt: skip
+        self._apply_safe_plan(measured.step_tokens)
+
+    def _take_call_order(self) -> None:
+        """After the first step: the plan's order becomes the order it called the layers in, and the head's phase is
+        timed from the end of the last layer it called."""
+        engine = self._engine()
+        self._order = self._called + [index for index in range(len(self._layers)) if index not in self._called]
+        if self._order != sorted(self._order):
+            logger.info("hf_offload: the model calls its decoder layers in another order than it registers them: "
+                        "the plan follows the calls (%s)", self._order)  # fmt: skip
+        self._stack_starts = {next(i for i in self._order if self._stacks[i] == stack) for stack in set(self._stacks)}
+        if engine is not None and self._called:
+            engine.track_hook(self._layers[self._called[-1]].register_forward_hook(self._last_layer_ends))
 
     def _apply_safe_plan(self, tokens: int) -> None:
         """The first two steps' plan, once the probes are in: every layer fully checkpointed, its input offloaded,
         and its MLP tiled too if only that is predicted to fit the budget (at long context an untiled layer's
-        recompute alone can exceed the device)."""
+        recompute alone can exceed the device). The layers that ran before the last kind was probed keep the
+        untiled safe plan in the first step."""
         profile = self._profile_now(tokens)
         budget_bytes = self.budget.resolve(self._meter.total())
         untiled = simulate(profile, "C" * len(self._layers))
@@ -467,10 +553,12 @@ class MemoryBudgetController:
         return allocated, pending_gradients
 
     def _profile_now(self, tokens: int) -> StepProfile:
-        """The measured step, scaled to `tokens`: the probes' layers scaled to the profiled steps' tokens first, where
-        the step's own measurements (head, step time) were taken."""
+        """The measured step, scaled to `tokens`: each probe grown to the call it was cut from first, where the
+        step's own measurements (head, step time) were taken."""
         measured = self._measured
         engine = self._engine()
+        probes = [measured.probes[self._kinds[index]] for index in self._order]
+        tiled = all(probe.tiled_working_bytes is not None for probe in probes)
         head_bytes = measured.head_bytes
         if head_bytes is None:  # CPU test mode: what the head and loss saved (nothing known before the second step)
             head_bytes = measured.head_saved_bytes or 0
@@ -480,24 +568,23 @@ class MemoryBudgetController:
             head_bytes += engine.options.forward_window_bytes
         static_bytes, gradient_bytes = self._static_bytes()
         profile = StepProfile(
-            layers=tuple(measured.layers),
+            layers=tuple(probe.profile.scaled(probe.tokens, probe.step_tokens) for probe in probes),
             static_bytes=static_bytes,
             gradient_bytes=gradient_bytes,
-            head_bytes=0,
-            backward_working_bytes=measured.backward_working_bytes,
-            head_s=0.0,
+            head_bytes=max(head_bytes, 0),
+            backward_working_bytes=max(probe.at_step(probe.working_bytes) for probe in probes),
+            head_s=measured.head_s or 0.0,
             other_s=0.0,
             d2h_bytes_per_s=measured.d2h_bytes_per_s,
             h2d_bytes_per_s=measured.h2d_bytes_per_s,
             host_cap_bytes=engine._host_pool().cap_bytes if engine is not None else 0,
-            tokens=measured.tokens,
-            tile_tokens=measured.tile_tokens,
-            tiled_backward_working_bytes=measured.tiled_backward_working_bytes,
-            tile_chunk_bytes=measured.tile_chunk_bytes,
-        )
-        if measured.step_tokens != profile.tokens:
-            profile = profile.scaled(measured.step_tokens)
-        profile = dataclasses.replace(profile, head_bytes=max(head_bytes, 0), head_s=measured.head_s or 0.0)
+            tokens=measured.step_tokens,
+            tile_tokens=self._tile_tokens if tiled else 0,
+            tiled_backward_working_bytes=max(probe.at_step(probe.tiled_working_bytes) for probe in probes) if tiled
+            else 0,
+            tile_chunk_bytes=math.ceil(max(probe.chunk_bytes_per_token for probe in probes) * self._tile_tokens)
+            if tiled else 0,
+        )  # fmt: skip
         if measured.step_s is not None:  # the rest of the step: what the model of the safe step does not explain
             safe = simulate(profile, "C" * len(self._layers))
             profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
@@ -512,13 +599,29 @@ class MemoryBudgetController:
     def _plan_and_apply(self, tokens: int) -> None:
         """Plans for `tokens` per step with the memory held now, on rank 0, and applies the plan on every rank.
 
+        A later step that no plan fits (longer than any before it) runs on the lowest-memory plan, with a warning
+        the first time: an exception there would end a run that may be hours in.
+
         Raises:
-            ValueError: the budget is below the smallest peak any plan reaches (naming it and what dominates it).
+            InfeasibleBudgetError: for the first plan, made for the profiled steps' tokens: the budget is below the
+                smallest peak any plan reaches (naming it and what dominates it).
         """
         profile = self._profile_now(tokens)
         budget_bytes = self.budget.resolve(self._meter.total())
         margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
-        new_plan = _same_on_every_rank(lambda: plan(profile, budget_bytes, margin_bytes))
+        first = self.plan is None
+
+        def make_plan() -> Plan:
+            try:
+                return plan(profile, budget_bytes, margin_bytes)
+            except InfeasibleBudgetError as error:
+                if first:
+                    raise
+                return error.lowest_plan
+
+        new_plan = _same_on_every_rank(make_plan)
+        if new_plan.predicted.peak_bytes > budget_bytes - margin_bytes:
+            self._over_budget(new_plan, profile, budget_bytes, margin_bytes)
         self.plan, self._profile = new_plan, profile
         engine = self._engine()
         forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
@@ -533,14 +636,33 @@ class MemoryBudgetController:
                              "activation_offloading_max_pinned_memory_fraction (or max_pinned_mib) if the host has "
                              "the room.")  # fmt: skip
 
+    def _over_budget(self, lowest: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
+        """Says that this step runs on the lowest-memory plan, over the budget: a warning once, then in the log."""
+        peak = lowest.predicted.peak_bytes
+        message = (f"hf_offload: no plan fits memory_budget={self.budget} ({budget_bytes} bytes) at training forward "
+                   f"{self._forwards}: {lowest.tokens} tokens (in the profiled step's terms), {profile.static_bytes} "
+                   f"bytes held between steps. It runs on the lowest-memory plan {lowest.code!r}, predicted to peak "
+                   f"at {peak / 2**30:.2f} GiB ({peak} bytes; a budget of {peak + margin_bytes} bytes would fit it), "
+                   "and so do the later steps up to that length. Raise the budget or cap the sequence length to stay "
+                   "within it.")  # fmt: skip
+        if self._warned_over_budget:
+            logger.info(message)
+        else:
+            self._warned_over_budget = True
+            logger.warning(message)
+
     def _apply(self, actions: list[Any], windows: tuple[int, int | None, int | None] | None,
                tile_tokens: int = 0) -> None:  # fmt: skip
+        """Applies `actions`, in the plan's order, to the layers."""
         engine, model = self._engine(), self._model()
         if engine is None or model is None:
             return
+        in_registration_order = [None] * len(actions)
+        for position, index in enumerate(self._order):
+            in_registration_order[index] = actions[position]
         if self._applied is not None:
             self._applied.remove()
-        self._applied = apply_layer_plan(model, engine, actions, tile_tokens)
+        self._applied = apply_layer_plan(model, engine, in_registration_order, tile_tokens)
         if windows is not None:
             engine.use_windows(*windows)
 
@@ -551,11 +673,12 @@ def _first_tokens(args: tuple, kwargs: dict, max_tokens: int) -> tuple[tuple, di
     The first tokens of a causal sequence are a sequence of their own: the hidden states are cut along their
     sequence dimension, every other tensor argument along each dimension as long as the sequence (position ids and
     embeddings, cache positions, both sequence dimensions of a 4-d attention mask). Short calls are returned
-    unchanged.
+    unchanged, and so are packed ones (a vision tower's 2-d hidden states, whose sequences' bounds other arguments
+    such as `cu_seqlens` give: cutting would break them).
     """
     hidden = args[0]
     batch, length = hidden.shape[:-2].numel(), hidden.shape[-2]
-    if batch * length <= max_tokens:
+    if batch * length <= max_tokens or hidden.dim() < 3:  # 2-d: packed sequences, their bounds in other arguments
         return args, kwargs
     keep = max(1, max_tokens // batch)
 
@@ -570,12 +693,24 @@ def _first_tokens(args: tuple, kwargs: dict, max_tokens: int) -> tuple[tuple, di
     return (hidden[..., :keep, :].contiguous(), *tree_map(cut, args[1:])), tree_map(cut, kwargs)
 
 
-def _same_on_every_rank(make_plan: Any) -> Plan:
-    """Rank 0's plan on every rank (ranks that checkpoint different layers can hang FSDP); the plan alone
-    otherwise."""
+def _same_on_every_rank(make_plan: Callable[[], Plan]) -> Plan:
+    """Rank 0's plan on every rank (ranks that checkpoint different layers can hang FSDP); the plan alone otherwise.
+
+    Raises:
+        InfeasibleBudgetError: rank 0's refusal, on every rank: raised on rank 0 alone, it would leave the others
+            waiting in the broadcast.
+    """
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed or torch.distributed.get_world_size() == 1:
         return make_plan()
-    message = [make_plan().to_dict() if torch.distributed.get_rank() == 0 else None]
+    message: list[Any] = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            message = [{"plan": make_plan().to_dict()}]
+        except InfeasibleBudgetError as error:
+            message = [{"refused": (str(error), error.budget_bytes, error.minimum_bytes, error.lowest_plan.to_dict())}]
     torch.distributed.broadcast_object_list(message, src=0)
-    return Plan.from_dict(message[0])
+    if "refused" in message[0]:
+        text, budget_bytes, minimum_bytes, lowest = message[0]["refused"]
+        raise InfeasibleBudgetError(text, budget_bytes, minimum_bytes, Plan.from_dict(lowest))
+    return Plan.from_dict(message[0]["plan"])

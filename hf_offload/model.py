@@ -429,7 +429,7 @@ def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Return the repeated blocks whose checkpointing transformers controls per layer, in forward order.
+    """Return the repeated blocks whose checkpointing transformers controls per layer, in registration order.
 
     They are the instances of `GradientCheckpointingLayer` (matched by class name in the MRO, so transformers is not
     imported). A model without them (custom models, old remote code) has no layers to plan.
@@ -438,8 +438,9 @@ def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         model: the model whose modules are searched (not unwrapped: pass the unwrapped model for relative names).
 
     Returns:
-        `[(name, module)]` in `named_modules()` order, which is forward order for transformers models; empty when
-        the model has no such layers.
+        `[(name, module)]` in `named_modules()` order; empty when the model has no such layers. That is forward order
+        within a stack, and for most models across stacks, but some register a language model before the vision
+        tower that runs first (the memory budget's controller takes the order from the first step's calls).
     """
     return [
         (name, module)

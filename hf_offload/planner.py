@@ -109,6 +109,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not to a user
 
 
+def in_proportion(amount: int, measured_tokens: int, tokens: int) -> int:
+    """An amount (bytes, tokens) measured at `measured_tokens`, in proportion at `tokens`, rounded up (exact integer
+    arithmetic)."""
+    return -(-amount * tokens // measured_tokens)
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     """A budget for the step's peak memory, in the form the user gave it: a size, a percentage, or "auto".
@@ -280,6 +286,28 @@ class LayerProfile:
                 raise ValueError(f"LayerProfile.{part} is part of {whole}, so it cannot exceed it: "
                                  f"{getattr(self, part)!r} > {getattr(self, whole)!r}")  # fmt: skip
 
+    def scaled(self, measured_tokens: int, tokens: int) -> LayerProfile:
+        """The same layer measured at `measured_tokens`, predicted at `tokens` (see `StepProfile.scaled`)."""
+        ratio = tokens / measured_tokens
+
+        def grow_time(total: float, attention: float) -> float:
+            return (total - attention) * ratio + attention * ratio * ratio
+
+        return dataclasses.replace(  # parameter gradients do not grow with the tokens
+            self,
+            saved_bytes=in_proportion(self.saved_bytes, measured_tokens, tokens),
+            selective_bytes=in_proportion(self.selective_bytes, measured_tokens, tokens),
+            input_bytes=in_proportion(self.input_bytes, measured_tokens, tokens),
+            forward_s=grow_time(self.forward_s, self.attention_forward_s),
+            backward_s=grow_time(self.backward_s, self.attention_backward_s),
+            # What selective checkpointing drops is elementwise work, which grows with the tokens.
+            selective_recompute_s=self.selective_recompute_s * ratio,
+            attention_forward_s=self.attention_forward_s * ratio * ratio,
+            attention_backward_s=self.attention_backward_s * ratio * ratio,
+            tiled_saved_bytes=in_proportion(self.tiled_saved_bytes, measured_tokens, tokens),
+            tiled_extra_s=self.tiled_extra_s * ratio,  # the MLP's work, per token
+        )
+
 
 @dataclass(frozen=True)
 class StepProfile:
@@ -359,28 +387,9 @@ class StepProfile:
         ratio = tokens / self.tokens
 
         def grow(nbytes: int) -> int:
-            return -(-nbytes * tokens // self.tokens)  # exact integer ceiling
+            return in_proportion(nbytes, self.tokens, tokens)
 
-        def grow_time(total: float, attention: float) -> float:
-            return (total - attention) * ratio + attention * ratio * ratio
-
-        layers = tuple(
-            dataclasses.replace(  # parameter gradients do not grow with the tokens
-                layer,
-                saved_bytes=grow(layer.saved_bytes),
-                selective_bytes=grow(layer.selective_bytes),
-                input_bytes=grow(layer.input_bytes),
-                forward_s=grow_time(layer.forward_s, layer.attention_forward_s),
-                backward_s=grow_time(layer.backward_s, layer.attention_backward_s),
-                # What selective checkpointing drops is elementwise work, which grows with the tokens.
-                selective_recompute_s=layer.selective_recompute_s * ratio,
-                attention_forward_s=layer.attention_forward_s * ratio * ratio,
-                attention_backward_s=layer.attention_backward_s * ratio * ratio,
-                tiled_saved_bytes=grow(layer.tiled_saved_bytes),
-                tiled_extra_s=layer.tiled_extra_s * ratio,  # the MLP's work, per token
-            )
-            for layer in self.layers
-        )
+        layers = tuple(layer.scaled(self.tokens, tokens) for layer in self.layers)
         return dataclasses.replace(
             self,
             layers=layers,
@@ -887,9 +896,29 @@ def _lowest_memory_code(profile: StepProfile, tiled: bool = False) -> str:
     return "".join(letters)
 
 
-def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, code: str, chosen: Sequence[_Option],
-                run: _Run) -> ValueError:  # fmt: skip
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the memory budget: even the lowest-memory plan is predicted to peak above it.
+
+    The message names the budget, that peak and what dominates it.
+
+    Attributes:
+        budget_bytes: the budget that was asked for.
+        minimum_bytes: the smallest budget that works for this step (the lowest plan's peak, plus the margin plans
+            keep for the prediction's error).
+        lowest_plan: that lowest-memory plan, for a caller that must run the step anyway (it exceeds the budget).
+    """
+
+    def __init__(self, message: str, budget_bytes: int, minimum_bytes: int, lowest_plan: Plan) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.minimum_bytes = minimum_bytes
+        self.lowest_plan = lowest_plan
+
+
+def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowest_plan: Plan,
+                chosen: Sequence[_Option], run: _Run) -> InfeasibleBudgetError:  # fmt: skip
     """The error for a budget below the lowest-memory plan's peak, with what that peak is made of."""
+    code = lowest_plan.code
     static = profile.static_bytes + (profile.gradient_bytes if run.peak_phase == "backward" else 0)
     if run.peak_phase == "head":
         at_peak = ("the head and loss", profile.head_bytes)
@@ -905,7 +934,7 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, code
     parts.sort(key=lambda part: -part[1])
     (largest_name, largest_bytes), *others = parts
     rest = " and ".join(f"{name} {_gib(nbytes)}" for name, nbytes in others)
-    return ValueError(
+    message = (
         f"the memory budget of {_gib(budget_bytes)} ({budget_bytes} bytes) is below the smallest peak this step "
         f"can reach, {_gib(run.peak_bytes)} ({run.peak_bytes} bytes; plan {code!r}, peak at {_peak_at(run)}), "
         f"dominated by {largest_name} {_gib(largest_bytes)}, then {rest}"
@@ -914,6 +943,7 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, code
            f"that works is {_gib(run.peak_bytes + margin_bytes)}" if margin_bytes else "")
         + ". Raise the budget, or shorten the sequences or the batch."
     )
+    return InfeasibleBudgetError(message, budget_bytes, run.peak_bytes + margin_bytes, lowest_plan)
 
 
 def _first_fitting(plans: list[list[str]], run_of: Callable[[Sequence[str]], _Run],
@@ -985,9 +1015,10 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
         The plan. When keeping everything fits, every layer keeps.
 
     Raises:
-        ValueError: if even the lowest-memory plan (every layer fully checkpointed, its MLP tiled where tiling is
-            available, inputs offloaded as far as the host cap allows) does not fit: the message names its peak,
-            what dominates it, and the budget.
+        InfeasibleBudgetError: if even the lowest-memory plan (every layer fully checkpointed, its MLP tiled where
+            tiling is available, inputs offloaded as far as the host cap allows) does not fit: the message names its
+            peak, what dominates it, and the budget; the error carries that plan.
+        ValueError: `budget_bytes` is not an int > 0.
 
     Example:
         >>> layer = LayerProfile(saved_bytes=2 * GIB, selective_bytes=GIB, input_bytes=GIB // 16, forward_s=0.005,
@@ -1034,7 +1065,7 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
             return finish(*_polish(lowest, lowest_run, seconds, run_of, fits, planned=_PLANNED + "Tt"))
     if not fits(lowest_run):
         chosen = [layer[letter] for layer, letter in zip(options, lowest)]
-        raise _infeasible(profile, budget_bytes, margin_bytes, "".join(lowest), chosen, lowest_run)
+        raise _infeasible(profile, budget_bytes, margin_bytes, finish(lowest, lowest_run), chosen, lowest_run)
 
     candidates = [_polish(lowest, lowest_run, seconds, run_of, fits)]
     greedy = _first_fitting(_greedy_plans(profile, options, seconds), run_of, fits)

@@ -1,12 +1,12 @@
 """The memory budget end to end in CPU test mode: profile, plan, apply, re-plan, and exact arithmetic throughout."""
 
-import re
+import logging
 
 import pytest
 import torch
 import transformers
 
-from hf_offload import get_act_offloading_ctx_manager
+from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 
 LAYERS = 4
 VOCAB = 128
@@ -83,10 +83,12 @@ def test_a_tight_budget_gets_a_mixed_plan_that_fits_and_is_exact(baseline):
 
 
 def planned_minimum() -> int:
-    with pytest.raises(ValueError, match="budget") as error:
+    """The smallest peak any plan reaches at 16 tokens, as the refusal of a budget of 1 byte names it."""
+    with pytest.raises(InfeasibleBudgetError, match="budget") as error:
         planned(1)
-    # The message names the budget, then the smallest peak any plan reaches, each in bytes.
-    return int(re.findall(r"\((\d+) bytes", str(error.value))[1])
+    peak = error.value.lowest_plan.predicted.peak_bytes
+    assert f"({peak} bytes" in str(error.value)
+    return peak
 
 
 def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step():
@@ -96,9 +98,30 @@ def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step():
     for _ in range(2):  # the profiled steps run under the safe plan
         with context:
             model(input_ids=ids, labels=ids).loss.backward()
-    with pytest.raises(ValueError) as error, context:
+    with pytest.raises(InfeasibleBudgetError) as error, context:
         model(input_ids=ids, labels=ids)
     assert str(error.value).startswith("the memory budget of 1.00 KiB (1024 bytes) is below the smallest peak")
+
+
+def test_a_later_longer_step_that_no_plan_fits_runs_on_the_lowest_plan_with_one_warning(caplog):
+    """Four steps of 16 tokens, then one of 24 and one of 32, under a budget just above the smallest that fits 16
+    tokens: the longer steps run on the lowest-memory plan, exactly, with one warning naming the first of them."""
+    lengths = (16, 16, 16, 16, 24, 32)
+    baseline = train(tiny_llama(), Unchanged(), steps=len(lengths), lengths=lengths)
+    assert_bitwise_equal(baseline, train(tiny_llama(), Unchanged(), steps=len(lengths), lengths=lengths))
+    budget = int(planned_minimum() * 1.006)  # the plans' margin (0.5% of the budget) included
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        results = train(model, context, steps=len(lengths), lengths=lengths)
+    assert_bitwise_equal(results, baseline)
+    over = [record for record in caplog.records if "It runs on the lowest-memory plan" in record.getMessage()]
+    assert [record.levelno for record in over] == [logging.WARNING, logging.INFO]  # the second is only logged
+    message = over[0].getMessage()
+    assert f"memory_budget={budget} ({budget} bytes) at training forward 5: 48 tokens" in message
+    plan = context.budget.plan
+    assert (plan.code, plan.tokens) == ("C" * LAYERS, 2 * 32)
+    assert plan.predicted.peak_bytes > budget
 
 
 @pytest.mark.parametrize("budget", ["auto", "60%"])
@@ -114,27 +137,58 @@ def test_a_longer_step_is_planned_for_before_its_layers_run():
     assert context.budget.plan.tokens == 2 * 32
 
 
-def test_the_trainer_takes_a_budget_from_its_arguments_prints_the_plan_and_stays_exact(tmp_path, tokenizer,
-                                                                                      lm_dataset, capsys):  # fmt: skip
-    from helpers import COMMON_ARGS, CPU_TEST_MODE, tiny_model, train_losses
+def trainer_run(output_dir, tokenizer, lm_dataset, **offloading) -> transformers.Trainer:
+    """5 steps of the Trainer, 2 micro-batches each, padded to each batch's longest line (up to 32 tokens)."""
+    from helpers import COMMON_ARGS, tiny_model
 
     from hf_offload import TrainingArguments
 
-    def run(**offloading):
-        args = TrainingArguments(str(tmp_path), **{**COMMON_ARGS, "eval_strategy": "no", "max_steps": 5}, **offloading)
-        collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
-        trainer = transformers.Trainer(model=tiny_model(tokenizer), args=args, train_dataset=lm_dataset,
-                                       data_collator=collator)  # fmt: skip
-        trainer.train()
-        return trainer
+    args = TrainingArguments(str(output_dir), **{**COMMON_ARGS, "eval_strategy": "no", "max_steps": 5}, **offloading)
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    trainer = transformers.Trainer(model=tiny_model(tokenizer), args=args, train_dataset=lm_dataset,
+                                   data_collator=collator)  # fmt: skip
+    trainer.train()
+    return trainer
 
-    baseline = run()
-    planned = run(activation_offloading=True, activation_offloading_memory_budget="1GiB", **CPU_TEST_MODE)
+
+def test_the_trainer_takes_a_budget_from_its_arguments_prints_the_plan_and_stays_exact(tmp_path, tokenizer,
+                                                                                      lm_dataset, capsys):  # fmt: skip
+    from helpers import CPU_TEST_MODE, train_losses
+
+    baseline = trainer_run(tmp_path, tokenizer, lm_dataset)
+    planned = trainer_run(tmp_path, tokenizer, lm_dataset, activation_offloading=True,
+                          activation_offloading_memory_budget="1GiB", **CPU_TEST_MODE)  # fmt: skip
     assert train_losses(planned) == train_losses(baseline)
     assert "Memory plan for" in capsys.readouterr().out
     planned_logs = [record for record in planned.state.log_history if "offload/plan_predicted_peak_gib" in record]
     # gradient_accumulation_steps=2: the two profiled forwards are the first of the 5 steps; steps 2 to 5 log a plan.
     assert len(planned_logs) == 4
+
+
+def test_the_trainer_near_the_minimum_runs_longer_padded_batches_on_the_lowest_plan(tmp_path, tokenizer, lm_dataset,
+                                                                                   caplog):  # fmt: skip
+    """Dynamic padding makes later batches longer than the profiled ones: under a budget just above the smallest
+    that fits those, training goes on (one warning) and stays exact. Without tiled MLPs, whose gradients are not
+    bitwise, the lowest-memory plan checkpoints every layer."""
+    from helpers import CPU_TEST_MODE, assert_same_weights, train_losses
+
+    def planned(budget):
+        return trainer_run(tmp_path, tokenizer, lm_dataset, activation_offloading=True,
+                           activation_offloading_memory_budget=str(budget), activation_offloading_tile_mlp=False,
+                           **CPU_TEST_MODE)  # fmt: skip
+
+    with pytest.raises(InfeasibleBudgetError) as refused:  # at the first plan, from the profiled batches
+        planned(1)
+    budget = int(refused.value.lowest_plan.predicted.peak_bytes * 1.006)  # the plans' margin included
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        tight = planned(budget)
+    over = [record for record in caplog.records if "It runs on the lowest-memory plan" in record.getMessage()]
+    assert over and over[0].levelno == logging.WARNING
+    assert all(record.levelno == logging.INFO for record in over[1:])
+    baseline = trainer_run(tmp_path, tokenizer, lm_dataset)
+    assert_same_weights(trainer_run(tmp_path, tokenizer, lm_dataset).model, baseline.model)  # it repeats
+    assert_same_weights(tight.model, baseline.model)
+    assert train_losses(tight) == train_losses(baseline)
 
 
 # Tiled MLPs: planned only when nothing else fits
@@ -194,8 +248,9 @@ def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
     full = long_run(10 * 2**30, steps=3)[1].budget
     monkeypatch.setattr(budget, "_PROBE_MAX_TOKENS", 64)
     cut = long_run(10 * 2**30, steps=3)[1].budget
-    assert (cut._measured.tokens, cut._measured.step_tokens) == (64, 128)
-    assert (full._measured.tokens, full._measured.step_tokens) == (128, 128)
+    [cut_probe], [full_probe] = cut._measured.probes.values(), full._measured.probes.values()  # one kind of layer
+    assert (cut_probe.tokens, cut_probe.step_tokens, cut._measured.step_tokens) == (64, 128, 128)
+    assert (full_probe.tokens, full_probe.step_tokens, full._measured.step_tokens) == (128, 128, 128)
     # Scaled back to 128 tokens, the first 32 tokens of each sequence predict the whole (eager attention's scores
     # grow with the square of the length: the saved bytes are predicted lower, by them).
     cut_layer, full_layer = cut.profile.layers[0], full.profile.layers[0]
@@ -215,6 +270,10 @@ def test_the_first_tokens_of_every_sequence_argument():
     assert kwargs["position_embeddings"][0].shape == (2, 4, 8) and kwargs["cache_position"].tolist() == [0, 1, 2, 3]
     assert kwargs["use_cache"] is False
     assert _first_tokens((hidden,), {}, 20)[0][0] is hidden  # short enough: unchanged
+    # Packed sequences (a vision tower's 2-d hidden states, their bounds in `cu_seqlens`) are never cut.
+    packed, bounds = torch.zeros(100, 8), torch.tensor([0, 50, 100])
+    args, kwargs = _first_tokens((packed,), {"cu_seqlens": bounds}, 8)
+    assert args[0] is packed and kwargs["cu_seqlens"] is bounds
 
 
 def test_a_longer_step_scales_the_profiled_head_once():
@@ -230,3 +289,29 @@ def test_a_longer_step_scales_the_profiled_head_once():
     assert context.budget.profile.head_bytes == 4 * head  # four times the tokens: four times the head
     train(model, context, steps=1, lengths=(128,))
     assert context.budget.profile.head_bytes == 8 * head  # scaled from the profiled step, not from the last one
+
+
+def test_every_rank_gets_rank_zeros_plan_or_its_refusal():
+    """A refusal raised on rank 0 alone would leave the other ranks waiting in the plan's broadcast."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    from ranks import plan_on_rank  # a module without transformers: each rank imports it
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=plan_on_rank, args=(rank, port, results)) for rank in (0, 1)]
+    try:
+        for process in processes:
+            process.start()
+        outcomes = dict(results.get(timeout=120) for _ in processes)
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    assert outcomes[0] == outcomes[1]
+    assert [outcome[0] for outcome in outcomes[0]] == ["plan", "refused"]

@@ -22,6 +22,7 @@ from hf_offload import planner
 from hf_offload.planner import (
     AUTO_MARGIN_MIN_BYTES,
     GIB,
+    InfeasibleBudgetError,
     LayerProfile,
     MemoryBudget,
     Plan,
@@ -531,8 +532,15 @@ def test_a_margin_keeps_the_predicted_peak_below_the_budget():
     assert plan(profile, budget, margin).predicted.peak_bytes + margin <= budget
     assert plan(profile, budget, margin).predicted.step_s >= plan(profile, budget).predicted.step_s
     lowest = simulate(profile, "C" * 16).peak_bytes
-    with pytest.raises(ValueError, match="smallest budget that works is"):
+    with pytest.raises(InfeasibleBudgetError, match="smallest budget that works is") as error:
         plan(profile, lowest + margin // 2, margin)
+    # The error carries its figures and the lowest-memory plan, for a caller that must run the step anyway.
+    assert isinstance(error.value, ValueError)
+    refused = error.value
+    assert (refused.budget_bytes, refused.minimum_bytes) == (lowest + margin // 2, lowest + margin)
+    assert refused.lowest_plan.code == "C" * 16
+    assert refused.lowest_plan.predicted == simulate(profile, "C" * 16, refused.lowest_plan.prefetch_window_bytes)
+    assert plan(profile, refused.minimum_bytes, margin).predicted.peak_bytes + margin <= refused.minimum_bytes
 
 
 def test_gradients_of_earlier_layers_do_not_exist_yet():

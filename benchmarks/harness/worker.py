@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 import traceback
 from typing import Any
@@ -104,11 +103,10 @@ class Infeasible(Exception):
 
 
 def _raised_by_planner(error: ValueError) -> bool:
-    """Whether the error comes from the planner itself (its innermost frame is in hf_offload.planner)."""
-    import hf_offload.planner
+    """Whether the error is the planner's refusal of the budget."""
+    from hf_offload import InfeasibleBudgetError
 
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and os.path.realpath(frames[-1].filename) == os.path.realpath(hf_offload.planner.__file__)
+    return isinstance(error, InfeasibleBudgetError)
 
 
 def _plan_summary(plan: Any, profile: Any) -> dict[str, Any]:

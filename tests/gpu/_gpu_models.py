@@ -23,12 +23,24 @@ ARCHS = ("llama", "qwen2", "gpt2", "t5", "bart")  # the full bitwise matrix
 MORE_ARCHS = ("mistral", "gemma2", "phi", "bert", "vit")
 ENCODER_DECODER = ("t5", "bart")
 CLASSIFIERS = ("bert", "vit")
+# The families the memory budget must hold on besides dense decoders: vision-language models (a vision tower's
+# layers and a language model's, each stack with its own arguments and tokens), mixtures of experts with the
+# router's auxiliary loss on (`output_router_logits=True`), and hybrids of attention with Mamba or linear attention.
+VLMS = ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "idefics3")
+MOES = ("mixtral", "qwen3_moe", "gpt_oss")
+HYBRIDS = ("jamba", "qwen3_next", "bamba")
 CKPT_MODES = ("off", "nonreentrant", "reentrant")
 
 VOCAB = 1000
 TINY = dict(hidden=128, layers=3, seq=128, batch=2)
 NUM_LABELS = 3
 IMAGE = dict(size=32, patch=4, channels=3)  # 64 patches + CLS: 65 tokens per image
+# The VLMs' images: 16 x 16 pixels in 4 x 4 patches (Qwen2-VL: 4 x 4 patches of 2 x 2 pixels, merged 2 x 2), and
+# the language model's tokens that stand for each one (after LLaVA drops the CLS, Gemma 3 pools and Idefics3
+# shuffles pixels, or Qwen2-VL merges patches).
+VLM_IMAGE = dict(size=16, patch=4, channels=3)
+IMAGE_TOKEN = 3  # text tokens are drawn above it
+IMAGE_TOKENS = {"llava": 16, "gemma3": 4, "idefics3": 4, "qwen2_vl": 4, "qwen2_5_vl": 4}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -70,6 +82,8 @@ def model_config(arch: str, *, hidden: int, layers: int, seq: int, vocab: int = 
                              encoder_attention_heads=heads, decoder_attention_heads=heads,
                              encoder_ffn_dim=inter, decoder_ffn_dim=inter, max_position_embeddings=max(seq, 256),
                              decoder_start_token_id=2, forced_eos_token_id=None, **common)
+    if arch in VLMS + MOES + HYBRIDS:
+        return _family_config(tf, arch, decoder, sliding, hidden, heads)
     if arch == "bert":
         return tf.BertConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                              num_attention_heads=heads, max_position_embeddings=max(seq, 256),
@@ -79,6 +93,60 @@ def model_config(arch: str, *, hidden: int, layers: int, seq: int, vocab: int = 
                             num_attention_heads=heads, image_size=IMAGE["size"], patch_size=IMAGE["patch"],
                             num_channels=IMAGE["channels"], num_labels=NUM_LABELS, attn_implementation=attn)
     raise ValueError(f"unknown arch {arch!r}")
+
+
+def _family_config(tf, arch: str, decoder: dict, sliding: dict, hidden: int, heads: int):
+    """The config of a VLM, MoE or hybrid (see `model_config`): the text part from the decoders' fields."""
+    moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+    if arch == "mixtral":
+        return tf.MixtralConfig(**decoder, num_local_experts=4, **moe)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**decoder, num_experts=4, moe_intermediate_size=hidden, **moe)
+    if arch == "gpt_oss":
+        return tf.GptOssConfig(**decoder, **sliding, num_local_experts=4, **moe)
+    if arch == "jamba":  # Mamba, then attention with experts, alternating
+        return tf.JambaConfig(**decoder, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                              expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4,
+                              mamba_expand=2, **{**moe, "num_experts_per_tok": 1})
+    if arch == "qwen3_next":  # linear attention, then full attention, alternating; experts in every layer
+        layer_types = ["linear_attention", "full_attention"] * (decoder["num_hidden_layers"] // 2)
+        return tf.Qwen3NextConfig(**decoder, head_dim=hidden // heads, layer_types=layer_types,
+                                  linear_conv_kernel_dim=4, linear_key_head_dim=hidden // heads,
+                                  linear_value_head_dim=hidden // heads, linear_num_key_heads=heads,
+                                  linear_num_value_heads=heads, num_experts=4, moe_intermediate_size=hidden,
+                                  shared_expert_intermediate_size=hidden, **moe)
+    if arch == "bamba":  # Mamba-2, then attention
+        return tf.BambaConfig(**decoder, attn_layer_indices=list(range(1, decoder["num_hidden_layers"], 2)),
+                              mamba_n_heads=heads * 2, mamba_d_head=hidden // heads, mamba_n_groups=1,
+                              mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8)
+    vision = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=decoder["num_hidden_layers"],
+                  num_attention_heads=heads, image_size=VLM_IMAGE["size"], patch_size=VLM_IMAGE["patch"])
+    image = dict(image_token_id=IMAGE_TOKEN)
+    if arch == "llava":
+        return tf.LlavaConfig(vision_config=tf.CLIPVisionConfig(**vision), text_config=tf.LlamaConfig(**decoder),
+                              image_token_index=IMAGE_TOKEN, vision_feature_layer=-1,
+                              image_seq_length=IMAGE_TOKENS[arch])
+    if arch == "gemma3":
+        text = tf.Gemma3TextConfig(**decoder, **sliding, query_pre_attn_scalar=hidden // heads)
+        return tf.Gemma3Config(text_config=text, vision_config=tf.SiglipVisionConfig(**vision),
+                               mm_tokens_per_image=IMAGE_TOKENS[arch], image_token_index=IMAGE_TOKEN,
+                               boi_token_index=IMAGE_TOKEN + 1, eoi_token_index=IMAGE_TOKEN + 2)
+    if arch == "idefics3":
+        return tf.Idefics3Config(vision_config=tf.Idefics3VisionConfig(**vision), text_config=tf.LlamaConfig(**decoder),
+                                 scale_factor=2, **image)
+    # Qwen2-VL and Qwen2.5-VL: multimodal rotary sections of a head of `hidden // heads`.
+    half = hidden // heads // 2
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * (half // 3), half // 3,
+                                                                                half // 3]}
+    qwen_vision = dict(depth=decoder["num_hidden_layers"], hidden_size=hidden, num_heads=heads, patch_size=2,
+                       spatial_merge_size=2, temporal_patch_size=2)
+    if arch == "qwen2_vl":
+        return tf.Qwen2VLConfig(text_config=tf.Qwen2VLTextConfig(**decoder, rope_parameters=rope).to_dict(),
+                                vision_config=dict(qwen_vision, embed_dim=hidden, in_chans=3), **image)
+    return tf.Qwen2_5_VLConfig(text_config=tf.Qwen2_5_VLTextConfig(**decoder, rope_parameters=rope).to_dict(),
+                               vision_config=dict(qwen_vision, out_hidden_size=hidden, intermediate_size=2 * hidden,
+                                                  in_channels=3, window_size=8, fullatt_block_indexes=[1]),
+                               **image)
 
 
 def model_class(arch: str):
@@ -95,6 +163,17 @@ def model_class(arch: str):
         "phi": tf.PhiForCausalLM,
         "bert": tf.BertForSequenceClassification,
         "vit": tf.ViTForImageClassification,
+        "qwen2_vl": tf.Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration,
+        "llava": tf.LlavaForConditionalGeneration,
+        "gemma3": tf.Gemma3ForConditionalGeneration,
+        "idefics3": tf.Idefics3ForConditionalGeneration,
+        "mixtral": tf.MixtralForCausalLM,
+        "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "gpt_oss": tf.GptOssForCausalLM,
+        "jamba": tf.JambaForCausalLM,
+        "qwen3_next": tf.Qwen3NextForCausalLM,
+        "bamba": tf.BambaForCausalLM,
     }[arch]
 
 
@@ -164,6 +243,8 @@ def make_batch(arch: str, *, batch: int = TINY["batch"], seq: int = TINY["seq"],
     g = torch.Generator().manual_seed(seed)
     if arch == "vit":
         out = {"pixel_values": torch.randn(batch, IMAGE["channels"], IMAGE["size"], IMAGE["size"], generator=g)}
+    elif arch in VLMS:
+        out = _vlm_inputs(arch, batch, seq, vocab, g)
     else:
         ids = torch.randint(3, vocab, (batch, seq), generator=g)
         labels = ids.clone()
@@ -178,6 +259,27 @@ def make_batch(arch: str, *, batch: int = TINY["batch"], seq: int = TINY["seq"],
             out["attention_mask"][1:, -(seq // 4):] = 0  # right padding in all but the first sequence
         out["labels"] = torch.randint(0, NUM_LABELS, (batch,), generator=g)
     return {k: v.to(device) for k, v in out.items()}
+
+
+def _vlm_inputs(arch: str, batch: int, seq: int, vocab: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One image per sequence, its tokens after a 2-token prompt, the loss on the text after them."""
+    ids = torch.randint(IMAGE_TOKEN + 3, vocab, (batch, seq), generator=g)  # above the image's special tokens
+    image = slice(2, 2 + IMAGE_TOKENS[arch])
+    ids[:, image] = IMAGE_TOKEN
+    labels = ids.clone()
+    labels[:, : image.stop] = -100
+    size, channels = VLM_IMAGE["size"], VLM_IMAGE["channels"]
+    out = {"input_ids": ids, "labels": labels}
+    if arch in ("qwen2_vl", "qwen2_5_vl"):  # flattened patches of 2 x 2 pixels by 2 frames, 4 x 4 of them
+        out["pixel_values"] = torch.randn(batch * 16, channels * 2 * 2 * 2, generator=g)
+        out["image_grid_thw"] = torch.tensor([[1, 4, 4]] * batch)
+        out["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
+        return out
+    pixels = torch.randn(batch, channels, size, size, generator=g)
+    out["pixel_values"] = pixels.unsqueeze(1) if arch == "idefics3" else pixels  # Idefics3: images per sequence
+    if arch == "gemma3":
+        out["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    return out
 
 
 def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:

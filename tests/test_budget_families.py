@@ -1,0 +1,228 @@
+"""The memory budget on every family of model, in the CPU test mode: vision-language models (a vision tower and a
+language model), mixtures of experts with the router's auxiliary loss on, hybrids of attention with Mamba or linear
+attention, encoder-decoders; with and without LoRA on every linear layer.
+
+Each case trains under a budget halfway between the lowest-memory plan's predicted peak and keeping everything, so
+the plan must act on some layers, and checks that losses, gradients and weights are bitwise equal to training
+without offloading (whose two runs are compared first: the comparison means something only if it repeats). The
+probes run each kind of layer on the arguments of its own call, inside the first step: a text layer probed on a
+vision block's arguments, a decoder layer on an encoder layer's, or router logits collected from a probe all
+crashed that step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from _gpu_models import (  # noqa: E402
+    ENCODER_DECODER,
+    HYBRIDS,
+    MOES,
+    VLMS,
+    assert_bitwise_equal,
+    build_model,
+    dispose,
+    make_batch,
+    make_ctx,
+    run_steps,
+)
+
+from hf_offload import InfeasibleBudgetError  # noqa: E402
+from hf_offload.layer_plan import _run_as_is  # noqa: E402
+from hf_offload.model import find_decoder_layers, unwrap_model  # noqa: E402
+from hf_offload.planner import plan  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+SIZE = dict(hidden=32, layers=2, vocab=128)
+SEQ = 24
+STEPS = 4  # two profiled under the safe plan, two under the budget's plan
+ROOMY = 10 * 2**30
+
+# Every family, with and without LoRA on every linear layer (a trainable parameter a call does not use, such as an
+# adapter of Jamba's Mamba layers, gets no gradient there: the probes allow it).
+FAMILIES = VLMS + MOES + HYBRIDS + ENCODER_DECODER
+CASES = [(arch, lora) for lora in (False, True) for arch in FAMILIES]
+
+
+def train(arch: str, lora: bool, budget: int | None = None):
+    """`STEPS` AdamW steps on one batch; under `budget` (bytes), with the CPU test mode's planner."""
+    model = build_model(arch, device="cpu", lora=lora, seq=SEQ, **SIZE)
+    batch = make_batch(arch, device="cpu", seq=SEQ, vocab=SIZE["vocab"])
+    context = None if budget is None else make_ctx(model, device_type="cpu", memory_budget=budget)
+    try:
+        return run_steps(model, batch, steps=STEPS, ctx=context, device="cpu"), context, model
+    finally:
+        if context is not None:
+            dispose(context)
+
+
+@pytest.mark.parametrize("arch, lora", CASES, ids=[f"{arch}-{'lora' if lora else 'full'}" for arch, lora in CASES])
+def test_a_budget_between_the_lowest_plan_and_keeping_everything_is_met_exactly(arch, lora):
+    baseline = train(arch, lora)[0]
+    assert_bitwise_equal(baseline, train(arch, lora)[0], f"{arch}: baseline against itself")
+
+    _, roomy, model = train(arch, lora, ROOMY)
+    layers = find_decoder_layers(unwrap_model(model))
+    keep_all = roomy.budget.plan
+    assert keep_all.code == "K" * len(layers)  # one action per layer of every stack
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        plan(roomy.budget.profile, 1)
+    lowest = refused.value.lowest_plan.predicted.peak_bytes
+    assert lowest < keep_all.predicted.peak_bytes
+    budget = (lowest + keep_all.predicted.peak_bytes) // 2
+
+    planned, context, model = train(arch, lora, budget)
+    chosen = context.budget.plan
+    assert chosen.predicted.peak_bytes <= budget and chosen.code != keep_all.code
+    assert_bitwise_equal(baseline, planned, f"{arch} under {chosen.code}")
+    # The plan was applied to every layer, the vision tower's and the encoder's too.
+    for name, layer in find_decoder_layers(unwrap_model(model)):
+        assert "gradient_checkpointing" in vars(layer), name
+    if arch in VLMS:
+        assert any("vision" in name or "visual" in name for name, _ in layers)
+
+
+def test_the_plan_follows_the_order_the_layers_are_called_in():
+    """A model may register its language model before its vision tower (Ernie 4.5 VL, HunYuan VL, Kosmos-2): the
+    plan and its profile follow the first step's calls, and each action lands on its layer."""
+
+    def vision_last(model):
+        model.model._modules["vision_tower"] = model.model._modules.pop("vision_tower")
+        return model
+
+    def run(budget=None):
+        model = vision_last(build_model("llava", device="cpu", seq=SEQ, **SIZE))
+        batch = make_batch("llava", device="cpu", seq=SEQ, vocab=SIZE["vocab"])
+        context = None if budget is None else make_ctx(model, device_type="cpu", memory_budget=budget)
+        return run_steps(model, batch, steps=STEPS, ctx=context, device="cpu"), context, model
+
+    baseline = run()[0]
+    assert_bitwise_equal(baseline, run()[0], "baseline against itself")
+    _, roomy, model = run(ROOMY)
+    names = [name for name, _ in find_decoder_layers(model)]
+    assert names[0].startswith("model.language_model") and names[-1].startswith("model.vision_tower")
+    # In call order: the vision blocks (16 patches and the CLS per image), then the text layers.
+    hidden, image_tokens = SIZE["hidden"], 2 * 17
+    assert [layer.input_bytes for layer in roomy.budget.profile.layers] == [image_tokens * hidden * 4] * 2 + [
+        2 * SEQ * hidden * 4] * 2
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        plan(roomy.budget.profile, 1)
+    budget = (refused.value.lowest_plan.predicted.peak_bytes + roomy.budget.plan.predicted.peak_bytes) // 2
+
+    planned, context, model = run(budget)
+    code = context.budget.plan.code
+    assert set(code) - {"K"} and "K" in code
+    assert_bitwise_equal(baseline, planned, f"llava, vision tower registered last, under {code}")
+    in_call_order = [layer for name, layer in find_decoder_layers(model) if "vision" in name] + [
+        layer for name, layer in find_decoder_layers(model) if "vision" not in name]
+    kept = [getattr(layer._gradient_checkpointing_func, "function", None) is _run_as_is for layer in in_call_order]
+    assert kept == [letter == "K" for letter in code]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "jamba"])
+def test_the_probes_leave_no_trace_in_the_first_step(arch):
+    """The first step, whose layers are probed, returns what it returns without a budget: as many router logits as
+    the model has routers, the same losses, and no keys or values in the cache (its layers are checkpointed, where
+    transformers passes none; the probes run them kept, twice). The random streams: T5's and BART's dropout in the
+    bitwise test above."""
+    batch = make_batch(arch, device="cpu", seq=SEQ, vocab=SIZE["vocab"])
+
+    def first_step(budget=None):
+        model = build_model(arch, device="cpu", seq=SEQ, **SIZE)
+        context = make_ctx(model, device_type="cpu", memory_budget=budget) if budget else contextlib.nullcontext()
+        with context:
+            return model(**batch, use_cache=True)
+
+    plain, probed = first_step(), first_step(ROOMY)
+    assert len(probed.router_logits) == len(plain.router_logits) > 0
+    assert plain.past_key_values.get_seq_length() == SEQ and probed.past_key_values.get_seq_length() == 0
+    assert torch.equal(probed.loss, plain.loss) and torch.equal(probed.aux_loss, plain.aux_loss)
+
+
+def test_a_stack_the_first_step_does_not_call_is_planned_as_costing_nothing(caplog):
+    """Text-only steps of a VLM never call its vision tower: its layers get an empty profile and an action, and the
+    steps stay exact."""
+    batch = make_batch("llama", device="cpu", seq=SEQ, vocab=SIZE["vocab"])
+
+    def run(budget=None):
+        model = build_model("llava", device="cpu", seq=SEQ, **SIZE)
+        context = None if budget is None else make_ctx(model, device_type="cpu", memory_budget=budget)
+        return run_steps(model, batch, steps=STEPS, ctx=context, device="cpu"), context
+
+    baseline = run()[0]
+    assert_bitwise_equal(baseline, run()[0], "baseline against itself")
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        _, roomy = run(ROOMY)
+    messages = [record.getMessage() for record in caplog.records]
+    idle = "model.vision_tower.encoder.layers.0, model.vision_tower.encoder.layers.1 did not run in the first step"
+    assert any(idle in message for message in messages)
+    text, vision = roomy.budget.profile.layers[:2], roomy.budget.profile.layers[2:]  # the layers called come first
+    assert all(layer.saved_bytes == layer.input_bytes == 0 for layer in vision)
+    assert all(layer.saved_bytes > 0 for layer in text)
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        plan(roomy.budget.profile, 1)
+    budget = (refused.value.lowest_plan.predicted.peak_bytes + roomy.budget.plan.predicted.peak_bytes) // 2
+    planned, context = run(budget)
+    assert len(context.budget.plan.code) == 4 and set(context.budget.plan.code[:2]) != {"K"}
+    assert_bitwise_equal(baseline, planned, f"llava without images under {context.budget.plan.code}")
+
+
+def test_a_stack_that_grows_scales_the_planned_step():
+    """Longer text with the same images: the language model's tokens double, the vision tower's do not, and the
+    step is re-planned, as the language model starts, for the profile's tokens (the vision tower's, which ran
+    first) doubled."""
+    model = build_model("llava", device="cpu", seq=2 * SEQ, **SIZE)
+    context = make_ctx(model, device_type="cpu", memory_budget=ROOMY)
+    batches = [make_batch("llava", device="cpu", seq=seq, vocab=SIZE["vocab"]) for seq in (SEQ, 2 * SEQ)]
+    for step in range(5):
+        with context:
+            model(**batches[step == 4]).loss.backward()
+    image_tokens = 2 * 17  # 16 patches and the CLS, per image
+    assert context.budget.plan.tokens == 2 * image_tokens
+    dispose(context)
+
+
+class TwoStacksOfOneLayer(torch.nn.Module):
+    """Two stacks of the same Llama layer, the second over the sequence twice over (as a decoder of targets longer
+    than its sources would run): one kind of layer, two calls of different sizes."""
+
+    def __init__(self):
+        super().__init__()
+        config = transformers.LlamaConfig(vocab_size=SIZE["vocab"], hidden_size=SIZE["hidden"], intermediate_size=64,
+                                          num_attention_heads=2, num_key_value_heads=1, attn_implementation="eager")
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(SIZE["vocab"], SIZE["hidden"])
+        self.rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+        self.first = torch.nn.ModuleList([transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0)])
+        self.second = torch.nn.ModuleList([transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 1)])
+        self.lm_head = torch.nn.Linear(SIZE["hidden"], SIZE["vocab"])
+
+    def forward(self, ids):
+        hidden = self.embed(ids)
+        for stack in (self.first, self.second):
+            positions = torch.arange(hidden.shape[1])[None]
+            for layer in stack:
+                hidden = layer(hidden, position_embeddings=self.rotary(hidden, positions))
+            hidden = torch.cat([hidden, hidden], dim=1)
+        return torch.nn.functional.cross_entropy(self.lm_head(hidden).flatten(0, 1), ids.repeat(1, 4).flatten())
+
+
+def test_one_kind_of_layer_in_two_stacks_is_probed_in_each():
+    model = TwoStacksOfOneLayer().train()
+    context = make_ctx(model, device_type="cpu", memory_budget=ROOMY, warn_if_no_head=False)
+    ids = torch.randint(SIZE["vocab"], (2, SEQ))
+    for _ in range(3):
+        with context:
+            model(ids).backward()
+    first, second = context.budget.profile.layers
+    assert (first.input_bytes, second.input_bytes) == (2 * SEQ * SIZE["hidden"] * 4, 2 * 2 * SEQ * SIZE["hidden"] * 4)
+    dispose(context)
