@@ -1,0 +1,50 @@
+"""The memory budget on the GPU for a vision-language model, mixtures of experts with the router's auxiliary loss,
+a hybrid and the encoder-decoders (issue 20): a budget halfway between the lowest plan's predicted peak and keeping
+everything trains under a plan that acts on some layers, with losses, gradients and weights bitwise equal to training
+without offloading. The CPU test mode runs every family (tests/test_budget_families.py); here the probes, the
+measured profile and the plans run on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, run_steps
+
+from hf_offload import InfeasibleBudgetError
+from hf_offload.model import find_decoder_layers, unwrap_model
+from hf_offload.planner import plan
+
+SIZE = dict(hidden=64, layers=2, vocab=128)
+SEQ = 64
+STEPS = 4  # two profiled under the safe plan, two under the budget's plan
+ROOMY = 60 * 2**30
+ARCHS = ("qwen2_vl", "llava", "mixtral", "qwen3_moe", "jamba", "t5", "bart")
+
+
+def train(arch: str, budget: int | None = None):
+    model = build_model(arch, device="cuda", seq=SEQ, **SIZE)
+    batch = make_batch(arch, device="cuda", seq=SEQ, vocab=SIZE["vocab"])
+    context = None if budget is None else make_ctx(model, memory_budget=budget)
+    try:
+        return run_steps(model, batch, steps=STEPS, ctx=context, device="cuda"), context, model
+    finally:
+        if context is not None:
+            dispose(context)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_budget_between_the_lowest_plan_and_keeping_everything_is_met_exactly(arch, record):
+    baseline = train(arch)[0]
+    assert_bitwise_equal(baseline, train(arch)[0], f"{arch}: baseline against itself")
+    _, roomy, model = train(arch, ROOMY)
+    keep_all = roomy.budget.plan
+    assert keep_all.code == "K" * len(find_decoder_layers(unwrap_model(model)))
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        plan(roomy.budget.profile, 1)
+    lowest = refused.value.lowest_plan.predicted.peak_bytes
+    budget = (lowest + keep_all.predicted.peak_bytes) // 2
+    planned, context, _ = train(arch, budget)
+    chosen = context.budget.plan
+    record("", {"plan": chosen.code, "budget": budget, "predicted_peak": chosen.predicted.peak_bytes,
+                "keep_all_peak": keep_all.predicted.peak_bytes, "lowest_peak": lowest}, show=True)  # fmt: skip
+    assert chosen.predicted.peak_bytes <= budget and chosen.code != keep_all.code
+    assert_bitwise_equal(baseline, planned, f"{arch} under {chosen.code}")
