@@ -22,6 +22,7 @@ are recognised by class name, so importing hf-offload never imports them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import warnings
@@ -605,10 +606,19 @@ def _warn_no_head_once(model: nn.Module) -> None:
     )
 
 
+# TRL's arguments are named in the signature (for `help()` and IDEs) with the engine's defaults, written once, in
+# `OffloadOptions`.
+_DEFAULTS = {option.name: option.default for option in dataclasses.fields(OffloadOptions)}
+
+
 def get_act_offloading_ctx_manager(
     model: nn.Module,
-    *args: Any,
+    use_pin_memory: bool = _DEFAULTS["use_pin_memory"],
+    use_streams: bool = _DEFAULTS["use_streams"],
+    min_offload_size: int = _DEFAULTS["min_offload_size"],
+    max_fwd_stash_size: int | None = _DEFAULTS["max_fwd_stash_size"],
     warn_if_no_head: bool = True,
+    *,
     options: OffloadOptions | None = None,
     **kwargs: Any,
 ) -> OffloadActivations:
@@ -622,10 +632,11 @@ def get_act_offloading_ctx_manager(
 
     Args:
         model: the model, bare or wrapped (DDP, FSDP, DeepSpeed, `torch.compile`, PEFT).
-        *args, **kwargs: the engine's options, as for [`OffloadActivations`]: TRL's four (`use_pin_memory`,
-            `use_streams`, `min_offload_size`, `max_fwd_stash_size`) may be positional.
-        warn_if_no_head: warn once per process when no output head is found.
+        use_pin_memory, use_streams, min_offload_size, max_fwd_stash_size: TRL's four options, in TRL's order and
+            with TRL's meaning (see [`OffloadOptions`]).
+        warn_if_no_head: warn once per process when no output head is found (TRL's fifth argument).
         options: an [`OffloadOptions`] instead of individual options.
+        **kwargs: the engine's other options ([`OffloadOptions`]), by keyword.
 
     Returns:
         The context manager (an [`OffloadActivations`]).
@@ -646,7 +657,16 @@ def get_act_offloading_ctx_manager(
     if not isinstance(model, nn.Module):
         raise TypeError(f"get_act_offloading_ctx_manager needs a torch.nn.Module, got {type(model).__name__}: "
                         f"{model!r:.80}")  # fmt: skip
-    engine = OffloadActivations(*args, options=options, **kwargs)
+    trl_options = {"use_pin_memory": use_pin_memory, "use_streams": use_streams, "min_offload_size": min_offload_size,
+                   "max_fwd_stash_size": max_fwd_stash_size}  # fmt: skip
+    if options is not None:
+        given = [name for name, value in trl_options.items() if value != _DEFAULTS[name]] + list(kwargs)
+        if given:
+            raise TypeError(f"get_act_offloading_ctx_manager takes either options=OffloadOptions(...) or individual "
+                            f"options, not both (given: {', '.join(given)})")  # fmt: skip
+        engine = OffloadActivations(options=options)
+    else:
+        engine = OffloadActivations(**trl_options, **kwargs)
     unwrapped = unwrap_model(model)
     _remove_previous_installation(unwrapped)
     engine.update_model_params(model)

@@ -1,6 +1,7 @@
 """The options object: one set of rules, checked in the units the user wrote, from Python and from the command line."""
 
 import dataclasses
+import inspect
 import logging
 import math
 import subprocess
@@ -37,6 +38,19 @@ def test_defaults_and_trls_positional_order():
     assert OffloadOptions().forward_window_bytes == 128 * MIB
     with pytest.raises(dataclasses.FrozenInstanceError):
         OffloadOptions().keep_tail = False
+
+
+def test_the_context_builder_names_trls_arguments_in_trls_order():
+    # help() and IDEs show them, and TRL's positional call (with its fifth, warn_if_no_head) runs unchanged.
+    parameters = list(inspect.signature(get_act_offloading_ctx_manager).parameters.values())
+    names = [parameter.name for parameter in parameters[:6]]
+    assert names == ["model", "use_pin_memory", "use_streams", "min_offload_size", "max_fwd_stash_size",
+                     "warn_if_no_head"]  # fmt: skip
+    assert [parameter.default for parameter in parameters[1:5]] == list(dataclasses.astuple(OffloadOptions())[:4])
+    context = get_act_offloading_ctx_manager(torch.nn.Linear(2, 2), False, False, 7, 3, False, device_type="cpu")
+    assert context.options == OffloadOptions(False, False, 7, 3, device_type="cpu")
+    with pytest.raises(TypeError, match="not both"):
+        get_act_offloading_ctx_manager(torch.nn.Linear(2, 2), False, options=OffloadOptions())
 
 
 @pytest.mark.parametrize(
