@@ -10,14 +10,16 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import TrainerCallback, TrainerControl, TrainerState
 
+from hf_offload.context import get_act_offloading_ctx_manager
 from hf_offload.engine import OffloadActivations
-from hf_offload.model import get_act_offloading_ctx_manager
 from hf_offload.stats import format_summary
 from hf_offload.units import GIB
 
 from .arguments import ActivationOffloadingArguments
 from .stats_logs import LOG_PREFIX, accumulate, keep_headlines, log_entries
 from .trl_takeover import disable_trl_offloader
+
+__all__ = ["ActivationOffloadingCallback"]
 
 _CONTEXT_METHOD = "compute_loss_context_manager"
 # transformers' callbacks that print the logs to the console, by name: importing the notebook one needs IPython.

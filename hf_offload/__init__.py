@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 # Names served lazily from submodules that import transformers.
 _LAZY = {
-    "get_act_offloading_ctx_manager": "hf_offload.model",
+    "get_act_offloading_ctx_manager": "hf_offload.context",
     "apply_tiled_mlp": "hf_offload.tiled_mlp",
     "TrainingArguments": "hf_offload.callbacks",
     "ActivationOffloadingArguments": "hf_offload.callbacks",

@@ -43,6 +43,8 @@ from .options import DEFAULT_WINDOW_BYTES, MIB, OffloadOptions, current_accelera
 from .policy import TailPlanner, kept_reason, parameter_storages, storage_span
 from .stats import StatsRecorder
 
+__all__ = ["OffloadActivations", "NoOpManager", "top_saved_tensors_pack_hook"]
+
 logger = logging.getLogger(__name__)
 
 # The default prefetch window holds this many of the step's largest copies. Two keep the link busy while
@@ -468,6 +470,24 @@ class OffloadActivations(saved_tensors_hooks):
             prefetch_window_bytes, "prefetch_window_bytes")
         self.head_prefetch_window_bytes = OffloadOptions.rule("prefetch_window_bytes").check(
             head_prefetch_window_bytes, "head_prefetch_window_bytes")
+
+    def is_innermost(self) -> bool:
+        """Whether a tensor saved here and now would reach this engine's pack hook.
+
+        Only then does a region of this engine (an exempt module, a layer plan's selective offload) change anything:
+        when another saved-tensor hook sits on top (non-reentrant checkpointing inside a decoder layer, another
+        exempt region), pushing hooks of this engine would *bypass* that one, and under checkpointing make autograd
+        keep the very activations checkpointing drops. False too where saved-tensor hooks are disabled (entering one
+        would raise); True where this torch cannot tell.
+        """
+        enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+        if enabled is not None and not enabled():
+            return False
+        top = top_saved_tensors_pack_hook()
+        if top is ... or top is self.pack_hook:
+            return True
+        engine_ref = getattr(top, "offloading_engine", None)  # the hook itself, if the attribute was wrapped since
+        return engine_ref is not None and engine_ref() is self
 
     def track_hook(self, handle: RemovableHandle) -> None:
         """Keep a module hook's handle, so that `remove_hooks` takes the hook off with the others.

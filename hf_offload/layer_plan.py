@@ -52,7 +52,7 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from .engine import OffloadActivations, top_saved_tensors_pack_hook
+from .engine import OffloadActivations
 from .model import find_decoder_layers
 from .planner import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD
 from .random_state import RandomState, random_state, set_random_state
@@ -292,15 +292,6 @@ def _stash_contexts(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any],
     return _StashingMode(stash, pack), _UnstashingMode(stash, unpack)
 
 
-def _on_top(engine: OffloadActivations) -> bool:
-    """Whether `engine`'s hooks are the innermost saved-tensor hooks, those a tensor saved here would go through."""
-    top = top_saved_tensors_pack_hook()
-    if top is ... or top is engine.pack_hook:  # ...: this torch cannot tell; assume the plan runs where it is meant to
-        return True
-    engine_ref = getattr(top, "offloading_engine", None)  # the hook itself, if the attribute has been wrapped since
-    return engine_ref is not None and engine_ref() is engine
-
-
 class _SelectiveOffload:
     """The `_gradient_checkpointing_func` of a layer under "selective_offload".
 
@@ -315,7 +306,7 @@ class _SelectiveOffload:
     engine gone, or while compiling, the layer is checkpointed as under "selective" (torch's own cache).
 
     Attributes:
-        offloads_saved_tensors: True. Tells other modules (`hf_offload.model`'s prefetch points), without importing
+        offloads_saved_tensors: True. Tells other modules (`hf_offload.model_hooks`' prefetch points), without importing
             this one, that this checkpoint sends the engine many tensors per layer, each needing its reload ahead,
             rather than its input alone.
     """
@@ -328,7 +319,7 @@ class _SelectiveOffload:
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         engine = self._engine()
-        if engine is None or not _on_top(engine) or torch.compiler.is_compiling():
+        if engine is None or not engine.is_innermost() or torch.compiler.is_compiling():
             return checkpoint(function, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
         context_fn = functools.partial(_stash_contexts, engine.pack_hook, engine.unpack_hook)
         early_stop = {"early_stop": False} if _EARLY_STOP_KEYWORD else {}

@@ -18,8 +18,11 @@ import transformers
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import hf_offload.context as hf_context
 import hf_offload.model as hf_model
-from hf_offload.model import find_liger_modules, find_output_head, get_act_offloading_ctx_manager, unwrap_model
+import hf_offload.model_hooks as hf_model_hooks
+from hf_offload.context import get_act_offloading_ctx_manager
+from hf_offload.model import find_liger_modules, find_output_head, unwrap_model
 from hf_offload.options import OffloadOptions
 
 transformers.logging.set_verbosity_error()
@@ -100,7 +103,7 @@ def our_hooks(model: nn.Module) -> list[tuple[nn.Module, str]]:
         for kind, hooks in (("pre", module._forward_pre_hooks), ("post", module._forward_hooks)):
             found += [(module, kind) for hook in hooks.values()
                       if isinstance(getattr(hook, "__self__", None),
-                                    (hf_model._ExemptHooks, hf_model._PrefetchPoints))]  # fmt: skip
+                                    (hf_model_hooks._ExemptHooks, hf_model_hooks._PrefetchPoints))]  # fmt: skip
     return found
 
 
@@ -115,7 +118,7 @@ def names(found: list[tuple[str, nn.Module]]) -> list[str]:
 @pytest.fixture
 def no_warn_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """The no-head warning is once per process: start each test that checks it from a fresh process state."""
-    monkeypatch.setattr(hf_model, "_no_head_warned", False)
+    monkeypatch.setattr(hf_context, "_no_head_warned", False)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +246,7 @@ def test_no_head_warning_can_be_disabled_and_a_head_never_warns(no_warn_state):
         get_act_offloading_ctx_manager(nn.Sequential(nn.Linear(8, 8)), warn_if_no_head=False, device_type="cpu")
         get_act_offloading_ctx_manager(tiny_llama(), device_type="cpu")
     assert not [w for w in caught if "no output head" in str(w.message)]
-    assert hf_model._no_head_warned is False  # the once-only budget was not spent either
+    assert hf_context._no_head_warned is False  # the once-only budget was not spent either
 
 
 # ------------------------------------------------------------------------------------------------ hooks

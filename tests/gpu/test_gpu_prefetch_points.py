@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from _gpu_models import build_model, dispose, make_batch, make_ctx, peak_step_memory
 
-import hf_offload.model as hf_model
+import hf_offload.context as hf_context
 
 MiB = 1 << 20
 # Activations dominate (small vocabulary; LoRA, so no full-size gradients pile up towards the end of backward);
@@ -29,7 +29,7 @@ def test_checkpointed_reload_is_not_on_top_of_the_block_peak(ckpt, device, recor
     finally:
         dispose(ctx)
 
-    monkeypatch.setattr(hf_model, "_install_prefetch_points", lambda *args: None)  # reload from each unpack
+    monkeypatch.setattr(hf_context, "install_prefetch_points", lambda *args: None)  # reload from each unpack
     ctx = make_ctx(model)
     try:
         on_unpack = peak_step_memory(model, batch, ctx=ctx, device=device)
