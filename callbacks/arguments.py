@@ -16,6 +16,14 @@ import transformers
 from hf_offload.options import OffloadOptions, check_budget_for_device, format_option_doc
 from hf_offload.units import MIB
 
+__all__ = [
+    "ActivationOffloadingArguments",
+    "TrainingArguments",
+    "ARGUMENT_PREFIX",
+    "command_line_help",
+    "with_offloading_doc",
+]
+
 ARGUMENT_PREFIX = "activation_offloading_"
 _NATIVE_OFFLOAD_KEY = "offload"
 _FLAG_HELP = (

@@ -15,6 +15,8 @@ from .arguments import ActivationOffloadingArguments
 from .callback import ActivationOffloadingCallback
 from .trl_takeover import claim_trl_offloader
 
+__all__ = ["install", "register"]
+
 _MARKER = "__hf_offload_registers_callback__"
 
 

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 
 from hf_offload.units import GIB, MIB
 
+__all__ = ["LOG_PREFIX", "HEADLINE_KEYS", "log_entries", "keep_headlines", "accumulate"]
+
 LOG_PREFIX = "offload/"
 # Levels read when the statistics are taken, not counts: a total keeps the latest value instead of a sum.
 _LEVELS = frozenset({"pinned_bytes"})

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import transformers
 
+__all__ = ["claim_trl_offloader", "disable_trl_offloader"]
+
 logger = logging.getLogger(__name__)
 
 _TRL_BUILDER = "get_act_offloading_ctx_manager"

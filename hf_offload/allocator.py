@@ -21,6 +21,8 @@ from torch import nn
 
 from .compile_guard import eager_only
 
+__all__ = ["LONG_CONTEXT_TOKENS", "expandable_segments_enabled", "LongContextCheck", "release_unusable_cache"]
+
 # A step of this many tokens or more is long context: its layers' tensors are GiB-sized.
 LONG_CONTEXT_TOKENS = 32768
 _SETTING_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")

@@ -21,6 +21,8 @@ import weakref
 import psutil
 import torch
 
+__all__ = ["PinnedHostPool", "HostBlock", "host_memory_cap", "local_world_size"]
+
 _ALIGNMENT = 512  # bytes; keeps every block aligned for any dtype and for fast DMA
 _SMALLEST_CHUNK_BYTES = 2 * 2**20
 _LARGEST_CHUNK_BYTES = 256 * 2**20

@@ -22,6 +22,16 @@ import torch
 from .planner import parse_memory_budget
 from .units import MIB
 
+__all__ = [
+    "OffloadOptions",
+    "Rule",
+    "AUTO",
+    "DEFAULT_WINDOW_BYTES",
+    "current_accelerator_type",
+    "check_budget_for_device",
+    "format_option_doc",
+]
+
 # Enough for a copy stream never to idle; small, because when copies lag the window is on top of peak memory.
 DEFAULT_WINDOW_BYTES = 128 * MIB
 

@@ -14,6 +14,8 @@ try:  # DTensor parameters (FSDP2, tensor parallel) keep their local shard in `_
 except ImportError:  # torch built without distributed
     DTensor = None
 
+__all__ = ["kept_reason", "storage_span", "parameter_storages", "TailPlanner"]
+
 
 def storage_span(tensor: torch.Tensor) -> tuple[int, int]:
     """The smallest run of the tensor's storage (in elements: start, length) that holds all its elements.

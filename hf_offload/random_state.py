@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
+__all__ = ["RandomState", "random_state", "set_random_state", "random_state_untouched"]
+
 RandomState = tuple[torch.Tensor, torch.Tensor | None]
 
 

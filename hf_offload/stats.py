@@ -13,6 +13,8 @@ from typing import Any
 
 from .units import format_bytes
 
+__all__ = ["KEPT_REASONS", "OffloadStats", "StatsRecorder", "format_summary"]
+
 # Why a saved tensor stayed where it was, with the words the summary explains each reason in.
 KEPT_REASONS: dict[str, str] = {
     "too_small": "under min_offload_size, not worth a copy",
