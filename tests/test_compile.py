@@ -14,6 +14,8 @@ import logging
 
 import pytest
 import torch
+import torch._dynamo
+import transformers
 from compile_runs import bitwise_equal, build, train
 
 import hf_offload
@@ -63,3 +65,25 @@ def test_an_eager_forward_of_part_of_the_model_is_not_taken_for_a_compiled_one()
             loss = model.lm_head(hidden).float().logsumexp(-1).mean()
         loss.backward()
     assert context.get_stats()["tensors_offloaded"] > 0 and context.get_stats()["tensors_kept_compiled"] == 0
+
+
+def test_the_trainers_torch_compile_runs_exactly_and_offloading_stands_aside(tmp_path, tokenizer, lm_dataset, caplog):
+    from helpers import COMMON_ARGS, CPU_TEST_MODE, assert_same_weights, tiny_model
+
+    def run(offloading: bool) -> transformers.Trainer:
+        torch._dynamo.reset()
+        args = hf_offload.TrainingArguments(output_dir=str(tmp_path / str(offloading)), torch_compile=True,
+                                            activation_offloading=offloading, **CPU_TEST_MODE,
+                                            **{**COMMON_ARGS, "eval_strategy": "no"})  # fmt: skip
+        trainer = transformers.Trainer(model=tiny_model(tokenizer), args=args, train_dataset=lm_dataset,
+                                       data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))
+        trainer.train()
+        return trainer
+
+    without = run(offloading=False)
+    with caplog.at_level(logging.WARNING, logger="hf_offload.engine"):
+        offloaded = run(offloading=True)
+    assert_same_weights(offloaded.model, without.model)
+    assert [r["loss"] for r in offloaded.state.log_history if "loss" in r] == [
+        r["loss"] for r in without.state.log_history if "loss" in r]
+    assert sum("compiled as a whole" in record.message for record in caplog.records) == 1
