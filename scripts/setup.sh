@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) with PyTorch and hf-offload installed in editable mode with its dev extras.
+# Creates .venv (once) with PyTorch and hf-offload installed in editable mode with its dev extras (HF_OFFLOAD_EXTRAS
+# names others: CI adds qlora, so that the QLoRA tests run there).
 # Sourced by the other scripts; safe to run again (it only installs what is missing or changed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -12,4 +13,4 @@ fi
 # Linux wheel is the CUDA build, on any machine): TORCH_INDEX_URL names another index, such as
 # https://download.pytorch.org/whl/cpu for the CPU-only build.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-python -m pip install -q -e ".[dev]"
+python -m pip install -q -e ".[${HF_OFFLOAD_EXTRAS:-dev}]"
