@@ -24,6 +24,7 @@ from hf_offload.planner import (
     GIB,
     InfeasibleBudgetError,
     LayerProfile,
+    MeasuredStep,
     MemoryBudget,
     Plan,
     StepProfile,
@@ -685,3 +686,61 @@ def test_a_full_host_is_said() -> None:
     assert "12 checkpointed layers keep their input on the GPU: the host's pinned cap of 40.00 GiB is full" \
         in result.format_table()
     assert plan(long_profile(), 60 * GIB).inputs_kept_for_host == []
+
+
+# Dominance: measured plans beat the model
+
+
+def test_a_budget_a_measured_plan_met_is_not_refused() -> None:
+    """The model over-predicts the lowest plan's peak (the issue's Mistral-7B shape: 17.57 GiB predicted, 16.72
+    GiB measured); a budget between the two is met by the measured plan, not refused."""
+    profile = s1_profile()
+    predicted = simulate(profile, "C" * 16)
+    budget = predicted.peak_bytes - GIB // 2
+    with pytest.raises(InfeasibleBudgetError):
+        plan(profile, budget)
+    safe = MeasuredStep("C" * 16, step_s=predicted.step_s, peak_bytes=predicted.peak_bytes - GIB)
+    result = plan(profile, budget, margin_bytes=budget // 200, measured=[safe])
+    assert (result.code, result.measured) == ("C" * 16, safe)
+    assert result.fits(budget // 200) and result.predicted.peak_bytes > budget  # by its measured peak
+    with pytest.raises(InfeasibleBudgetError):  # a measured peak over the budget is no way out
+        plan(profile, budget, measured=[dataclasses.replace(safe, peak_bytes=budget + 1)])
+
+
+def test_the_plan_is_never_slower_than_a_measured_plan_that_fits() -> None:
+    profile = s1_profile()
+    budget = 20 * GIB
+    chosen = plan(profile, budget)
+    assert chosen.code != "C" * 16 and chosen.measured is None
+    # The model's choice ran slower than predicted: the model's next best plan is tried...
+    slow = MeasuredStep(chosen.code, step_s=0.5)
+    retry = plan(profile, budget, measured=[slow])
+    assert retry.code != chosen.code and retry.measured is None and retry.predicted.step_s < slow.step_s
+    # ... unless a measured plan ran faster than any prediction: it wins, by its measurement.
+    safe = MeasuredStep("C" * 16, step_s=0.2)
+    assert plan(profile, budget, measured=[slow, safe]).measured == safe
+    # Keeping everything fits a roomy budget, unless it measured slower than a measured plan.
+    assert plan(profile, 64 * GIB).code == "K" * 16
+    assert plan(profile, 64 * GIB, measured=[MeasuredStep("K" * 16, 0.5), safe]).measured == safe
+    # A plan whose measured peak exceeds the budget is not chosen, however fast it ran.
+    over = MeasuredStep(chosen.code, step_s=0.01, peak_bytes=budget + 1)
+    assert plan(profile, budget, measured=[over]).code != chosen.code
+
+
+def test_a_measurement_scales_with_the_model() -> None:
+    profile = s1_profile()
+    longer = profile.scaled(2 * profile.tokens)
+    at, after = simulate(profile, "C" * 16), simulate(longer, "C" * 16)
+    step = MeasuredStep("C" * 16, step_s=2 * at.step_s, peak_bytes=at.peak_bytes - GIB)
+    scaled = step.scaled(profile, longer)
+    assert math.isclose(scaled.step_s, 2 * after.step_s)  # what the model missed, in proportion
+    assert scaled.peak_bytes == after.peak_bytes - GIB  # what the model missed, in bytes
+    assert MeasuredStep("C" * 16, 0.1).scaled(profile, longer).peak_bytes is None
+
+
+def test_a_measured_plan_round_trips_through_plain_data() -> None:
+    profile = s1_profile()
+    result = plan(profile, 20 * GIB, measured=[MeasuredStep("C" * 16, 0.001, GIB)])
+    assert result.measured is not None
+    assert Plan.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+    assert "Chosen by measurement: its steps ran in 1.0 ms at a peak of 1.00 GiB" in result.format_table()
