@@ -1033,8 +1033,8 @@ def _polish(letters: list[str], run: _Run, seconds: list[dict[str, float]], run_
     return letters, run
 
 
-def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0,
-         measured: Sequence[MeasuredStep] = ()) -> Plan:  # fmt: skip
+def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measured: Sequence[MeasuredStep] = (),
+         measured_only: bool = False) -> Plan:  # fmt: skip
     """The per-layer actions with the shortest predicted step whose predicted peak fits the budget.
 
     Greedy, then polished. The greedy changes one layer at a time from keeping everything, taking first the
@@ -1063,6 +1063,8 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0,
         budget_bytes: the budget for the step's peak, in bytes.
         margin_bytes: how far below the budget the predicted peak must stay (for the prediction's error).
         measured: plans that ran, with their measurements at `profile`'s tokens (see `MeasuredStep.scaled`).
+        measured_only: the fastest of the measured plans that fit, if any fits: for a closed loop's last correction,
+            after which a plan the model proposes would never be measured.
 
     Returns:
         The plan. When keeping everything fits, every layer keeps.
@@ -1116,6 +1118,8 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0,
 
     measured_fitting = [candidate for candidate in ((list(code), run_of(code)) for code in by_code)
                         if admissible(candidate)]  # fmt: skip
+    if measured_only and measured_fitting:
+        return fastest(measured_fitting)
     keep_all = ["K"] * len(options)
     keep_all_run = run_of(keep_all)
     if admissible((keep_all, keep_all_run)):  # nothing is faster, unless it measured slower than a measured plan

@@ -716,6 +716,9 @@ def test_the_plan_is_never_slower_than_a_measured_plan_that_fits() -> None:
     slow = MeasuredStep(chosen.code, step_s=0.5)
     retry = plan(profile, budget, measured=[slow])
     assert retry.code != chosen.code and retry.measured is None and retry.predicted.step_s < slow.step_s
+    # A closed loop's last correction keeps to what was measured.
+    slower_safe = MeasuredStep("C" * 16, step_s=0.45)
+    assert plan(profile, budget, measured=[slow, slower_safe], measured_only=True).measured == slower_safe
     # ... unless a measured plan ran faster than any prediction: it wins, by its measurement.
     safe = MeasuredStep("C" * 16, step_s=0.2)
     assert plan(profile, budget, measured=[slow, safe]).measured == safe
