@@ -359,11 +359,13 @@ class _StepMeasurements:
 
 @dataclasses.dataclass(frozen=True)
 class _Sample:
-    """One clean step of a plan: its tokens in the profile's terms, its time, and its peak (None without a counter)."""
+    """One clean step of a plan: its tokens in the profile's terms, its time, and its peak (None without a counter);
+    `profiled`: the second profiled step, which the model of the step is calibrated on (its `other_s`)."""
 
     tokens: int
     seconds: float
     peak_bytes: int | None
+    profiled: bool = False
 
 
 class MemoryBudgetController:
@@ -485,7 +487,7 @@ class MemoryBudgetController:
         if peak is not None:
             peak = max(peak, self._measured.forward_peak or 0) + self._tail_allowance()
         self._samples.setdefault(self._code, []).append(_Sample(self._measured.step_tokens, self._measured.step_s,
-                                                                peak))  # fmt: skip
+                                                                peak, profiled=True))  # fmt: skip
 
     def _start_timing(self) -> None:
         """Times the step that starts now if its plan's check is to come: it is one of the `_MEASURED_STEPS` after
@@ -712,7 +714,9 @@ class MemoryBudgetController:
 
         def make_plan() -> Plan:
             measured = self._measured_plans(profile)
-            ran = next(step for step in measured if step.code == in_force.code)
+            ran = next((step for step in measured if step.code == in_force.code), None)
+            if ran is None:  # its steps were all shorter than one tiled chunk: the model has no such step
+                return in_force
             try:
                 last = self._corrections + 1 == _MAX_CORRECTIONS  # then keep the best measured plan
                 better = plan(profile, budget_bytes, margin_bytes, measured, measured_only=last)
@@ -737,12 +741,14 @@ class MemoryBudgetController:
 
     def _measured_plans(self, profile: StepProfile) -> list[MeasuredStep]:
         """What each plan run so far measured, scaled to `profile`: per plan, the median of its steps' times and the
-        largest of their peaks, each step scaled from its own tokens. Plans that tile MLPs where `profile` cannot
-        are left out."""
+        largest of their peaks, each step scaled from its own tokens. Only plans with `_MEASURED_STEPS` steps count
+        (one step is noise), and the safe plan, whose profiled step the model is calibrated on. Plans that tile MLPs
+        where `profile` cannot are left out."""
         at_tokens: dict[int, StepProfile] = {}
         measured = []
         for code, samples in self._samples.items():
-            if set(code) & {"T", "t"} and not tiling_available(profile):
+            enough = len(samples) >= _MEASURED_STEPS or any(sample.profiled for sample in samples)
+            if not enough or (set(code) & {"T", "t"} and not tiling_available(profile)):
                 continue
             steps = []
             for sample in samples:

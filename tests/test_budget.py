@@ -332,23 +332,27 @@ def sleep_in_kept_layers(model, context, seconds: float) -> None:
         layer.register_forward_pre_hook(hook)
 
 
-def test_a_plan_slower_than_the_measured_safe_plan_is_replaced_by_it_and_stays_exact(caplog):
+@pytest.mark.parametrize("lengths", [(16,), (16, 16, 16, 16, 32, 16, 24, 32, 16, 16, 24, 32, 16, 24, 16)],
+                         ids=["fixed", "varying"])  # fmt: skip
+def test_a_plan_slower_than_the_measured_safe_plan_is_replaced_by_it_and_stays_exact(caplog, lengths):
     """A roomy budget keeps every layer, but kept layers run slow: after three steps on it (the first after the plan
     is applied does not count) the controller switches to the safe plan the profiled steps measured, once, saying
-    so with the figures; the safe plan, measured in turn, stays. The switch changes no arithmetic."""
-    steps = 12
-    baseline = train(tiny_llama(), Unchanged(), steps=steps)
+    so with the figures; the safe plan, measured in turn, stays. The switch changes no arithmetic. With varying
+    lengths, the longer step re-plans (the same plan, whose check starts again) and the steps are compared at the
+    plan's tokens, each scaled from its own."""
+    steps = max(12, len(lengths))
+    baseline = train(tiny_llama(), Unchanged(), steps=steps, lengths=lengths)
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
     sleep_in_kept_layers(model, context, 0.05)
     with caplog.at_level(logging.INFO, logger="hf_offload"):
-        results = train(model, context, steps=steps)
+        results = train(model, context, steps=steps, lengths=lengths)
     assert_bitwise_equal(results, baseline)
     corrections = [record.getMessage() for record in caplog.records if "closed loop" in record.getMessage()]
     assert len(corrections) == 1
     assert re.fullmatch(r"hf_offload: closed loop, correction 1 of at most 3: plan 'KKKK' ran in [\d.]+ ms a step "
-                        r"\(median of 3 steps at 32 tokens, predicted [\d.]+ ms\); plan 'CCCC' replaces it, measured "
-                        r"at [\d.]+ ms", corrections[0])  # fmt: skip
+                        rf"\(median of 3 steps at {2 * max(lengths)} tokens, predicted [\d.]+ ms\); plan 'CCCC' "
+                        r"replaces it, measured at [\d.]+ ms", corrections[0])  # fmt: skip
     assert context.memory_plan is context.budget.plan
     assert context.memory_plan.code == "CCCC" and context.memory_plan.measured is not None
 
