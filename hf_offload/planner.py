@@ -1063,8 +1063,8 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measure
         budget_bytes: the budget for the step's peak, in bytes.
         margin_bytes: how far below the budget the predicted peak must stay (for the prediction's error).
         measured: plans that ran, with their measurements at `profile`'s tokens (see `MeasuredStep.scaled`).
-        measured_only: the fastest of the measured plans that fit, if any fits: for a closed loop's last correction,
-            after which a plan the model proposes would never be measured.
+        measured_only: the fastest of the measured exact plans that fit, if any fits: for a closed loop's last
+            correction, after which a plan the model proposes would never be measured.
 
     Returns:
         The plan. When keeping everything fits, every layer keeps.
@@ -1118,17 +1118,19 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measure
 
     measured_fitting = [candidate for candidate in ((list(code), run_of(code)) for code in by_code)
                         if admissible(candidate)]  # fmt: skip
-    if measured_only and measured_fitting:
-        return fastest(measured_fitting)
+    # Tiling is not exact: a measured plan that tiles is a candidate only where no exact plan fits.
+    exact_measured = [candidate for candidate in measured_fitting if not {"T", "t"} & set(candidate[0])]
+    if measured_only and exact_measured:
+        return fastest(exact_measured)
     keep_all = ["K"] * len(options)
     keep_all_run = run_of(keep_all)
     if admissible((keep_all, keep_all_run)):  # nothing is faster, unless it measured slower than a measured plan
-        return fastest([(keep_all, keep_all_run), *measured_fitting])
+        return fastest([(keep_all, keep_all_run), *exact_measured])
     lowest = list(_lowest_memory_code(profile))
     lowest_run = run_of(lowest)
     seconds = _own_seconds(profile, options)
     if not fits(lowest_run) and measured_fitting:  # the model over-predicts a peak that a measurement met
-        return fastest(measured_fitting)
+        return fastest(exact_measured or measured_fitting)
     if not fits(lowest_run) and tiling_available(profile):
         lowest = list(_lowest_memory_code(profile, tiled=True))
         lowest_run = run_of(lowest)
@@ -1138,7 +1140,7 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measure
         chosen = [layer[letter] for layer, letter in zip(options, lowest)]
         raise _infeasible(profile, budget_bytes, margin_bytes, finish(lowest, lowest_run), chosen, lowest_run)
 
-    others = [*measured_fitting]
+    others = [*exact_measured]
     greedy = _first_fitting(_greedy_plans(profile, options, seconds), run_of, fits)
     if greedy is not None:
         others.append(_polish(*greedy, seconds, run_of, fits))

@@ -344,7 +344,7 @@ def test_a_plan_slower_than_the_measured_safe_plan_is_replaced_by_it_and_stays_e
     baseline = train(tiny_llama(), Unchanged(), steps=steps, lengths=lengths)
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
-    sleep_in_kept_layers(model, context, 0.05)
+    sleep_in_kept_layers(model, context, 0.1)
     with caplog.at_level(logging.INFO, logger="hf_offload"):
         results = train(model, context, steps=steps, lengths=lengths)
     assert_bitwise_equal(results, baseline)

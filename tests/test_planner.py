@@ -639,6 +639,13 @@ def test_tiling_is_chosen_only_when_no_plan_without_it_fits() -> None:
     assert tiled.predicted.peak_bytes <= 60 * GIB
     assert "The MLPs of 32 layers run in chunks of 4096 tokens" in tiled.format_table()
     assert Plan.from_dict(json.loads(json.dumps(tiled.to_dict()))) == tiled
+    # A measured tiled plan, however fast, does not replace an exact plan that fits...
+    fast_tiled = MeasuredStep("T" * 32, step_s=0.001)
+    assert plan(profile, 80 * GIB, measured=[fast_tiled]).code == untiled.code
+    assert plan(profile, 80 * GIB, measured=[fast_tiled], measured_only=True).code == untiled.code
+    # ... and where none fits, an exact plan that fit by measurement beats the tiled ones.
+    exact = MeasuredStep("C" * 32, step_s=10.0, peak_bytes=60 * GIB)
+    assert plan(profile, 60 * GIB, measured=[fast_tiled, exact]).measured == exact
 
 
 def test_polishing_takes_back_the_tiling_the_peak_does_not_need() -> None:
