@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
+from hf_offload.planner import MeasuredStep
 
 LAYERS = 4
 VOCAB = 128
@@ -316,7 +317,8 @@ def test_every_rank_gets_rank_zeros_plan_or_its_refusal():
             if process.is_alive():
                 process.kill()
     assert outcomes[0] == outcomes[1]
-    assert [outcome[0] for outcome in outcomes[0]] == ["plan", "refused"]
+    assert [outcome[0] for outcome in outcomes[0]] == ["plan", "refused", "plan"]
+    assert outcomes[1][2][1:] == ("CC", MeasuredStep("CC", step_s=0.01, peak_bytes=10_001))
 
 
 def sleep_in_kept_layers(model, context, seconds: float) -> None:
