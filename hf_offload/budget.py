@@ -722,14 +722,14 @@ class MemoryBudgetController:
                 better = plan(profile, budget_bytes, margin_bytes, measured, measured_only=last)
             except InfeasibleBudgetError:  # not even the plan in force fits now: the re-plans of growth handle it
                 return in_force
-            expected_s = better.predicted.step_s if better.measured is None else better.measured.step_s
+            expected_s = better.expected_step_s
             if better.code == in_force.code or ran.step_s <= expected_s * (1 + _SLOWER_TOLERANCE):
                 return in_force
             logger.info("hf_offload: closed loop, correction %d of at most %d: plan %r ran in %.2f ms a step (median "
                         "of %d steps at %d tokens, predicted %.2f ms); plan %r replaces it, %s %.2f ms%s",
                         self._corrections + 1, _MAX_CORRECTIONS, in_force.code, ran.step_s * 1000, _MEASURED_STEPS,
                         profile.tokens, simulate(profile, in_force.code).step_s * 1000, better.code,
-                        "predicted at" if better.measured is None else "measured at", expected_s * 1000,
+                        "expected at" if better.measured is None else "measured at", expected_s * 1000,
                         "" if better.measured is None or better.measured.peak_bytes is None
                         else f" with a peak of {better.measured.peak_bytes} bytes")  # fmt: skip
             return better

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -745,6 +746,8 @@ class Plan:
         host_cap_bytes: the pinned host bytes the plan had (`StepProfile.host_cap_bytes`).
         measured: what this plan measured when it ran before (scaled to `tokens`); None if it never ran. Where
             the measurement and the prediction disagree, the measurement is what `plan` chose by.
+        time_scale: the measured plans' median ratio of measured to predicted step time, by which `plan` scaled
+            the predictions of the plans that never ran, to compare them with measured ones (1 without any).
     """
 
     budget_bytes: int
@@ -753,6 +756,12 @@ class Plan:
     tile_tokens: int = 0
     host_cap_bytes: int = 0
     measured: MeasuredStep | None = None
+    time_scale: float = 1.0
+
+    @property
+    def expected_step_s(self) -> float:
+        """The step time `plan` chose this plan by: measured, or else predicted in the measurements' terms."""
+        return self.predicted.step_s * self.time_scale if self.measured is None else self.measured.step_s
 
     @property
     def layers(self) -> tuple[LayerPlan, ...]:
@@ -1056,7 +1065,8 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measure
     Plans that ran (`measured`) are measurements, and a measurement beats the model: a measured plan fits if its
     measured peak is within the budget (the margin is for predictions), and is as fast as it measured. So the
     result is never slower than the fastest measured plan that fits, and a budget that a measured plan met is
-    never refused (a plan without tiling that fits by measurement beats tiling).
+    never refused (a plan without tiling that fits by measurement beats tiling). The plans that never ran are
+    compared with them by their predictions scaled by the model's error in time (`Plan.time_scale`).
 
     Args:
         profile: the measured step.
@@ -1099,6 +1109,11 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measure
     def run_of(letters: Sequence[str]) -> _Run:
         return _simulate(profile, [layer[letter] for layer, letter in zip(options, letters)], limit=limit)
 
+    # The model's error in time, as the measured plans show it: a prediction compared with a measurement is scaled
+    # by it (a model that over-predicts every step would otherwise lose every comparison to a measurement).
+    ratios = [step.step_s / run.step_s for step in by_code.values() if (run := run_of(step.code)).step_s > 0]
+    time_scale = statistics.median(ratios) if ratios else 1.0
+
     def fits(run: _Run) -> bool:
         return run.peak_bytes <= limit and run.host_bytes <= profile.host_cap_bytes
 
@@ -1107,11 +1122,10 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measure
         predicted = _prediction(code, [layer[letter] for layer, letter in zip(options, code)], run)
         return Plan(budget_bytes=budget_bytes, tokens=profile.tokens, predicted=predicted,
                     tile_tokens=profile.tile_tokens if "T" in code or "t" in code else 0,
-                    host_cap_bytes=profile.host_cap_bytes, measured=by_code.get(code))
+                    host_cap_bytes=profile.host_cap_bytes, measured=by_code.get(code), time_scale=time_scale)
 
     def fastest(candidates: list[tuple[list[str], _Run]]) -> Plan:
-        plans = [finish(*candidate) for candidate in candidates]
-        return min(plans, key=lambda plan: plan.predicted.step_s if plan.measured is None else plan.measured.step_s)
+        return min((finish(*candidate) for candidate in candidates), key=lambda plan: plan.expected_step_s)
 
     def admissible(candidate: tuple[list[str], _Run]) -> bool:
         return finish(*candidate).fits(margin_bytes) and candidate[1].host_bytes <= profile.host_cap_bytes
