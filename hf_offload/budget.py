@@ -727,8 +727,9 @@ class MemoryBudgetController:
                 return in_force
             logger.info("hf_offload: closed loop, correction %d of at most %d: plan %r ran in %.2f ms a step (median "
                         "of %d steps at %d tokens, predicted %.2f ms); plan %r replaces it, %s %.2f ms%s",
-                        self._corrections + 1, _MAX_CORRECTIONS, in_force.code, ran.step_s * 1000, _MEASURED_STEPS,
-                        profile.tokens, simulate(profile, in_force.code).step_s * 1000, better.code,
+                        self._corrections + 1, _MAX_CORRECTIONS, in_force.code, ran.step_s * 1000,
+                        len(self._samples[in_force.code]), profile.tokens, in_force.predicted.step_s * 1000,
+                        better.code,
                         "expected at" if better.measured is None else "measured at", expected_s * 1000,
                         "" if better.measured is None or better.measured.peak_bytes is None
                         else f" with a peak of {better.measured.peak_bytes} bytes")  # fmt: skip
