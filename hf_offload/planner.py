@@ -1152,7 +1152,16 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measure
             return finish(*_polish(lowest, lowest_run, seconds, run_of, fits, planned=_PLANNED + "Tt"))
     if not fits(lowest_run):
         chosen = [layer[letter] for layer, letter in zip(options, lowest)]
-        raise _infeasible(profile, budget_bytes, margin_bytes, finish(lowest, lowest_run), chosen, lowest_run)
+        error = _infeasible(profile, budget_bytes, margin_bytes, finish(lowest, lowest_run), chosen, lowest_run)
+        # A measured plan that peaked below the predicted minimum (over this budget, or it would have been chosen)
+        # is the smallest budget known to work.
+        met = min((step for step in by_code.values() if step.peak_bytes is not None),
+                  key=lambda step: step.peak_bytes, default=None)  # fmt: skip
+        if met is not None and met.peak_bytes < error.minimum_bytes:
+            raise InfeasibleBudgetError(f"{error} Measured, plan {met.code!r} peaked at {_gib(met.peak_bytes)} "
+                                        f"({met.peak_bytes} bytes): the smallest budget known to work.",
+                                        budget_bytes, met.peak_bytes, error.lowest_plan)  # fmt: skip
+        raise error
 
     others = [*exact_measured]
     greedy = _first_fitting(_greedy_plans(profile, options, seconds), run_of, fits)

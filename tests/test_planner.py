@@ -710,8 +710,12 @@ def test_a_budget_a_measured_plan_met_is_not_refused() -> None:
     result = plan(profile, budget, margin_bytes=budget // 200, measured=[safe])
     assert (result.code, result.measured) == ("C" * 16, safe)
     assert result.fits(budget // 200) and result.predicted.peak_bytes > budget  # by its measured peak
-    with pytest.raises(InfeasibleBudgetError):  # a measured peak over the budget is no way out
+    with pytest.raises(InfeasibleBudgetError) as error:  # a measured peak over the budget is no way out...
         plan(profile, budget, measured=[dataclasses.replace(safe, peak_bytes=budget + 1)])
+    # ... but it is the smallest budget known to work, below the predicted one.
+    assert error.value.minimum_bytes == budget + 1
+    assert f"Measured, plan {'C' * 16!r} peaked at " in str(error.value)
+    assert str(error.value).endswith(f"({budget + 1} bytes): the smallest budget known to work.")
 
 
 def test_the_plan_is_never_slower_than_a_measured_plan_that_fits() -> None:
