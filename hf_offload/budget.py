@@ -22,6 +22,13 @@ training forwards of the model (grad enabled, model in training mode) and:
    each stack's tokens scale the whole step from the first step's) or the memory held between steps has grown
    (optimizer state created after a gradient accumulation cycle). Such a step that no plan fits runs on the
    lowest-memory plan, with a warning: never an exception in the middle of training.
+4. The closed loop: the steps a plan runs are measurements (their time; on a device, their peak: exactly in the
+   profiled steps, later an upper bound, as the counter is not reset after them). After the `_MEASURED_STEPS` steps
+   that follow the first one on a new plan, the controller plans again with what every plan run so far measured
+   (`planner.plan`'s `measured`: the profiled steps measured the safe plan), and switches plans when the one in force
+   ran `_SLOWER_TOLERANCE` slower than the answer, at most `_MAX_CORRECTIONS` times (the last among measured plans
+   only), saying so in the log. Measurements at other lengths are scaled by the model (`MeasuredStep.scaled`). Once
+   a plan has passed its check, steps are no longer timed (timing a device step waits for it).
 
 While profiling, the device's peak-memory counter is reset at the phase boundaries it measures. Every rank plans
 the same: under `torch.distributed`, rank 0's plan is broadcast. In the CPU test mode nothing on the host has a
@@ -37,6 +44,7 @@ import dataclasses
 import functools
 import logging
 import math
+import statistics
 import time
 import weakref
 from collections.abc import Callable
@@ -64,6 +72,7 @@ from .planner import (
     FULL_TILED,
     InfeasibleBudgetError,
     LayerProfile,
+    MeasuredStep,
     MemoryBudget,
     Plan,
     StepProfile,
@@ -90,6 +99,13 @@ _STATIC_GROWTH_TOLERANCE = 0.02
 # Plans are made for this much less than the budget: on S1 and S2 (H100) the predicted peaks were within 0.1% of
 # the measured ones once the tail was counted, and the budget must hold on every step, not on average.
 _PREDICTION_MARGIN = 0.005
+# The closed loop. A plan's steps are measured from the second one on (the first pays one-off costs: allocator
+# growth, new kernels); after this many, the median of their times is compared with the other plans measured so far.
+_MEASURED_STEPS = 3
+# A plan is replaced by a measured one only when it ran this much slower: step times vary by about 1% between steps.
+_SLOWER_TOLERANCE = 0.02
+# At most this many replacements in a run: each costs a few steps on a plan that may be worse.
+_MAX_CORRECTIONS = 3
 
 
 class _Meter:
@@ -338,6 +354,18 @@ class _StepMeasurements:
     head_bytes: int | None = None
     # CPU test mode, which has no peak counter: what the head and loss saved in the second profiled step.
     head_saved_bytes: int | None = None
+    forward_peak: int | None = None  # the second step's peak before its head (the counter is reset there)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    """One clean step of a plan: its tokens in the profile's terms, its time, and its peak (None without a counter);
+    `profiled`: the second profiled step, which the model of the step is calibrated on (its `other_s`)."""
+
+    tokens: int
+    seconds: float
+    peak_bytes: int | None
+    profiled: bool = False
 
 
 class MemoryBudgetController:
@@ -386,7 +414,15 @@ class MemoryBudgetController:
         self._probing = False
         self._probes_finished = False
         self._step_tokens = 0  # this step's tokens, in the profile's terms, from the stacks that have started
+        self._previous_step_tokens = 0
         self._warned_over_budget = False
+        # The closed loop: per plan code, its clean steps; the code the layers run now, and the forward that
+        # applied it; the step being timed (its start mark), and the corrections made so far.
+        self._samples: dict[str, list[_Sample]] = {}
+        self._code = ""
+        self._applied_at = 0
+        self._timed_step_start: Any = None
+        self._corrections = 0
         self._tile_tokens = default_tokens_per_chunk(model) if engine.options.tile_mlp == "auto" else 0
         if self._tile_tokens:
             try:  # checks every layer's MLP, changes nothing when one cannot be tiled
@@ -422,9 +458,9 @@ class MemoryBudgetController:
         if not self._training_forward(module):
             return
         self._forwards += 1
-        self._step_tokens = 0
+        self._previous_step_tokens, self._step_tokens = self._step_tokens, 0
         if self._forwards == 1:
-            self._apply([_SAFE_ACTION] * len(self._layers), windows=None)
+            self._apply([_SAFE_ACTION] * len(self._layers), "C" * len(self._layers), windows=None)
         elif self._forwards == 2:
             if not self._probes_finished:
                 self._finish_probes()
@@ -436,9 +472,47 @@ class MemoryBudgetController:
             engine = self._engine()
             if self._meter.device is None and engine is not None:  # the last step's statistics: the second's
                 self._measured.head_saved_bytes = int(engine.get_stats()["bytes_kept_exempt"])
+            self._record_profiled_step()
             self._plan_and_apply(self._measured.step_tokens)
-        elif self._static_grew():
-            self._plan_and_apply(self.plan.tokens)
+            self._start_timing()
+        else:
+            self._close_the_loop()
+            if self._static_grew():
+                self._plan_and_apply(self.plan.tokens)
+
+    def _record_profiled_step(self) -> None:
+        """The second profiled step is the safe plan's first measurement. Its peak, where counted, is the larger of
+        the two phases' counters (reset at the head), plus the tail the later steps keep through the head's peak."""
+        peak = self._meter.peak()
+        if peak is not None:
+            peak = max(peak, self._measured.forward_peak or 0) + self._tail_allowance()
+        self._samples.setdefault(self._code, []).append(_Sample(self._measured.step_tokens, self._measured.step_s,
+                                                                peak, profiled=True))  # fmt: skip
+
+    def _start_timing(self) -> None:
+        """Times the step that starts now if its plan's check is to come: it is one of the `_MEASURED_STEPS` after
+        the plan's first step, and corrections are left."""
+        self._timed_step_start = None
+        to_check = self._applied_at < self._forwards <= self._applied_at + _MEASURED_STEPS
+        if to_check and self._corrections < _MAX_CORRECTIONS:
+            self._timed_step_start = self._meter.mark()
+
+    def _close_the_loop(self) -> None:
+        """At a training forward's start: records the step that just ended if it ran one plan all through and was
+        not that plan's first, and checks the plan once it has `_MEASURED_STEPS` such steps."""
+        ended = self._forwards - 1
+        if self._timed_step_start is not None and ended > self._applied_at and self._previous_step_tokens:
+            seconds = self._meter.seconds(self._timed_step_start, self._meter.mark())
+            # The peak counter is not reset after the profiled steps (that would hide peaks from whoever measures
+            # them over the run, as the benchmarks do): it holds the largest peak since the second step's head, an
+            # upper bound of this step's. Within the budget it proves the step was; above, it says nothing of it.
+            peak = self._meter.peak()
+            if peak is not None and peak > self.budget.resolve(self._meter.total()):
+                peak = None
+            self._samples.setdefault(self._code, []).append(_Sample(self._previous_step_tokens, seconds, peak))
+            if ended == self._applied_at + _MEASURED_STEPS:
+                self._check_plan()
+        self._start_timing()
 
     def _layer_starts(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._probing or not self._training_forward(layer) or not args or not isinstance(args[0], torch.Tensor):
@@ -516,12 +590,14 @@ class MemoryBudgetController:
             logger.info("hf_offload: the profiled steps tile every MLP: untiled, full checkpointing is predicted to "
                         "peak at %.2f GiB, over the budget of %.2f GiB", untiled.peak_bytes / 2**30,
                         budget_bytes / 2**30)  # fmt: skip
-            self._apply([_SAFE_TILED_ACTION] * len(self._layers), windows=None, tile_tokens=profile.tile_tokens)
+            self._apply([_SAFE_TILED_ACTION] * len(self._layers), "T" * len(self._layers), windows=None,
+                        tile_tokens=profile.tile_tokens)
 
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._forwards != 2 or not self._training_forward(module):
             return
         self._measured.held_at_head = self._meter.allocated()
+        self._measured.forward_peak = self._meter.peak()
         self._meter.reset_peak()
         self._measured.head_start = self._meter.mark()
 
@@ -562,10 +638,7 @@ class MemoryBudgetController:
         head_bytes = measured.head_bytes
         if head_bytes is None:  # CPU test mode: what the head and loss saved (nothing known before the second step)
             head_bytes = measured.head_saved_bytes or 0
-        if engine is not None and engine.options.keep_tail and measured.head_bytes is not None:
-            # The profiled steps had no learned tail yet; later ones keep up to this much through the head's peak
-            # (in the CPU test mode copies finish at once, and nothing is ever left to keep).
-            head_bytes += engine.options.forward_window_bytes
+        head_bytes += self._tail_allowance()
         static_bytes, gradient_bytes = self._static_bytes()
         profile = StepProfile(
             layers=tuple(probe.profile.scaled(probe.tokens, probe.step_tokens) for probe in probes),
@@ -590,6 +663,15 @@ class MemoryBudgetController:
             profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
         return profile if tokens == profile.tokens else profile.scaled(tokens)
 
+    def _tail_allowance(self) -> int:
+        """What the steps after the profiled ones keep through the head's peak that those did not: they had no
+        learned tail yet, later ones keep up to a forward window of it (in the CPU test mode copies finish at once,
+        and nothing is ever left to keep)."""
+        engine = self._engine()
+        if engine is not None and engine.options.keep_tail and self._measured.head_bytes is not None:
+            return engine.options.forward_window_bytes
+        return 0
+
     def _static_grew(self) -> bool:
         if self._profile is None:
             return False
@@ -613,20 +695,87 @@ class MemoryBudgetController:
 
         def make_plan() -> Plan:
             try:
-                return plan(profile, budget_bytes, margin_bytes)
+                return plan(profile, budget_bytes, margin_bytes, self._measured_plans(profile))
             except InfeasibleBudgetError as error:
                 if first:
                     raise
                 return error.lowest_plan
 
+        self._use(_same_on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
+
+    def _check_plan(self) -> None:
+        """The closed loop's check of the plan in force, after its `_MEASURED_STEPS` clean steps: plans again, for
+        the same tokens, with every plan's measurements, and switches (a correction, logged with its figures) when
+        the plan in force ran `_SLOWER_TOLERANCE` slower than the answer is expected to run. Rank 0 decides."""
+        profile = self._profile_now(self.plan.tokens)
+        budget_bytes = self.budget.resolve(self._meter.total())
+        margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
+        in_force = self.plan
+
+        def make_plan() -> Plan:
+            measured = self._measured_plans(profile)
+            ran = next((step for step in measured if step.code == in_force.code), None)
+            if ran is None:  # its steps were all shorter than one tiled chunk: the model has no such step
+                return in_force
+            try:
+                last = self._corrections + 1 == _MAX_CORRECTIONS  # then keep the best measured plan
+                better = plan(profile, budget_bytes, margin_bytes, measured, measured_only=last)
+            except InfeasibleBudgetError:  # not even the plan in force fits now: the re-plans of growth handle it
+                return in_force
+            expected_s = better.expected_step_s
+            if better.code == in_force.code or ran.step_s <= expected_s * (1 + _SLOWER_TOLERANCE):
+                return in_force
+            logger.info("hf_offload: closed loop, correction %d of at most %d: plan %r ran in %.2f ms a step (median "
+                        "of %d steps at %d tokens, predicted %.2f ms); plan %r replaces it, %s %.2f ms%s",
+                        self._corrections + 1, _MAX_CORRECTIONS, in_force.code, ran.step_s * 1000,
+                        len(self._samples[in_force.code]), profile.tokens, in_force.predicted.step_s * 1000,
+                        better.code,
+                        "expected at" if better.measured is None else "measured at", expected_s * 1000,
+                        "" if better.measured is None or better.measured.peak_bytes is None
+                        else f" with a peak of {better.measured.peak_bytes} bytes")  # fmt: skip
+            return better
+
         new_plan = _same_on_every_rank(make_plan)
-        if new_plan.predicted.peak_bytes > budget_bytes - margin_bytes:
+        if new_plan.code != in_force.code:
+            self._corrections += 1
+            self._use(new_plan, profile, budget_bytes, margin_bytes)
+
+    def _measured_plans(self, profile: StepProfile) -> list[MeasuredStep]:
+        """What each plan run so far measured, scaled to `profile`: per plan, the median of its steps' times and the
+        largest of their peaks, each step scaled from its own tokens. Only plans with `_MEASURED_STEPS` steps count
+        (one step is noise), and the safe plan, whose profiled step the model is calibrated on. Plans that tile MLPs
+        where `profile` cannot are left out."""
+        at_tokens: dict[int, StepProfile] = {}
+        measured = []
+        for code, samples in self._samples.items():
+            enough = len(samples) >= _MEASURED_STEPS or any(sample.profiled for sample in samples)
+            if not enough or (set(code) & {"T", "t"} and not tiling_available(profile)):
+                continue
+            steps = []
+            for sample in samples:
+                if sample.tokens not in at_tokens:
+                    at_tokens[sample.tokens] = self._profile_now(sample.tokens)
+                if set(code) & {"T", "t"} and not tiling_available(at_tokens[sample.tokens]):
+                    continue  # a step shorter than one chunk ran its tiled MLPs untiled: the model has no such step
+                steps.append(MeasuredStep(code, sample.seconds, sample.peak_bytes).scaled(at_tokens[sample.tokens],
+                                                                                          profile))  # fmt: skip
+            if not steps:
+                continue
+            peaks = [step.peak_bytes for step in steps]
+            measured.append(MeasuredStep(code, statistics.median(step.step_s for step in steps),
+                                         None if None in peaks else max(peaks)))  # fmt: skip
+        return measured
+
+    def _use(self, new_plan: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
+        """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows."""
+        if not new_plan.fits(margin_bytes):
             self._over_budget(new_plan, profile, budget_bytes, margin_bytes)
         self.plan, self._profile = new_plan, profile
         engine = self._engine()
         forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
-        self._apply(new_plan.layers, (forward_window, new_plan.prefetch_window_bytes or None,
-                                      new_plan.head_prefetch_window_bytes or None), new_plan.tile_tokens)
+        self._apply(new_plan.layers, new_plan.code, (forward_window, new_plan.prefetch_window_bytes or None,
+                                                     new_plan.head_prefetch_window_bytes or None),
+                    new_plan.tile_tokens)  # fmt: skip
         release_unusable_cache(new_plan.predicted.peak_bytes)
         logger.info("hf_offload: memory budget %s\n%s", self.budget, new_plan.format_table())
         if new_plan.inputs_kept_for_host:
@@ -651,12 +800,13 @@ class MemoryBudgetController:
             self._warned_over_budget = True
             logger.warning(message)
 
-    def _apply(self, actions: list[Any], windows: tuple[int, int | None, int | None] | None,
+    def _apply(self, actions: list[Any], code: str, windows: tuple[int, int | None, int | None] | None,
                tile_tokens: int = 0) -> None:  # fmt: skip
-        """Applies `actions`, in the plan's order, to the layers."""
+        """Applies `actions` (the plan `code`), in the plan's order, to the layers."""
         engine, model = self._engine(), self._model()
         if engine is None or model is None:
             return
+        self._code, self._applied_at = code, self._forwards
         in_registration_order = [None] * len(actions)
         for position, index in enumerate(self._order):
             in_registration_order[index] = actions[position]

@@ -32,7 +32,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -42,6 +42,9 @@ from .host_memory import HostBlock, PinnedHostPool, host_memory_cap
 from .options import DEFAULT_WINDOW_BYTES, MIB, OffloadOptions, current_accelerator_type
 from .policy import TailPlanner, kept_reason, parameter_storages, storage_span
 from .stats import StatsRecorder
+
+if TYPE_CHECKING:  # `memory_plan`'s annotation only
+    from .planner import Plan
 
 __all__ = ["OffloadActivations", "NoOpManager", "top_saved_tensors_pack_hook"]
 
@@ -334,6 +337,12 @@ class OffloadActivations(saved_tensors_hooks):
         super().__init__(pack, _unpack)
 
     # ------------------------------------------------------------------ public helpers
+
+    @property
+    def memory_plan(self) -> Plan | None:
+        """The memory budget's plan in force (`hf_offload.planner.Plan`); None without a budget or before the
+        profiled steps are over."""
+        return None if self.budget is None else self.budget.plan
 
     @property
     def active(self) -> bool:

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -690,6 +691,36 @@ def _prediction(code: str, options: Sequence[_Option], run: _Run) -> Prediction:
     )
 
 
+@dataclass(frozen=True)
+class MeasuredStep:
+    """A plan that ran: what its steps measured, at the tokens of the profile it is given to `plan` with.
+
+    Args:
+        code: the plan's code (see `ACTION_CODES`).
+        step_s: its step's time, the median of its steps.
+        peak_bytes: its steps' largest peak; None where nothing counts peaks (the CPU test mode): its predicted
+            peak then stands for it.
+    """
+
+    code: str
+    step_s: float
+    peak_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_seconds("MeasuredStep", "step_s", self.step_s)
+        if self.peak_bytes is not None:
+            _check_bytes("MeasuredStep", "peak_bytes", self.peak_bytes)
+
+    def scaled(self, measured_at: StepProfile, profile: StepProfile) -> MeasuredStep:
+        """The same plan measured under `measured_at`, predicted under `profile` (another number of tokens, or
+        more memory held): its time in the proportion of the two predictions, its peak grown by what the
+        prediction's grows (what the model gets wrong of the measured step stays as it was)."""
+        before, after = simulate(measured_at, self.code), simulate(profile, self.code)
+        step_s = self.step_s * after.step_s / before.step_s if before.step_s > 0 else after.step_s
+        peak = None if self.peak_bytes is None else max(0, self.peak_bytes + after.peak_bytes - before.peak_bytes)
+        return MeasuredStep(self.code, step_s, peak)
+
+
 _ACTION_NAMES = {
     "K": "keep",
     "O": "offload",
@@ -713,6 +744,10 @@ class Plan:
         predicted: the layers' actions and the predicted step.
         tile_tokens: tokens per chunk of the layers whose MLP the plan tiles (`T`, `t`).
         host_cap_bytes: the pinned host bytes the plan had (`StepProfile.host_cap_bytes`).
+        measured: what this plan measured when it ran before (scaled to `tokens`); None if it never ran. Where
+            the measurement and the prediction disagree, the measurement is what `plan` chose by.
+        time_scale: the measured plans' median ratio of measured to predicted step time, by which `plan` scaled
+            the predictions of the plans that never ran, to compare them with measured ones (1 without any).
     """
 
     budget_bytes: int
@@ -720,6 +755,13 @@ class Plan:
     predicted: Prediction
     tile_tokens: int = 0
     host_cap_bytes: int = 0
+    measured: MeasuredStep | None = None
+    time_scale: float = 1.0
+
+    @property
+    def expected_step_s(self) -> float:
+        """The step time `plan` chose this plan by: measured, or else predicted in the measurements' terms."""
+        return self.predicted.step_s * self.time_scale if self.measured is None else self.measured.step_s
 
     @property
     def layers(self) -> tuple[LayerPlan, ...]:
@@ -730,6 +772,13 @@ class Plan:
     def code(self) -> str:
         """One letter per layer, e.g. "CCCCSSSSKKKK" (lowercase: a checkpoint that keeps its input)."""
         return self.predicted.code
+
+    def fits(self, margin_bytes: int = 0) -> bool:
+        """Whether the plan keeps under its budget: its measured peak if it has one, else its predicted peak with
+        `margin_bytes` to spare (the prediction's error, which a measurement does not have)."""
+        if self.measured is not None and self.measured.peak_bytes is not None:
+            return self.measured.peak_bytes <= self.budget_bytes
+        return self.predicted.peak_bytes <= self.budget_bytes - margin_bytes
 
     @property
     def forward_window_bytes(self) -> int:
@@ -768,6 +817,10 @@ class Plan:
             f"{_gib(predicted.peak_bytes)} ({predicted.peak_at}), step {predicted.step_s * 1000:.1f} ms (copy "
             f"wait {predicted.drain_s * 1000:.1f} ms), {_gib(predicted.host_bytes)} on the host",
         ]
+        if self.measured is not None:
+            peak = self.measured.peak_bytes
+            lines.append(f"Chosen by measurement: its steps ran in {self.measured.step_s * 1000:.1f} ms"
+                         + ("" if peak is None else f" at a peak of {_gib(peak)}"))
         if self.tiled_layers:
             lines.append(f"The MLPs of {len(self.tiled_layers)} layers run in chunks of {self.tile_tokens} tokens: "
                          "no plan without tiling fits (gradients then agree within rounding, not bitwise)")
@@ -797,7 +850,9 @@ class Plan:
         """
         predicted = dict(data["predicted"])
         predicted["layers"] = tuple(LayerPlan(**layer) for layer in predicted["layers"])
-        return cls(**{**data, "predicted": Prediction(**predicted)})
+        measured = data.get("measured")
+        return cls(**{**data, "predicted": Prediction(**predicted),
+                      "measured": None if measured is None else MeasuredStep(**measured)})
 
 
 # The actions the planner chooses among: all but the selective offload (`X`). On S1 and S2 (H100) its layers cost
@@ -987,7 +1042,8 @@ def _polish(letters: list[str], run: _Run, seconds: list[dict[str, float]], run_
     return letters, run
 
 
-def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan:
+def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measured: Sequence[MeasuredStep] = (),
+         measured_only: bool = False) -> Plan:  # fmt: skip
     """The per-layer actions with the shortest predicted step whose predicted peak fits the budget.
 
     Greedy, then polished. The greedy changes one layer at a time from keeping everything, taking first the
@@ -1006,18 +1062,27 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
     A heuristic: on uniform layers it matches an exhaustive search (see the tests); with layers of different
     sizes and slow links, where copies queue behind each other, it can miss the fastest plan by a few percent.
 
+    Plans that ran (`measured`) are measurements, and a measurement beats the model: a measured plan fits if its
+    measured peak is within the budget (the margin is for predictions), and is as fast as it measured. So the
+    result is never slower than the fastest measured plan that fits, and a budget that a measured plan met is
+    never refused (a plan without tiling that fits by measurement beats tiling). The plans that never ran are
+    compared with them by their predictions scaled by the model's error in time (`Plan.time_scale`).
+
     Args:
         profile: the measured step.
         budget_bytes: the budget for the step's peak, in bytes.
         margin_bytes: how far below the budget the predicted peak must stay (for the prediction's error).
+        measured: plans that ran, with their measurements at `profile`'s tokens (see `MeasuredStep.scaled`).
+        measured_only: the fastest of the measured exact plans that fit, if any fits: for a closed loop's last
+            correction, after which a plan the model proposes would never be measured.
 
     Returns:
         The plan. When keeping everything fits, every layer keeps.
 
     Raises:
         InfeasibleBudgetError: if even the lowest-memory plan (every layer fully checkpointed, its MLP tiled where
-            tiling is available, inputs offloaded as far as the host cap allows) does not fit: the message names its
-            peak, what dominates it, and the budget; the error carries that plan.
+            tiling is available, inputs offloaded as far as the host cap allows) does not fit, nor does any measured
+            plan: the message names its peak, what dominates it, and the budget; the error carries that plan.
         ValueError: `budget_bytes` is not an int > 0.
 
     Example:
@@ -1035,11 +1100,19 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
     """
     if not _is_int(budget_bytes) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be an int > 0, got {budget_bytes!r}")
+    for step in measured:
+        _check_code(profile, step.code)
+    by_code = {step.code: step for step in measured}
     options = [_layer_options(profile, layer) for layer in profile.layers]
     limit = budget_bytes - margin_bytes
 
     def run_of(letters: Sequence[str]) -> _Run:
         return _simulate(profile, [layer[letter] for layer, letter in zip(options, letters)], limit=limit)
+
+    # The model's error in time, as the measured plans show it: a prediction compared with a measurement is scaled
+    # by it (a model that over-predicts every step would otherwise lose every comparison to a measurement).
+    ratios = [step.step_s / run.step_s for step in by_code.values() if (run := run_of(step.code)).step_s > 0]
+    time_scale = statistics.median(ratios) if ratios else 1.0
 
     def fits(run: _Run) -> bool:
         return run.peak_bytes <= limit and run.host_bytes <= profile.host_cap_bytes
@@ -1049,15 +1122,29 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
         predicted = _prediction(code, [layer[letter] for layer, letter in zip(options, code)], run)
         return Plan(budget_bytes=budget_bytes, tokens=profile.tokens, predicted=predicted,
                     tile_tokens=profile.tile_tokens if "T" in code or "t" in code else 0,
-                    host_cap_bytes=profile.host_cap_bytes)
+                    host_cap_bytes=profile.host_cap_bytes, measured=by_code.get(code), time_scale=time_scale)
 
+    def fastest(candidates: list[tuple[list[str], _Run]]) -> Plan:
+        return min((finish(*candidate) for candidate in candidates), key=lambda plan: plan.expected_step_s)
+
+    def admissible(candidate: tuple[list[str], _Run]) -> bool:
+        return finish(*candidate).fits(margin_bytes) and candidate[1].host_bytes <= profile.host_cap_bytes
+
+    measured_fitting = [candidate for candidate in ((list(code), run_of(code)) for code in by_code)
+                        if admissible(candidate)]  # fmt: skip
+    # Tiling is not exact: a measured plan that tiles is a candidate only where no exact plan fits.
+    exact_measured = [candidate for candidate in measured_fitting if not {"T", "t"} & set(candidate[0])]
+    if measured_only and exact_measured:
+        return fastest(exact_measured)
     keep_all = ["K"] * len(options)
     keep_all_run = run_of(keep_all)
-    if fits(keep_all_run):
-        return finish(keep_all, keep_all_run)
+    if admissible((keep_all, keep_all_run)):  # nothing is faster, unless it measured slower than a measured plan
+        return fastest([(keep_all, keep_all_run), *exact_measured])
     lowest = list(_lowest_memory_code(profile))
     lowest_run = run_of(lowest)
     seconds = _own_seconds(profile, options)
+    if not fits(lowest_run) and measured_fitting:  # the model over-predicts a peak that a measurement met
+        return fastest(exact_measured or measured_fitting)
     if not fits(lowest_run) and tiling_available(profile):
         lowest = list(_lowest_memory_code(profile, tiled=True))
         lowest_run = run_of(lowest)
@@ -1065,10 +1152,21 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0) -> Plan
             return finish(*_polish(lowest, lowest_run, seconds, run_of, fits, planned=_PLANNED + "Tt"))
     if not fits(lowest_run):
         chosen = [layer[letter] for layer, letter in zip(options, lowest)]
-        raise _infeasible(profile, budget_bytes, margin_bytes, finish(lowest, lowest_run), chosen, lowest_run)
+        error = _infeasible(profile, budget_bytes, margin_bytes, finish(lowest, lowest_run), chosen, lowest_run)
+        # A measured plan that peaked below the predicted minimum (over this budget, or it would have been chosen)
+        # is the smallest budget known to work.
+        met = min((step for step in by_code.values() if step.peak_bytes is not None),
+                  key=lambda step: step.peak_bytes, default=None)  # fmt: skip
+        if met is not None and met.peak_bytes < error.minimum_bytes:
+            raise InfeasibleBudgetError(f"{error} Measured, plan {met.code!r} peaked at {_gib(met.peak_bytes)} "
+                                        f"({met.peak_bytes} bytes): the smallest budget known to work.",
+                                        budget_bytes, met.peak_bytes, error.lowest_plan)  # fmt: skip
+        raise error
 
-    candidates = [_polish(lowest, lowest_run, seconds, run_of, fits)]
+    others = [*exact_measured]
     greedy = _first_fitting(_greedy_plans(profile, options, seconds), run_of, fits)
     if greedy is not None:
-        candidates.append(_polish(*greedy, seconds, run_of, fits))
-    return finish(*min(candidates, key=lambda candidate: candidate[1].step_s))
+        others.append(_polish(*greedy, seconds, run_of, fits))
+    # A plan the model fits that measured over the budget is no candidate; the polished lowest-memory plan stays
+    # one whatever it measured, the last resort.
+    return fastest([_polish(lowest, lowest_run, seconds, run_of, fits), *filter(admissible, others)])

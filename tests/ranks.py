@@ -10,12 +10,13 @@ import torch
 
 from hf_offload import InfeasibleBudgetError
 from hf_offload.budget import _same_on_every_rank
-from hf_offload.planner import LayerProfile, StepProfile, plan
+from hf_offload.planner import LayerProfile, MeasuredStep, StepProfile, plan
 
 
 def plan_on_rank(rank: int, port: int, results) -> None:
-    """One of two gloo ranks: what `_same_on_every_rank` gives it for a budget that fits and one that does not,
-    planned on rank 0 alone."""
+    """One of two gloo ranks: what `_same_on_every_rank` gives it for a budget that fits, one that does not, and the
+    same with a measured plan that meets it (measured on rank 0 alone, as the closed loop's plans are), planned on
+    rank 0 alone."""
     layer = LayerProfile(saved_bytes=1000, selective_bytes=500, input_bytes=100, forward_s=0.001, backward_s=0.002,
                          selective_recompute_s=0.0005)  # fmt: skip
     profile = StepProfile(layers=[layer] * 2, static_bytes=10_000, head_bytes=100, backward_working_bytes=100,
@@ -24,9 +25,11 @@ def plan_on_rank(rank: int, port: int, results) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     outcomes = []
     try:
-        for budget_bytes in (10**6, 10_001):
+        measured = [MeasuredStep("CC", step_s=0.01, peak_bytes=10_001)] if rank == 0 else []
+        for budget_bytes, steps in ((10**6, []), (10_001, []), (10_001, measured)):
             try:
-                outcomes.append(("plan", _same_on_every_rank(functools.partial(plan, profile, budget_bytes)).code))
+                chosen = _same_on_every_rank(functools.partial(plan, profile, budget_bytes, 0, steps))
+                outcomes.append(("plan", chosen.code, chosen.measured))
             except InfeasibleBudgetError as error:
                 outcomes.append(("refused", error.minimum_bytes, error.lowest_plan.code, str(error)))
     finally:

@@ -24,6 +24,7 @@ from hf_offload.planner import (
     GIB,
     InfeasibleBudgetError,
     LayerProfile,
+    MeasuredStep,
     MemoryBudget,
     Plan,
     StepProfile,
@@ -638,6 +639,13 @@ def test_tiling_is_chosen_only_when_no_plan_without_it_fits() -> None:
     assert tiled.predicted.peak_bytes <= 60 * GIB
     assert "The MLPs of 32 layers run in chunks of 4096 tokens" in tiled.format_table()
     assert Plan.from_dict(json.loads(json.dumps(tiled.to_dict()))) == tiled
+    # A measured tiled plan, however fast, does not replace an exact plan that fits...
+    fast_tiled = MeasuredStep("T" * 32, step_s=0.001)
+    assert plan(profile, 80 * GIB, measured=[fast_tiled]).code == untiled.code
+    assert plan(profile, 80 * GIB, measured=[fast_tiled], measured_only=True).code == untiled.code
+    # ... and where none fits, an exact plan that fit by measurement beats the tiled ones.
+    exact = MeasuredStep("C" * 32, step_s=10.0, peak_bytes=60 * GIB)
+    assert plan(profile, 60 * GIB, measured=[fast_tiled, exact]).measured == exact
 
 
 def test_polishing_takes_back_the_tiling_the_peak_does_not_need() -> None:
@@ -685,3 +693,77 @@ def test_a_full_host_is_said() -> None:
     assert "12 checkpointed layers keep their input on the GPU: the host's pinned cap of 40.00 GiB is full" \
         in result.format_table()
     assert plan(long_profile(), 60 * GIB).inputs_kept_for_host == []
+
+
+# Dominance: measured plans beat the model
+
+
+def test_a_budget_a_measured_plan_met_is_not_refused() -> None:
+    """The model over-predicts the lowest plan's peak (the issue's Mistral-7B shape: 17.57 GiB predicted, 16.72
+    GiB measured); a budget between the two is met by the measured plan, not refused."""
+    profile = s1_profile()
+    predicted = simulate(profile, "C" * 16)
+    budget = predicted.peak_bytes - GIB // 2
+    with pytest.raises(InfeasibleBudgetError):
+        plan(profile, budget)
+    safe = MeasuredStep("C" * 16, step_s=predicted.step_s, peak_bytes=predicted.peak_bytes - GIB)
+    result = plan(profile, budget, margin_bytes=budget // 200, measured=[safe])
+    assert (result.code, result.measured) == ("C" * 16, safe)
+    assert result.fits(budget // 200) and result.predicted.peak_bytes > budget  # by its measured peak
+    with pytest.raises(InfeasibleBudgetError) as error:  # a measured peak over the budget is no way out...
+        plan(profile, budget, measured=[dataclasses.replace(safe, peak_bytes=budget + 1)])
+    # ... but it is the smallest budget known to work, below the predicted one.
+    assert error.value.minimum_bytes == budget + 1
+    assert f"Measured, plan {'C' * 16!r} peaked at " in str(error.value)
+    assert str(error.value).endswith(f"({budget + 1} bytes): the smallest budget known to work.")
+
+
+def test_the_plan_is_never_slower_than_a_measured_plan_that_fits() -> None:
+    profile = s1_profile()
+    budget = 20 * GIB
+    chosen = plan(profile, budget)
+    assert chosen.code != "C" * 16 and chosen.measured is None
+    # The model's choice ran slower than predicted, and nothing else was measured: the model is as wrong about the
+    # other plans, whose predictions are scaled by its error, and the plan stays.
+    slow = MeasuredStep(chosen.code, step_s=0.5)
+    again = plan(profile, budget, measured=[slow])
+    assert (again.code, again.measured) == (chosen.code, slow)
+    assert math.isclose(again.time_scale, slow.step_s / chosen.predicted.step_s)
+    # The safe plan, measured as predicted, puts the model's error between the two (the median of their ratios):
+    # the plans that never ran are expected slower than the safe plan measured, which wins.
+    as_predicted = MeasuredStep("C" * 16, step_s=simulate(profile, "C" * 16).step_s)
+    switched = plan(profile, budget, measured=[slow, as_predicted])
+    assert switched.measured == as_predicted
+    assert math.isclose(switched.time_scale, (1 + slow.step_s / chosen.predicted.step_s) / 2)
+    # A closed loop's last correction keeps to what was measured.
+    slower_safe = MeasuredStep("C" * 16, step_s=0.45)
+    assert plan(profile, budget, measured=[slow, slower_safe], measured_only=True).measured == slower_safe
+    # ... unless a measured plan ran faster than any prediction: it wins, by its measurement.
+    safe = MeasuredStep("C" * 16, step_s=0.2)
+    assert plan(profile, budget, measured=[slow, safe]).measured == safe
+    # Keeping everything fits a roomy budget, unless it measured slower than a measured plan.
+    assert plan(profile, 64 * GIB).code == "K" * 16
+    assert plan(profile, 64 * GIB, measured=[MeasuredStep("K" * 16, 0.5), safe]).measured == safe
+    # A plan whose measured peak exceeds the budget is not chosen, however fast it ran.
+    over = MeasuredStep(chosen.code, step_s=0.01, peak_bytes=budget + 1)
+    assert plan(profile, budget, measured=[over]).code != chosen.code
+
+
+def test_a_measurement_scales_with_the_model() -> None:
+    profile = s1_profile()
+    longer = profile.scaled(2 * profile.tokens)
+    at, after = simulate(profile, "C" * 16), simulate(longer, "C" * 16)
+    step = MeasuredStep("C" * 16, step_s=2 * at.step_s, peak_bytes=at.peak_bytes - GIB)
+    scaled = step.scaled(profile, longer)
+    assert math.isclose(scaled.step_s, 2 * after.step_s)  # what the model missed, in proportion
+    assert scaled.peak_bytes == after.peak_bytes - GIB  # what the model missed, in bytes
+    assert MeasuredStep("C" * 16, 0.1).scaled(profile, longer).peak_bytes is None
+
+
+def test_a_measured_plan_round_trips_through_plain_data() -> None:
+    profile = s1_profile()
+    budget = simulate(profile, "C" * 16).peak_bytes - 1  # met by the measurement only
+    result = plan(profile, budget, measured=[MeasuredStep("C" * 16, 0.001, GIB)])
+    assert result.measured is not None
+    assert Plan.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+    assert "Chosen by measurement: its steps ran in 1.0 ms at a peak of 1.00 GiB" in result.format_table()
