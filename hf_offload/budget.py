@@ -84,6 +84,8 @@ from .planner import (
 from .random_state import random_state_untouched
 from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
+__all__ = ["MemoryBudgetController", "measure_link_bandwidth"]
+
 logger = logging.getLogger(__name__)
 
 _SAFE_ACTION = SimpleNamespace(action=FULL, offload_input=True)

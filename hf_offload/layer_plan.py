@@ -58,6 +58,16 @@ from .planner import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLO
 from .random_state import RandomState, random_state, set_random_state
 from .tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 
+__all__ = [
+    "ACTIONS",
+    "LayerAction",
+    "AppliedPlan",
+    "apply_layer_plan",
+    "checkpointing_as",
+    "saved_by_selective_checkpoint",
+    "selective_checkpoint_function",
+]
+
 ACTIONS = (KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL, FULL_TILED)
 
 # What a selective checkpoint saves: the outputs of the ops that cost the most to recompute per byte they occupy.

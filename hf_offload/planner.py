@@ -67,6 +67,22 @@ from typing import Any, NamedTuple
 
 from .units import GIB, format_bytes
 
+__all__ = [
+    "MemoryBudget",
+    "parse_memory_budget",
+    "LayerProfile",
+    "StepProfile",
+    "MeasuredStep",
+    "LayerPlan",
+    "Prediction",
+    "Plan",
+    "InfeasibleBudgetError",
+    "plan",
+    "simulate",
+    "tiling_available",
+    "in_proportion",
+]
+
 # "auto" leaves this much of the device outside the budget. The budget bounds `max_memory_allocated`, which does
 # not count the CUDA context, NCCL's buffers or the memory the caching allocator reserves but cannot reuse
 # (fragmentation), and the prediction itself is only trusted to within about 5%. Small devices still keep 2 GiB.
