@@ -78,15 +78,19 @@ def main() -> int:
         rows["offload, prefetch points (checkpointing)"] = measure(OffloadActivations(), prefetch_points=True)
         rows["nothing eligible"] = measure(OffloadActivations(min_offload_size=2**40))
     base = rows["no offloading"]
-    print(f"{args.label}: {args.layers} tensors of {args.tokens * args.hidden * 2 / 2**20:.0f} MiB, host time per "
-          f"step (median of {args.steps}), and per tensor over no offloading")
+    print(
+        f"{args.label}: {args.layers} tensors of {args.tokens * args.hidden * 2 / 2**20:.0f} MiB, host time per "
+        f"step (median of {args.steps}), and per tensor over no offloading"
+    )
     result = {"label": args.label, "torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": {}}
     for name, row in rows.items():
         per_pack = (row["forward_ms"] - base["forward_ms"]) / args.layers * 1e3
         per_unpack = (row["backward_ms"] - base["backward_ms"]) / args.layers * 1e3
         result["rows"][name] = {**row, "pack_us": per_pack, "unpack_us": per_unpack}
-        print(f"  {name:42s} forward {row['forward_ms']:7.2f} ms ({per_pack:+7.1f} us/tensor)   backward "
-              f"{row['backward_ms']:7.2f} ms ({per_unpack:+7.1f} us/tensor)")
+        print(
+            f"  {name:42s} forward {row['forward_ms']:7.2f} ms ({per_pack:+7.1f} us/tensor)   backward "
+            f"{row['backward_ms']:7.2f} ms ({per_unpack:+7.1f} us/tensor)"
+        )
     if args.primitives:
         result["primitives_us"] = time_primitives(torch, start.detach())
     name = "".join(c if c.isalnum() else "-" for c in args.label)

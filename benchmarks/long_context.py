@@ -120,28 +120,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precision", choices=["bf16", "qlora"], default="bf16")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
-    ap.add_argument("--profile-tokens", default=None, help="comma list of the profiled lengths (8192,16384; tiny "
-                    "64,128); at least two, so that memory and time can be fitted")
+    ap.add_argument(
+        "--profile-tokens",
+        default=None,
+        help="comma list of the profiled lengths (8192,16384; tiny "
+        "64,128); at least two, so that memory and time can be fitted",
+    )
     ap.add_argument("--round", type=int, default=None, help="predicted lengths are multiples of this (8192; tiny 64)")
     ap.add_argument("--margin-gib", type=float, default=None, help="device memory kept out of the prediction (2)")
-    ap.add_argument("--device-gib", type=float, default=None, help="predict for this much device memory instead of "
-                    "the GPU's total (tiny: the pretend device's memory, 1/64 GiB)")
-    ap.add_argument("--host-margin-gib", type=float, default=None,
-                    help="host RAM kept free when predicting TRL's and native's pinned blocks (4)")
+    ap.add_argument(
+        "--device-gib",
+        type=float,
+        default=None,
+        help="predict for this much device memory instead of "
+        "the GPU's total (tiny: the pretend device's memory, 1/64 GiB)",
+    )
+    ap.add_argument(
+        "--host-margin-gib",
+        type=float,
+        default=None,
+        help="host RAM kept free when predicting TRL's and native's pinned blocks (4)",
+    )
     ap.add_argument("--max-tokens", type=int, default=None, help="the longest length searched (2**20; tiny 8192)")
-    ap.add_argument("--max-step-seconds", type=float, default=500.0, help="a step predicted to take longer counts "
-                    "as limited by time (one step has to fit in a 10-minute call with the profiling before it)")
-    ap.add_argument("--attn-probe-tokens", type=int, default=None,
-                    help="length of the timed attention call that gives the time's quadratic term (65536; tiny 512)")
+    ap.add_argument(
+        "--max-step-seconds",
+        type=float,
+        default=500.0,
+        help="a step predicted to take longer counts "
+        "as limited by time (one step has to fit in a 10-minute call with the profiling before it)",
+    )
+    ap.add_argument(
+        "--attn-probe-tokens",
+        type=int,
+        default=None,
+        help="length of the timed attention call that gives the time's quadratic term (65536; tiny 512)",
+    )
     ap.add_argument("--confirm", action="store_true", help="run one step at the predicted longest length")
     ap.add_argument("--confirm-tokens", type=int, default=0, help="confirm at this length instead (implies --confirm)")
     ap.add_argument("--max-seconds", type=float, default=540.0, help="the whole invocation's time budget")
-    ap.add_argument("--qlora-prepare", choices=["none", "peft"], default="none",
-                    help="qlora: 'peft' also calls peft.prepare_model_for_kbit_training (casts the norms, embeddings "
-                    "and head to fp32); 'none' keeps them bf16, as TRL's SFTTrainer does")
-    ap.add_argument("--max-pinned-fraction", type=float, default=None,
-                    help="hf-offload's max_pinned_memory_fraction for ckpt+hfo and plan@auto (the library's default "
-                    "when not given): the share of available host RAM its pinned pool may take")
+    ap.add_argument(
+        "--qlora-prepare",
+        choices=["none", "peft"],
+        default="none",
+        help="qlora: 'peft' also calls peft.prepare_model_for_kbit_training (casts the norms, embeddings "
+        "and head to fp32); 'none' keeps them bf16, as TRL's SFTTrainer does",
+    )
+    ap.add_argument(
+        "--max-pinned-fraction",
+        type=float,
+        default=None,
+        help="hf-offload's max_pinned_memory_fraction for ckpt+hfo and plan@auto (the library's default "
+        "when not given): the share of available host RAM its pinned pool may take",
+    )
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (32; tiny 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, hf-offload in its CPU test mode")
@@ -195,8 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = resolve_settings(args)
     if settings["precision"] == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
-        print("--precision qlora needs bitsandbytes, which is not installed here (pip install bitsandbytes; on the "
-              "GPU machine it comes from the carried wheel in .whl/)", file=sys.stderr)
+        print(
+            "--precision qlora needs bitsandbytes, which is not installed here (pip install bitsandbytes; on the "
+            "GPU machine it comes from the carried wheel in .whl/)",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out).resolve()  # the children run in the repository's root
     out.mkdir(parents=True, exist_ok=True)
@@ -212,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         "finished": False,
     }  # fmt: skip
     save_results(path, results)
-    log(f"long context, {settings['precision']}: modes {', '.join(modes)}; profile at {settings['profile_tokens']}; "
-        f"confirm {'on' if settings['confirm'] else 'off'}; budget {settings['max_seconds']:.0f} s; writing {path}")
+    log(
+        f"long context, {settings['precision']}: modes {', '.join(modes)}; profile at {settings['profile_tokens']}; "
+        f"confirm {'on' if settings['confirm'] else 'off'}; budget {settings['max_seconds']:.0f} s; writing {path}"
+    )
     deadline = started + settings["max_seconds"]
     estimate = settings["mode_estimate_s"]
     for index, mode in enumerate(modes):
@@ -227,8 +262,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{mode}: skipped: {reason}")
             save_results(path, results)
             continue
-        spec = {"mode": mode, "results_path": str(path), "deadline": deadline, "settings": settings,
-                "reserve_s": estimate * sum(1 for m in modes[index + 1:] if _skip_without_child(settings, m) is None)}
+        spec = {
+            "mode": mode,
+            "results_path": str(path),
+            "deadline": deadline,
+            "settings": settings,
+            "reserve_s": estimate * sum(1 for m in modes[index + 1 :] if _skip_without_child(settings, m) is None),
+        }
         log(f"{mode}: starting its process ({left:.0f} s left; {spec['reserve_s']:.0f} s kept for the modes after it)")
         rc, timed_out = run_child(spec, _LOG_FILE, timeout=left)
         results = json.loads(path.read_text())
@@ -243,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{mode}: {record.get('status')}" + (f" ({record['error']})" if record.get("error") else ""))
         save_results(path, results)
         if record.get("fatal"):
-            for later in modes[index + 1:]:
+            for later in modes[index + 1 :]:
                 results["modes"][later].update(status="skipped", notes=[f"not run: {record.get('error')}"])
             save_results(path, results)
             break
@@ -270,8 +310,14 @@ def run_child(spec: dict[str, Any], log_path: Path, timeout: float) -> tuple[int
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_child", json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--_child", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=str(REPO),
+    )
 
     def pump() -> None:
         with open(log_path, "a") as log_file:
@@ -420,7 +466,8 @@ def quantize_decoder_nf4(model: Any) -> dict[str, Any]:
         if not isinstance(new, bnb.nn.Linear4bit):
             raise RuntimeError(f"replace_with_bnb_linear left {name} a {type(new).__name__}")
         new.weight = bnb.nn.Params4bit(old.weight.data, requires_grad=False, **new.weight.__dict__).to(
-            old.weight.device)
+            old.weight.device
+        )
         if old.bias is not None:
             new.bias = nn.Parameter(old.bias.data, requires_grad=False)
         del old
@@ -592,11 +639,16 @@ class ModeRun:
         env["versions"] = versions()
         if self.cuda:
             props = torch.cuda.get_device_properties(0)
-            env.update(device_name=props.name, device_total_bytes=int(props.total_memory),
-                       device_real_total_bytes=int(props.total_memory))
+            env.update(
+                device_name=props.name,
+                device_total_bytes=int(props.total_memory),
+                device_real_total_bytes=int(props.total_memory),
+            )
         else:
-            env.update(device_name="cpu (pretend device of --device-gib)",
-                       device_total_bytes=int(self.settings["device_gib"] * GIB))
+            env.update(
+                device_name="cpu (pretend device of --device-gib)",
+                device_total_bytes=int(self.settings["device_gib"] * GIB),
+            )
         if self.settings["device_gib"]:  # predictions for another size than the device's
             env["device_total_bytes"] = int(self.settings["device_gib"] * GIB)
         env["gpu_limit_bytes"] = int(env["device_total_bytes"] - self.settings["margin_gib"] * GIB)
@@ -668,9 +720,11 @@ class ModeRun:
             gc.collect()
             if self.cuda:
                 torch.cuda.empty_cache()
-            log(f"{self.mode}: {phase} step at {tokens:,} tokens: {rec['error_kind']} ({rec['error'][:160]}); "
+            log(
+                f"{self.mode}: {phase} step at {tokens:,} tokens: {rec['error_kind']} ({rec['error'][:160]}); "
                 f"allocated {(rec['allocated_bytes'] or 0) / GIB:.2f} GiB, reserved "
-                f"{(rec['reserved_bytes'] or 0) / GIB:.2f} GiB")
+                f"{(rec['reserved_bytes'] or 0) / GIB:.2f} GiB"
+            )
             self.save()
             return rec
         seconds = time.perf_counter() - start
@@ -700,9 +754,12 @@ class ModeRun:
     def _record_offload(self, rec: dict[str, Any]) -> None:
         if self.parsed.offloader == "hfo":
             stats = self.offload.context.get_stats()
-            rec.update(bytes_offloaded=int(stats.get("bytes_offloaded", 0)),
-                       tensors_offloaded=int(stats.get("tensors_offloaded", 0)),
-                       pinned_bytes=int(stats.get("pinned_bytes", 0)), compute_wait_s=stats.get("compute_wait_s"))
+            rec.update(
+                bytes_offloaded=int(stats.get("bytes_offloaded", 0)),
+                tensors_offloaded=int(stats.get("tensors_offloaded", 0)),
+                pinned_bytes=int(stats.get("pinned_bytes", 0)),
+                compute_wait_s=stats.get("compute_wait_s"),
+            )
             controller = self.offload.context.budget
             if controller is not None and controller.plan is not None:
                 plan = controller.plan
@@ -711,8 +768,12 @@ class ModeRun:
                            plan_static_bytes=controller.profile.static_bytes)  # fmt: skip
         elif self.counter is not None:
             sizes = self.counter.sizes
-            rec.update(bytes_offloaded=self.counter.bytes, tensors_offloaded=self.counter.tensors,
-                       offloaded_sizes=list(sizes), pinned_pow2_bytes=sum(pow2ceil(n) for n in sizes))
+            rec.update(
+                bytes_offloaded=self.counter.bytes,
+                tensors_offloaded=self.counter.tensors,
+                offloaded_sizes=list(sizes),
+                pinned_pow2_bytes=sum(pow2ceil(n) for n in sizes),
+            )
 
     def profile(self) -> None:
         """A warm-up and a measured step at each profiled length; plan@auto first runs the library's two profiling
@@ -754,8 +815,10 @@ class ModeRun:
 
             probe["forward_s"] = self._median_seconds(forward)
             probe["backward_s"] = max(0.0, self._median_seconds(forward_backward) - probe["forward_s"])
-            log(f"{self.mode}: attention probe at {tokens:,} tokens: forward {probe['forward_s'] * 1000:.1f} ms, "
-                f"backward {probe['backward_s'] * 1000:.1f} ms per layer")
+            log(
+                f"{self.mode}: attention probe at {tokens:,} tokens: forward {probe['forward_s'] * 1000:.1f} ms, "
+                f"backward {probe['backward_s'] * 1000:.1f} ms per layer"
+            )
         except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
             probe["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             log(f"{self.mode}: attention probe failed ({probe['error']}); the time fit goes without it")
@@ -829,14 +892,18 @@ class ModeRun:
 
             room = int(psutil.virtual_memory().available - s["host_margin_gib"] * GIB)
             fields.update(sizes=tuple(last["offloaded_sizes"]), sizes_tokens=last["tokens"], host_room_bytes=room)
-            how.append(f"Host: each of the {len(last['offloaded_sizes'])} tensors offloaded per step, grown with the "
-                       "tokens and rounded up to a power of two (PyTorch's pinned allocator), against the host RAM "
-                       f"available after profiling less {s['host_margin_gib']:g} GiB ({room / GIB:.1f} GiB).")
+            how.append(
+                f"Host: each of the {len(last['offloaded_sizes'])} tensors offloaded per step, grown with the "
+                "tokens and rounded up to a power of two (PyTorch's pinned allocator), against the host RAM "
+                f"available after profiling less {s['host_margin_gib']:g} GiB ({room / GIB:.1f} GiB)."
+            )
         self.memory = MemoryModel(**fields)
         prediction = predict_longest(self.memory, self.time_model, self.gpu_limit, s["round"], s["max_tokens"],
                                      s["max_step_seconds"])  # fmt: skip
-        how.append(f"Time: {self.time_model.how}; a = {self.time_model.a:.3f} s, b = {self.time_model.b * 1e6:.2f} "
-                   f"us/token, c = {self.time_model.c * 1e12:.4f} ps/token^2.")
+        how.append(
+            f"Time: {self.time_model.how}; a = {self.time_model.a:.3f} s, b = {self.time_model.b * 1e6:.2f} "
+            f"us/token, c = {self.time_model.c * 1e12:.4f} ps/token^2."
+        )
         prediction.update(how=how, peak_fit={"intercept_bytes": peak0, "bytes_per_token": peak1},
                           time_model=self.time_model.as_dict(), gpu_limit_bytes=self.gpu_limit,
                           memory_model={k: v for k, v in fields.items() if k != "sizes"})  # fmt: skip
@@ -905,12 +972,19 @@ class ModeRun:
         longest = by_memory
         if by_memory and (host_kept := getattr(attempt(by_memory), "inputs_kept_for_host", None)):
             limit = LIMIT_POOL_CAP
-            detail = (f"{len(host_kept)} checkpointed layers keep their input on the GPU because the pinned cap "
-                      f"({attempt(by_memory).host_cap_bytes / GIB:.1f} GiB) is full; then " + detail)
+            detail = (
+                f"{len(host_kept)} checkpointed layers keep their input on the GPU because the pinned cap "
+                f"({attempt(by_memory).host_cap_bytes / GIB:.1f} GiB) is full; then " + detail
+            )
         if by_memory and step_s(by_memory) > s["max_step_seconds"]:
             longest = largest_multiple(lambda n: fits(n) and step_s(n) <= s["max_step_seconds"], round_to, max_tokens)
-            limit, detail = LIMIT_TIME, (f"predicted {step_s(by_memory):.0f} s/step at {by_memory} tokens (the memory "
-                                         f"limit), over --max-step-seconds {s['max_step_seconds']:g}")
+            limit, detail = (
+                LIMIT_TIME,
+                (
+                    f"predicted {step_s(by_memory):.0f} s/step at {by_memory} tokens (the memory "
+                    f"limit), over --max-step-seconds {s['max_step_seconds']:g}"
+                ),
+            )
         out: dict[str, Any] = {"longest_tokens": longest, "limit": limit, "limit_detail": detail,
                                "static_bytes_per_token": static_per_token,
                                "by_memory_tokens": by_memory, "budget_bytes": budget_bytes, "margin_bytes": margin,
@@ -937,8 +1011,10 @@ class ModeRun:
                        f"{c_forward * 1e12:.4f}, backward {c_backward * 1e12:.4f} ps/token^2, two forwards where the "
                        "plan recomputes a layer).")  # fmt: skip
         else:
-            how.append("Time: the planner's predicted step time" + ("" if not quadratic_missing else
-                                                                    " (no attention probe to correct it)"))
+            how.append(
+                "Time: the planner's predicted step time"
+                + ("" if not quadratic_missing else " (no attention probe to correct it)")
+            )
         if self.time_model is not None:
             how.append(f"Cross-check (fit_step_s): {self.time_model.how}, through this mode's own profiled steps.")
         out["how"] = how

@@ -77,8 +77,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=0, help="the long step's tokens; 0: the predicted longest")
     parser.add_argument("--profile-tokens", type=int, default=16384)
     parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--long-steps", type=int, default=1, help="steps at --tokens (the first may allocate the "
-                        "pinned pool; compare the later ones)")
+    parser.add_argument(
+        "--long-steps",
+        type=int,
+        default=1,
+        help="steps at --tokens (the first may allocate the pinned pool; compare the later ones)",
+    )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="long_context_out")
@@ -150,13 +154,17 @@ def main() -> int:
         result["profile"] = {"tokens": ctx.budget.profile.tokens, "tile_tokens": ctx.budget.profile.tile_tokens,
                              "tile_chunk_gib": ctx.budget.profile.tile_chunk_bytes / GIB}  # fmt: skip
         result["predicted_longest"] = predict_longest(ctx)
-        log(f"predicted longest: {result['predicted_longest'].get('tokens')} tokens, plan "
-            f"{result['predicted_longest'].get('code')}")
+        log(
+            f"predicted longest: {result['predicted_longest'].get('tokens')} tokens, plan "
+            f"{result['predicted_longest'].get('code')}"
+        )
         save()
         tokens = tokens or result["predicted_longest"]["tokens"]
         if tokens:
-            predicted = plan(ctx.budget.profile.scaled(tokens),
-                             ctx.budget.budget.resolve(torch.cuda.get_device_properties(0).total_memory))
+            predicted = plan(
+                ctx.budget.profile.scaled(tokens),
+                ctx.budget.budget.resolve(torch.cuda.get_device_properties(0).total_memory),
+            )
             result["predicted_at_tokens"] = {"tokens": tokens, "code": predicted.code,
                                              "peak_gib": predicted.predicted.peak_bytes / GIB,
                                              "step_s": predicted.predicted.step_s}  # fmt: skip

@@ -55,7 +55,8 @@ def load_points(paths: list[Path]) -> tuple[dict[str, dict[str, Point]], list[st
                 continue
             none = nones[r["scenario"]]
             points.setdefault(r["scenario"], {})[r["mode"]] = Point(
-                r["mode"], r["median_s"] / none["median_s"], r["peak_gib"], r["peak_gib"] / none["peak_gib"])
+                r["mode"], r["median_s"] / none["median_s"], r["peak_gib"], r["peak_gib"] / none["peak_gib"]
+            )
     return points, left_out
 
 
@@ -76,8 +77,10 @@ def plot(points: dict[str, dict[str, Point]], out: Path, percent: bool, title: s
     scenarios = sorted(points)
     others = list(dict.fromkeys(m for s in scenarios for m in points[s] if parse_mode(m).budget_percent is None))
     colors = [plt.get_cmap("tab10")(k) for k in range(1, 10)]  # tab10 without its blue, the plans' line
-    styles = {mode: ("black" if mode == "none" else colors[i % len(colors)], MARKERS[i % len(MARKERS)])
-              for i, mode in enumerate(others)}
+    styles = {
+        mode: ("black" if mode == "none" else colors[i % len(colors)], MARKERS[i % len(MARKERS)])
+        for i, mode in enumerate(others)
+    }
 
     def x_of(p: Point) -> float:
         return 100 * p.peak_share if percent else p.peak_gib
@@ -85,15 +88,29 @@ def plot(points: dict[str, dict[str, Point]], out: Path, percent: bool, title: s
     fig, axes = plt.subplots(1, len(scenarios), figsize=(8.5 * len(scenarios), 5.5), squeeze=False)
     for ax, scenario in zip(axes[0], scenarios):
         by_mode = points[scenario]
-        plans = sorted((p for p in by_mode.values() if parse_mode(p.mode).budget_percent is not None),
-                       key=lambda p: parse_mode(p.mode).budget_percent)
+        plans = sorted(
+            (p for p in by_mode.values() if parse_mode(p.mode).budget_percent is not None),
+            key=lambda p: parse_mode(p.mode).budget_percent,
+        )
         if plans:
-            ax.plot([x_of(p) for p in plans], [p.x_none for p in plans], "o-", color="tab:blue", markersize=4,
-                    label="plan@P: memory budget\nP% of none's peak", zorder=2)
+            ax.plot(
+                [x_of(p) for p in plans],
+                [p.x_none for p in plans],
+                "o-",
+                color="tab:blue",
+                markersize=4,
+                label="plan@P: memory budget\nP% of none's peak",
+                zorder=2,
+            )
             for i, p in enumerate(plans):  # alternately below and above the line, so that neighbours do not collide
-                ax.annotate(f"{parse_mode(p.mode).budget_percent:g}%", (x_of(p), p.x_none),
-                            textcoords="offset points", xytext=(3, -10 if i % 2 else 4), fontsize=7,
-                            color="tab:blue")
+                ax.annotate(
+                    f"{parse_mode(p.mode).budget_percent:g}%",
+                    (x_of(p), p.x_none),
+                    textcoords="offset points",
+                    xytext=(3, -10 if i % 2 else 4),
+                    fontsize=7,
+                    color="tab:blue",
+                )
         for p in by_mode.values():
             if p.mode in styles:
                 color, marker = styles[p.mode]
@@ -142,8 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     devices = sorted({m.get("device_name", "?") for m in metas})
     dates = sorted({m.get("date", "?") for m in metas})
     # One file name per line: a run split across calls names several, which would not fit on one line.
-    plot(points, args.out, args.percent, f"{', '.join(devices)}; {', '.join(dates)}; benchmarks/run.py:\n"
-                                         + "\n".join(path.name for path in args.results))
+    plot(
+        points,
+        args.out,
+        args.percent,
+        f"{', '.join(devices)}; {', '.join(dates)}; benchmarks/run.py:\n"
+        + "\n".join(path.name for path in args.results),
+    )
     print(f"wrote {args.out}: " + "; ".join(f"{s} {len(m)} modes" for s, m in sorted(points.items())))
     return 0
 

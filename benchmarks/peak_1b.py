@@ -47,8 +47,12 @@ def parse_args(argv=None):
     add_model_args(p)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--span", choices=["fwd", "fwd_bwd"], default="fwd",
-                   help="context around the forward only (Trainer.compute_loss) or forward+backward")
+    p.add_argument(
+        "--span",
+        choices=["fwd", "fwd_bwd"],
+        default="fwd",
+        help="context around the forward only (Trainer.compute_loss) or forward+backward",
+    )
     p.add_argument("--configs", default="none,offload,ckpt,ckpt+offload")
     p.add_argument("--options", default="{}", help="JSON dict of extra engine options")
     p.add_argument("--max-seconds", type=float, default=110.0, help="skip remaining configs past this")
@@ -58,10 +62,17 @@ def parse_args(argv=None):
 def build(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 4096),
-                      attn_implementation="sdpa", tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq, 4096),
+        attn_implementation="sdpa",
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -135,11 +146,16 @@ def run_config(model, batch, name, args, options):
         row.update(step_s=statistics.median(times), peak_GiB=peak / GiB, step_times_s=times)
         if stats:
             last = stats[-1]
-            row.update(bytes_offloaded=last.get("bytes_offloaded"), tensors_offloaded=last.get("tensors_offloaded"),
-                       bytes_kept_tail=last.get("bytes_kept_tail"), pinned_bytes=last.get("pinned_bytes"),
-                       compute_wait_s=last.get("compute_wait_s"),
-                       prefetch_hits=last.get("prefetch_hits"), prefetch_misses=last.get("prefetch_misses"),
-                       stats=last)
+            row.update(
+                bytes_offloaded=last.get("bytes_offloaded"),
+                tensors_offloaded=last.get("tensors_offloaded"),
+                bytes_kept_tail=last.get("bytes_kept_tail"),
+                pinned_bytes=last.get("pinned_bytes"),
+                compute_wait_s=last.get("compute_wait_s"),
+                prefetch_hits=last.get("prefetch_hits"),
+                prefetch_misses=last.get("prefetch_misses"),
+                stats=last,
+            )
     except torch.OutOfMemoryError as e:
         row.update(error=f"OOM: {str(e).splitlines()[0]}")
     finally:
@@ -174,15 +190,30 @@ def main(argv=None):
     ids = torch.randint(3, args.vocab, (args.batch, args.seq), generator=g).to(args.device)
     batch = {"input_ids": ids, "labels": ids}
     header = {
-        "device": torch.cuda.get_device_name(0) if _cuda(args) else "cpu", "torch": torch.__version__,
-        "transformers": transformers.__version__, "hf_offload": getattr(hf_offload, "__version__", "?"),
-        "params": n_params, "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
-        "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "seq": args.seq,
-        "batch": args.batch, "span": args.span, "warmup": args.warmup, "steps": args.steps,
-        "engine_options": options, "pinned_GBps": bw,
+        "device": torch.cuda.get_device_name(0) if _cuda(args) else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_offload": getattr(hf_offload, "__version__", "?"),
+        "params": n_params,
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "vocab": args.vocab,
+        "seq": args.seq,
+        "batch": args.batch,
+        "span": args.span,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "engine_options": options,
+        "pinned_GBps": bw,
     }
-    print(f"peak_1b: {n_params / 1e9:.2f}B params, seq {args.seq} x batch {args.batch}, bf16, AdamW, "
-          f"{header['device']}; pinned copy h2d {bw['h2d']:.1f} GB/s, d2h {bw['d2h']:.1f} GB/s", flush=True)
+    print(
+        f"peak_1b: {n_params / 1e9:.2f}B params, seq {args.seq} x batch {args.batch}, bf16, AdamW, "
+        f"{header['device']}; pinned copy h2d {bw['h2d']:.1f} GB/s, d2h {bw['d2h']:.1f} GB/s",
+        flush=True,
+    )
     rows = []
     for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
         if time.perf_counter() - t_start > args.max_seconds:
@@ -190,9 +221,15 @@ def main(argv=None):
             continue
         row = run_config(model, batch, name, args, options)
         rows.append(row)
-        print(f"  {name}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                                        for k, v in row.items() if k not in ("config", "stats", "step_times_s")),
-              flush=True)
+        print(
+            f"  {name}: "
+            + ", ".join(
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in row.items()
+                if k not in ("config", "stats", "step_times_s")
+            ),
+            flush=True,
+        )
 
     by = {r["config"]: r for r in rows}
     floor_bw = min(bw.values())
@@ -206,8 +243,10 @@ def main(argv=None):
             r["transfer_floor_s"] = r["bytes_offloaded"] / (floor_bw * 1e9)
 
     print()
-    print(f"{'config':<14}{'peak GiB':>10}{'step s':>9}{'vs none':>9}{'vs ckpt':>9}{'offl GiB':>10}"
-          f"{'floor s':>9}{'wait s':>8}{'pinned GiB':>11}")
+    print(
+        f"{'config':<14}{'peak GiB':>10}{'step s':>9}{'vs none':>9}{'vs ckpt':>9}{'offl GiB':>10}"
+        f"{'floor s':>9}{'wait s':>8}{'pinned GiB':>11}"
+    )
     for r in rows:
         if "step_s" not in r:
             print(f"{r['config']:<14}  {r.get('error')}")
@@ -217,9 +256,11 @@ def main(argv=None):
             v = r.get(key)
             return fmt.format(v / scale) if isinstance(v, (int, float)) else "-"
 
-        print(f"{r['config']:<14}{f('peak_GiB'):>10}{f('step_s', fmt='{:.3f}'):>9}{f('time_vs_none'):>9}"
-              f"{f('time_vs_ckpt'):>9}{f('bytes_offloaded', GiB):>10}{f('transfer_floor_s', fmt='{:.3f}'):>9}"
-              f"{f('compute_wait_s', fmt='{:.3f}'):>8}{f('pinned_bytes', GiB):>11}")
+        print(
+            f"{r['config']:<14}{f('peak_GiB'):>10}{f('step_s', fmt='{:.3f}'):>9}{f('time_vs_none'):>9}"
+            f"{f('time_vs_ckpt'):>9}{f('bytes_offloaded', GiB):>10}{f('transfer_floor_s', fmt='{:.3f}'):>9}"
+            f"{f('compute_wait_s', fmt='{:.3f}'):>8}{f('pinned_bytes', GiB):>11}"
+        )
     total = time.perf_counter() - t_start
     print(f"peak_1b: done in {total:.0f} s")
     out = os.environ.get("OUT")

@@ -50,32 +50,62 @@ from harness.scenarios import SCENARIOS  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", default="S1,S2", help=f"comma list of {', '.join(SCENARIOS)}")
-    ap.add_argument("--modes", default=None,
-                    help="comma list, or 'all' (default all; with --budget-sweep none,ckpt; with --profile none)")
-    ap.add_argument("--budget-sweep", default=None, metavar="START:STOP:STEP",
-                    help="adds plan@START, plan@START+STEP, ..., plan@STOP to the modes (percent of none's peak)")
-    ap.add_argument("--plan-cpu-reference-bytes", type=int, default=None, metavar="N",
-                    help="on CPU (no peak counter to measure none's peak), plan@P budgets P%% of N bytes")
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help="comma list, or 'all' (default all; with --budget-sweep none,ckpt; with --profile none)",
+    )
+    ap.add_argument(
+        "--budget-sweep",
+        default=None,
+        metavar="START:STOP:STEP",
+        help="adds plan@START, plan@START+STEP, ..., plan@STOP to the modes (percent of none's peak)",
+    )
+    ap.add_argument(
+        "--plan-cpu-reference-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="on CPU (no peak counter to measure none's peak), plan@P budgets P%% of N bytes",
+    )
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default per scenario: S1/S2 10, S3 5)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps, >= 1 (default S1/S2 3, S3 2)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    ap.add_argument("--tag", default=None,
-                    help="appended to the reports' names (<date>-<device>-<scenarios>-<tag>.md): for a scenario's "
-                         "modes split across invocations")
+    ap.add_argument(
+        "--tag",
+        default=None,
+        help="appended to the reports' names (<date>-<device>-<scenarios>-<tag>.md): for a scenario's "
+        "modes split across invocations",
+    )
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--span", choices=("step", "forward"), default="step",
-                    help="what the TRL/hf_offload context wraps: forward+backward (step) or the forward only")
-    ap.add_argument("--hfo-opt", action="append", default=[],
-                    help="engine option for hfo modes, key=value[,key=value] (e.g. forward_window_bytes=268435456)")
+    ap.add_argument(
+        "--span",
+        choices=("step", "forward"),
+        default="step",
+        help="what the TRL/hf_offload context wraps: forward+backward (step) or the forward only",
+    )
+    ap.add_argument(
+        "--hfo-opt",
+        action="append",
+        default=[],
+        help="engine option for hfo modes, key=value[,key=value] (e.g. forward_window_bytes=268435456)",
+    )
     ap.add_argument("--profile", default=None, help="mode(s) to trace one step of (chrome trace, .json.gz)")
     ap.add_argument("--mode-timeout", type=float, default=300.0, help="seconds one mode's process may take")
-    ap.add_argument("--budget", type=float, default=570.0,
-                    help="seconds for the whole run; modes that would start past it are skipped")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=570.0,
+        help="seconds for the whole run; modes that would start past it are skipped",
+    )
     ap.add_argument("--bw-bytes", type=int, default=GIB, help="size of the bandwidth probe's copies")
     ap.add_argument("--no-bandwidth", action="store_true")
-    ap.add_argument("--deterministic", action="store_true",
-                    help="torch.use_deterministic_algorithms(True, warn_only=True) in every mode (for gradient checks)")
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(True, warn_only=True) in every mode (for gradient checks)",
+    )
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -97,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device is None:
         try:
             import torch
+
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         except Exception:
             args.device = "cpu"
@@ -104,12 +135,26 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda:0"  # torch.cuda.set_device refuses a device without an index
 
     config = RunConfig(
-        scenarios=scenarios, modes=modes, profile_modes=prof_modes, warmup=args.warmup, steps=args.steps,
-        out_dir=Path(args.out), device=args.device, seed=args.seed, span=args.span, hfo_opts=hfo_opts,
-        mode_timeout=args.mode_timeout, budget=args.budget, bw_bytes=args.bw_bytes, no_bandwidth=args.no_bandwidth,
-        deterministic=args.deterministic, plan_cpu_reference_bytes=args.plan_cpu_reference_bytes, tag=args.tag,
-        command="python " + " ".join([os.path.relpath(__file__, REPO)] + (sys.argv[1:] if argv is None
-                                                                           else list(argv))))
+        scenarios=scenarios,
+        modes=modes,
+        profile_modes=prof_modes,
+        warmup=args.warmup,
+        steps=args.steps,
+        out_dir=Path(args.out),
+        device=args.device,
+        seed=args.seed,
+        span=args.span,
+        hfo_opts=hfo_opts,
+        mode_timeout=args.mode_timeout,
+        budget=args.budget,
+        bw_bytes=args.bw_bytes,
+        no_bandwidth=args.no_bandwidth,
+        deterministic=args.deterministic,
+        plan_cpu_reference_bytes=args.plan_cpu_reference_bytes,
+        tag=args.tag,
+        command="python "
+        + " ".join([os.path.relpath(__file__, REPO)] + (sys.argv[1:] if argv is None else list(argv))),
+    )
     return run(config, started_at=t_start)
 
 

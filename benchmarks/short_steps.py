@@ -104,8 +104,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per block (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2, help="steps per block before timing (the tail is learned)")
     ap.add_argument("--trace", default="ckpt,ckpt+hfo", help="variants to profile one step of")
-    ap.add_argument("--cprofile", default=None, metavar="VARIANT",
-                    help="also run 3 steps of VARIANT under cProfile: the functions that took the most host time")
+    ap.add_argument(
+        "--cprofile",
+        default=None,
+        metavar="VARIANT",
+        help="also run 3 steps of VARIANT under cProfile: the functions that took the most host time",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
@@ -138,11 +142,17 @@ def main() -> int:
         t_issued = time.perf_counter()
         torch.cuda.synchronize()
         t_end = time.perf_counter()
-        return {"s": t_end - t0, "forward_issued_s": t_forward - t0, "backward_issued_s": t_backward - t0,
-                "all_issued_s": t_issued - t0, "host_ahead_s": t_end - t_issued}
+        return {
+            "s": t_end - t0,
+            "forward_issued_s": t_forward - t0,
+            "backward_issued_s": t_backward - t0,
+            "all_issued_s": t_issued - t0,
+            "host_ahead_s": t_end - t_issued,
+        }
 
-    results: dict[str, dict[str, Any]] = {v: {"steps": [], "hooks": defaultdict(float), "calls": defaultdict(int)}
-                                          for v in variants}
+    results: dict[str, dict[str, Any]] = {
+        v: {"steps": [], "hooks": defaultdict(float), "calls": defaultdict(int)} for v in variants
+    }
     for round_index in range(args.rounds):
         for variant in variants:
             checkpointing, offloading, options = parse_variant(variant)
@@ -165,8 +175,11 @@ def main() -> int:
                 context.remove_hooks()
             del context
             steps = results[variant]["steps"]
-            print(f"round {round_index + 1} {variant}: median so far "
-                  f"{statistics.median(s['s'] for s in steps) * 1e3:.1f} ms", flush=True)
+            print(
+                f"round {round_index + 1} {variant}: median so far "
+                f"{statistics.median(s['s'] for s in steps) * 1e3:.1f} ms",
+                flush=True,
+            )
 
     if args.cprofile:
         host_profile(args.cprofile, model, step)
@@ -187,9 +200,19 @@ def main() -> int:
             print(f"\n{variant}: trace " + json.dumps({k: v for k, v in trace.items() if k != "gaps"}))
             for gap in trace["gaps"][:8]:
                 print("   gap", json.dumps(gap))
-    (out / f"short-steps-{args.scenario}.json").write_text(json.dumps(
-        {"scenario": args.scenario, "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
-         "torch": torch.__version__, "results": results}, indent=1, default=str))
+    (out / f"short-steps-{args.scenario}.json").write_text(
+        json.dumps(
+            {
+                "scenario": args.scenario,
+                "command": " ".join(sys.argv),
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "results": results,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     return 0
 
 
@@ -264,19 +287,28 @@ def trace_summary(run_step: Any, context: Any, path: str) -> dict[str, Any]:
     busy, end, gaps, previous = 0.0, float("-inf"), [], ""
     for start, stop, name in work:
         if start > end and end != float("-inf"):
-            gaps.append({"ms": (start - end) / 1e3, "at": round((end - span_start) / (span_end - span_start), 3),
-                         "after": previous[:60], "before": name[:60]})
+            gaps.append(
+                {
+                    "ms": (start - end) / 1e3,
+                    "at": round((end - span_start) / (span_end - span_start), 3),
+                    "after": previous[:60],
+                    "before": name[:60],
+                }
+            )
         if stop > end:
             busy += stop - max(start, end)
             end = stop
             previous = name
     gaps.sort(key=lambda g: -g["ms"])
-    return {"gpu_span_ms": (span_end - span_start) / 1e3, "compute_busy_ms": busy / 1e3,
-            "compute_idle_ms": (span_end - span_start - busy) / 1e3,
-            "gaps_over_50us": sum(g["ms"] > 0.05 for g in gaps),
-            "copies": dict(copies),
-            "runtime": {k: v for k, v in sorted(runtime.items(), key=lambda kv: -kv[1]["ms"])[:14]},
-            "gaps": gaps[:20]}
+    return {
+        "gpu_span_ms": (span_end - span_start) / 1e3,
+        "compute_busy_ms": busy / 1e3,
+        "compute_idle_ms": (span_end - span_start - busy) / 1e3,
+        "gaps_over_50us": sum(g["ms"] > 0.05 for g in gaps),
+        "copies": dict(copies),
+        "runtime": {k: v for k, v in sorted(runtime.items(), key=lambda kv: -kv[1]["ms"])[:14]},
+        "gaps": gaps[:20],
+    }
 
 
 if __name__ == "__main__":

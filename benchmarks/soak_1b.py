@@ -91,16 +91,21 @@ def check(samples: list[dict], args) -> list[str]:
         other = sorted(set(s["mem_after_step"]) - set(mem))
         if other:
             failures.append(f"window ending at step {s['step']}: memory after a step {other} != {mem}")
-        changed = {k: (first["tables"][k], v) for k, v in s["tables"].items()
-                   if k not in _CHECKED_APART and v != first["tables"][k]}
+        changed = {
+            k: (first["tables"][k], v)
+            for k, v in s["tables"].items()
+            if k not in _CHECKED_APART and v != first["tables"][k]
+        }
         if changed:  # pool_capacity among them: the pinned pool must not grow after the first steps
             failures.append(f"step {s['step']}: engine tables changed (first, now): {changed}")
         if s["tables"]["pool_in_use"]:
             failures.append(f"step {s['step']}: {s['tables']['pool_in_use']} pinned bytes in use between steps")
         if s["tables"]["step_copies"] != s["last_step_offloaded"] + s["last_step_duplicates"]:
-            failures.append(f"step {s['step']}: {s['tables']['step_copies']} copies listed for a step that "
-                            f"offloaded {s['last_step_offloaded']} tensors and saved {s['last_step_duplicates']} "
-                            "of their storages again")
+            failures.append(
+                f"step {s['step']}: {s['tables']['step_copies']} copies listed for a step that "
+                f"offloaded {s['last_step_offloaded']} tensors and saved {s['last_step_duplicates']} "
+                "of their storages again"
+            )
     rss_growth = (flat[-1]["rss"] - first["rss"]) / MiB
     if rss_growth >= args.rss_slack_mib:
         failures.append(f"host RSS grew by {rss_growth:.1f} MiB (limit {args.rss_slack_mib:.0f} MiB)")
@@ -108,15 +113,19 @@ def check(samples: list[dict], args) -> list[str]:
 
 
 def print_table(samples: list[dict]) -> None:
-    print(f"{'step':>5}{'alloc MiB':>11}{'peak MiB':>10}{'pinned MiB':>12}{'in use B':>10}{'RSS MiB':>9}"
-          f"{'copies':>8}{'chunks':>8}{'ranges':>8}{'offl MiB':>10}{'tail MiB':>10}{'wait ms':>9}")
+    print(
+        f"{'step':>5}{'alloc MiB':>11}{'peak MiB':>10}{'pinned MiB':>12}{'in use B':>10}{'RSS MiB':>9}"
+        f"{'copies':>8}{'chunks':>8}{'ranges':>8}{'offl MiB':>10}{'tail MiB':>10}{'wait ms':>9}"
+    )
     for s in samples:
         t = s["tables"]
         alloc = s["mem_after_step"][-1] / MiB if s["mem_after_step"] else 0.0
-        print(f"{s['step']:>5}{alloc:>11.1f}{s['window_peak'] / MiB:>10.1f}{t['pool_capacity'] / MiB:>12.1f}"
-              f"{t['pool_in_use']:>10}{s['rss'] / MiB:>9.1f}{t['step_copies']:>8}{t['pool_chunks']:>8}"
-              f"{t['free_ranges']:>8}{s['bytes_offloaded_per_step'] / MiB:>10.1f}"
-              f"{(s['bytes_kept_tail'] or 0) / MiB:>10.1f}{s['compute_wait_ms_per_step']:>9.2f}")
+        print(
+            f"{s['step']:>5}{alloc:>11.1f}{s['window_peak'] / MiB:>10.1f}{t['pool_capacity'] / MiB:>12.1f}"
+            f"{t['pool_in_use']:>10}{s['rss'] / MiB:>9.1f}{t['step_copies']:>8}{t['pool_chunks']:>8}"
+            f"{t['free_ranges']:>8}{s['bytes_offloaded_per_step'] / MiB:>10.1f}"
+            f"{(s['bytes_kept_tail'] or 0) / MiB:>10.1f}{s['compute_wait_ms_per_step']:>9.2f}"
+        )
 
 
 def main(argv=None) -> int:
@@ -136,8 +145,11 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     process = psutil.Process()
     config = "offload" if args.no_ckpt else "ckpt+offload"
-    print(f"soak_1b: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {config}, seq {args.seq} x "
-          f"batch {args.batch}, {args.steps} steps, a sample every {args.every}", flush=True)
+    print(
+        f"soak_1b: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {config}, seq {args.seq} x "
+        f"batch {args.batch}, {args.steps} steps, a sample every {args.every}",
+        flush=True,
+    )
 
     samples, done = [], 0
     try:
@@ -160,14 +172,28 @@ def main(argv=None) -> int:
         print(f"soak_1b: STOPPED EARLY at step {done} of {args.steps} (--max-seconds {args.max_seconds:.0f})")
     for failure in failures:
         print(f"soak_1b: FAIL {failure}")
-    print(f"soak_1b: {'FAIL' if failures else 'flat'} over steps {args.settle + 1}-{done}, "
-          f"{wall:.0f} s ({wall / max(done, 1):.3f} s per step incl. setup)")
+    print(
+        f"soak_1b: {'FAIL' if failures else 'flat'} over steps {args.settle + 1}-{done}, "
+        f"{wall:.0f} s ({wall / max(done, 1):.3f} s per step incl. setup)"
+    )
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "soak_1b.json"), "w") as fh:
-            json.dump({"args": vars(args), "config": config, "steps_done": done, "stopped_early": stopped_early,
-                       "wall_s": wall, "failures": failures, "samples": samples}, fh, indent=1, default=str)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "config": config,
+                    "steps_done": done,
+                    "stopped_early": stopped_early,
+                    "wall_s": wall,
+                    "failures": failures,
+                    "samples": samples,
+                },
+                fh,
+                indent=1,
+                default=str,
+            )
     return 1 if failures else 0
 
 

@@ -135,8 +135,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     without, with_ = runs.values()
     device = f"a GPU ({torch.cuda.get_device_name()})" if on_gpu else "a CPU, hf-offload in its CPU test mode"
     print(f"\nhf-offload's main job, on {device}:")
-    print(f"  model: a Llama built from a config (random weights): {shape.layers} layers, hidden size "
-          f"{shape.hidden_size}, {with_['parameters'] / 1e6:.1f}M parameters{', bf16 autocast' if on_gpu else ''}")
+    print(
+        f"  model: a Llama built from a config (random weights): {shape.layers} layers, hidden size "
+        f"{shape.hidden_size}, {with_['parameters'] / 1e6:.1f}M parameters{', bf16 autocast' if on_gpu else ''}"
+    )
     print(f"  data:  {Path(DEFAULT_DATASET).relative_to(Path(__file__).resolve().parents[1])} ({len(texts)} lines), "
           f"repeated and packed into {len(train_dataset)} sequences of {shape.tokens} tokens")  # fmt: skip
     print(f"  steps: {job.max_steps} optimizer steps of {shape.batch} sequences per run, activation checkpointing in "

@@ -531,8 +531,9 @@ class MemoryBudgetController:
                 self._probe(index, layer, args, kwargs)
         elif self.plan is not None and index in self._stack_starts and stack in measured.stack_tokens:
             # The stack's layers have not run yet: plan for this step if it grew past the plan's tokens.
-            self._step_tokens = max(self._step_tokens,
-                                    in_proportion(measured.step_tokens, measured.stack_tokens[stack], tokens))
+            self._step_tokens = max(
+                self._step_tokens, in_proportion(measured.step_tokens, measured.stack_tokens[stack], tokens)
+            )
             if self._step_tokens > self.plan.tokens:
                 self._plan_and_apply(self._step_tokens)
 
@@ -545,7 +546,7 @@ class MemoryBudgetController:
             tile = functools.partial(apply_tiled_mlp, model, layers=[index])
         self._probing = True
         try:
-            with random_state_untouched(args[0].device), (engine.set_aside() if engine else contextlib.nullcontext()):
+            with random_state_untouched(args[0].device), engine.set_aside() if engine else contextlib.nullcontext():
                 self._measured.probes[self._kinds[index]] = _probe_layer(layer, args, kwargs, self._meter, tile)
         finally:
             self._probing = False
@@ -559,8 +560,10 @@ class MemoryBudgetController:
         self._probes_finished = True
         idle = [index for index, kind in enumerate(self._kinds) if kind not in measured.probes]
         if idle:
-            logger.info("hf_offload: %s did not run in the first step: the plan counts nothing for them",
-                        ", ".join(self._names[index] for index in idle))
+            logger.info(
+                "hf_offload: %s did not run in the first step: the plan counts nothing for them",
+                ", ".join(self._names[index] for index in idle),
+            )
             measured.probes.update({self._kinds[index]: _NOT_CALLED for index in idle})
         pin_memory = engine is not None and engine.use_pin_memory
         with engine.set_aside() if engine is not None else contextlib.nullcontext():
@@ -592,8 +595,12 @@ class MemoryBudgetController:
             logger.info("hf_offload: the profiled steps tile every MLP: untiled, full checkpointing is predicted to "
                         "peak at %.2f GiB, over the budget of %.2f GiB", untiled.peak_bytes / 2**30,
                         budget_bytes / 2**30)  # fmt: skip
-            self._apply([_SAFE_TILED_ACTION] * len(self._layers), "T" * len(self._layers), windows=None,
-                        tile_tokens=profile.tile_tokens)
+            self._apply(
+                [_SAFE_TILED_ACTION] * len(self._layers),
+                "T" * len(self._layers),
+                windows=None,
+                tile_tokens=profile.tile_tokens,
+            )
 
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._forwards != 2 or not self._training_forward(module):

@@ -38,6 +38,7 @@ __all__ = ["get_act_offloading_ctx_manager"]
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class _Installation:
     """What `get_act_offloading_ctx_manager` left on a model, stored as `model._hf_offload_engine`.
@@ -159,8 +160,13 @@ def get_act_offloading_ctx_manager(
     for _, module in exempt:
         install_exempt_hooks(engine, module)
     layers = [layer for _, layer in find_decoder_layers(unwrapped)]
-    install_prefetch_points(engine, unwrapped, layers, head[1] if head is not None else None,
-                             [module for _, module in find_attention_modules(unwrapped)])
+    install_prefetch_points(
+        engine,
+        unwrapped,
+        layers,
+        head[1] if head is not None else None,
+        [module for _, module in find_attention_modules(unwrapped)],
+    )
     if layers:
         engine.track_hook(layers[0].register_forward_pre_hook(LongContextCheck(engine), with_kwargs=True))
     if engine.options.tile_mlp is True:
@@ -168,6 +174,9 @@ def get_act_offloading_ctx_manager(
     if engine.options.memory_budget is not None and engine.active:
         engine.budget = MemoryBudgetController(unwrapped, engine, parse_memory_budget(engine.options.memory_budget))
     unwrapped.__dict__[_INSTALLATION_ATTR] = _Installation(weakref.ref(engine), weakref.ref(unwrapped))
-    logger.info("hf_offload: tail of the forward kept from %s; Liger modules exempt: %s",
-                ", ".join(name for name, _ in tail) or "nowhere", ", ".join(name for name, _ in exempt) or "none")
+    logger.info(
+        "hf_offload: tail of the forward kept from %s; Liger modules exempt: %s",
+        ", ".join(name for name, _ in tail) or "nowhere",
+        ", ".join(name for name, _ in exempt) or "none",
+    )
     return engine

@@ -283,8 +283,9 @@ class OffloadActivations(saved_tensors_hooks):
 
     def __init__(self, *args: Any, options: OffloadOptions | None = None, **kwargs: Any) -> None:
         if options is not None and (args or kwargs):
-            raise TypeError("OffloadActivations takes either options=OffloadOptions(...) or individual options, "
-                            "not both")
+            raise TypeError(
+                "OffloadActivations takes either options=OffloadOptions(...) or individual options, not both"
+            )
         self.options = options if options is not None else OffloadOptions(*args, **kwargs)
         options = self.options
         self.device_type = options.device_type or current_accelerator_type()
@@ -474,11 +475,14 @@ class OffloadActivations(saved_tensors_hooks):
             ValueError: a value outside the rule of the option of the same name.
         """
         self.forward_window_bytes = OffloadOptions.rule("forward_window_bytes").check(
-            forward_window_bytes, "forward_window_bytes")
+            forward_window_bytes, "forward_window_bytes"
+        )
         self.prefetch_window_bytes = OffloadOptions.rule("prefetch_window_bytes").check(
-            prefetch_window_bytes, "prefetch_window_bytes")
+            prefetch_window_bytes, "prefetch_window_bytes"
+        )
         self.head_prefetch_window_bytes = OffloadOptions.rule("prefetch_window_bytes").check(
-            head_prefetch_window_bytes, "head_prefetch_window_bytes")
+            head_prefetch_window_bytes, "head_prefetch_window_bytes"
+        )
 
     def is_innermost(self) -> bool:
         """Whether a tensor saved here and now would reach this engine's pack hook.
@@ -572,12 +576,16 @@ class OffloadActivations(saved_tensors_hooks):
             return _kept(tensor)
         with self._lock:
             in_backward = self._note_pack()
-            reason = "compiled" if self._whole_model_compiled else kept_reason(
-                tensor,
-                device_type=self.device_type,
-                min_offload_size=self.options.min_offload_size,
-                parameter_pointers=self._parameter_pointers,
-                in_backward=in_backward,
+            reason = (
+                "compiled"
+                if self._whole_model_compiled
+                else kept_reason(
+                    tensor,
+                    device_type=self.device_type,
+                    min_offload_size=self.options.min_offload_size,
+                    parameter_pointers=self._parameter_pointers,
+                    in_backward=in_backward,
+                )
             )
             if reason is None:
                 return self._offload(tensor)

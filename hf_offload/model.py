@@ -137,8 +137,15 @@ HEAD_PATHS: tuple[str, ...] = (
 
 # Final norms: the last module of a decoder stack, run right before the head.
 # `layernorm`: ViT/DeiT/BEiT/Swin's norm after the encoder (BERT's norms sit inside `embeddings` and the layers).
-_FINAL_NORM_NAMES: tuple[str, ...] = ("final_layer_norm", "final_layernorm", "final_norm", "ln_f", "norm_f", "norm",
-                                      "layernorm")
+_FINAL_NORM_NAMES: tuple[str, ...] = (
+    "final_layer_norm",
+    "final_layernorm",
+    "final_norm",
+    "ln_f",
+    "norm_f",
+    "norm",
+    "layernorm",
+)
 # A few decoders (MBart, Whisper, Marian) call their final norm `layer_norm`; only trusted inside a `decoder`.
 _DECODER_FINAL_NORM_NAMES: tuple[str, ...] = ("layer_norm",)
 

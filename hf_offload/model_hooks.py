@@ -216,6 +216,9 @@ def remove_stale_hooks(model: nn.Module) -> None:
                 if isinstance(getattr(hook, "__self__", None),
                               (_ExemptHooks, _PrefetchPoints)):  # fmt: skip
                     del hooks[hook_id]
-                    for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-                                  "_forward_hooks_always_called"):
+                    for extra in (
+                        "_forward_pre_hooks_with_kwargs",
+                        "_forward_hooks_with_kwargs",
+                        "_forward_hooks_always_called",
+                    ):
                         getattr(module, extra, {}).pop(hook_id, None)

@@ -233,8 +233,15 @@ def format_option_doc(name: str, type_text: str, default: Any, help: str) -> str
     return f"        {name} ({type_text}, *optional*, defaults to `{default_text}`):\n{body}"
 
 
-def _option(default: Any, rule: Rule, help: str, *, argument: str | None = None, argument_unit: str = "bytes",
-            positional: bool = False) -> Any:
+def _option(
+    default: Any,
+    rule: Rule,
+    help: str,
+    *,
+    argument: str | None = None,
+    argument_unit: str = "bytes",
+    positional: bool = False,
+) -> Any:
     """A field of `OffloadOptions`.
 
     Args:
@@ -258,7 +265,7 @@ class OffloadOptions:
     keyword-only. Sizes are in bytes.
 
     Args:
-{args}
+    {args}
 
     Raises:
         ValueError: for a value outside an option's rule, naming the option and the values it accepts.
@@ -345,7 +352,7 @@ class OffloadOptions:
 
 
 OffloadOptions.__doc__ = OffloadOptions.__doc__.replace(
-    "{args}",
+    "    {args}",
     "\n".join(
         format_option_doc(
             option.name, option.metadata["rule"].type_text("bytes"), option.default, option.metadata["help"]

@@ -691,8 +691,13 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
 
 def _prediction(code: str, options: Sequence[_Option], run: _Run) -> Prediction:
     layers = tuple(
-        LayerPlan(*ACTION_CODES[letter], held_bytes=option.held, offloaded_bytes=option.offloaded,
-                  recompute_s=option.recompute_s, stall_s=stall)  # fmt: skip
+        LayerPlan(
+            *ACTION_CODES[letter],
+            held_bytes=option.held,
+            offloaded_bytes=option.offloaded,
+            recompute_s=option.recompute_s,
+            stall_s=stall,
+        )  # fmt: skip
         for letter, option, stall in zip(code, options, run.stall_s)
     )
     return Prediction(
@@ -835,11 +840,15 @@ class Plan:
         ]
         if self.measured is not None:
             peak = self.measured.peak_bytes
-            lines.append(f"Chosen by measurement: its steps ran in {self.measured.step_s * 1000:.1f} ms"
-                         + ("" if peak is None else f" at a peak of {_gib(peak)}"))
+            lines.append(
+                f"Chosen by measurement: its steps ran in {self.measured.step_s * 1000:.1f} ms"
+                + ("" if peak is None else f" at a peak of {_gib(peak)}")
+            )
         if self.tiled_layers:
-            lines.append(f"The MLPs of {len(self.tiled_layers)} layers run in chunks of {self.tile_tokens} tokens: "
-                         "no plan without tiling fits (gradients then agree within rounding, not bitwise)")
+            lines.append(
+                f"The MLPs of {len(self.tiled_layers)} layers run in chunks of {self.tile_tokens} tokens: "
+                "no plan without tiling fits (gradients then agree within rounding, not bitwise)"
+            )
         if self.inputs_kept_for_host:
             lines.append(f"{len(self.inputs_kept_for_host)} checkpointed layers keep their input on the GPU: the "
                          f"host's pinned cap of {_gib(self.host_cap_bytes)} is full (max_pinned_memory_fraction, "
@@ -867,8 +876,13 @@ class Plan:
         predicted = dict(data["predicted"])
         predicted["layers"] = tuple(LayerPlan(**layer) for layer in predicted["layers"])
         measured = data.get("measured")
-        return cls(**{**data, "predicted": Prediction(**predicted),
-                      "measured": None if measured is None else MeasuredStep(**measured)})
+        return cls(
+            **{
+                **data,
+                "predicted": Prediction(**predicted),
+                "measured": None if measured is None else MeasuredStep(**measured),
+            }
+        )
 
 
 # The actions the planner chooses among: all but the selective offload (`X`). On S1 and S2 (H100) its layers cost
@@ -1010,8 +1024,12 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowe
         f"can reach, {_gib(run.peak_bytes)} ({run.peak_bytes} bytes; plan {code!r}, peak at {_peak_at(run)}), "
         f"dominated by {largest_name} {_gib(largest_bytes)}, then {rest}"
         + (", with every layer's MLP tiled" if "T" in code or "t" in code else "")
-        + (f"; plans keep {_gib(margin_bytes)} below the budget for the prediction's error, so the smallest budget "
-           f"that works is {_gib(run.peak_bytes + margin_bytes)}" if margin_bytes else "")
+        + (
+            f"; plans keep {_gib(margin_bytes)} below the budget for the prediction's error, so the smallest budget "
+            f"that works is {_gib(run.peak_bytes + margin_bytes)}"
+            if margin_bytes
+            else ""
+        )
         + ". Raise the budget, or shorten the sequences or the batch."
     )
     return InfeasibleBudgetError(message, budget_bytes, run.peak_bytes + margin_bytes, lowest_plan)
@@ -1040,8 +1058,9 @@ def _polish(letters: list[str], run: _Run, seconds: list[dict[str, float]], run_
     included: an input kept rather than offloaded costs the same recompute and no copy). The layers that could save
     the most go first; on ties the last first, whose changes freed memory for the fewest points of the step.
     """
-    order = sorted(range(len(letters)),
-                   key=lambda i: (min(seconds[i][letter] for letter in planned) - seconds[i][letters[i]], -i))
+    order = sorted(
+        range(len(letters)), key=lambda i: (min(seconds[i][letter] for letter in planned) - seconds[i][letters[i]], -i)
+    )
     for i in order:
         current_s = seconds[i][letters[i]]
         alternatives = sorted(
@@ -1136,9 +1155,15 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measure
     def finish(letters: Sequence[str], run: _Run) -> Plan:
         code = "".join(letters)
         predicted = _prediction(code, [layer[letter] for layer, letter in zip(options, code)], run)
-        return Plan(budget_bytes=budget_bytes, tokens=profile.tokens, predicted=predicted,
-                    tile_tokens=profile.tile_tokens if "T" in code or "t" in code else 0,
-                    host_cap_bytes=profile.host_cap_bytes, measured=by_code.get(code), time_scale=time_scale)
+        return Plan(
+            budget_bytes=budget_bytes,
+            tokens=profile.tokens,
+            predicted=predicted,
+            tile_tokens=profile.tile_tokens if "T" in code or "t" in code else 0,
+            host_cap_bytes=profile.host_cap_bytes,
+            measured=by_code.get(code),
+            time_scale=time_scale,
+        )
 
     def fastest(candidates: list[tuple[list[str], _Run]]) -> Plan:
         return min((finish(*candidate) for candidate in candidates), key=lambda plan: plan.expected_step_s)

@@ -145,8 +145,10 @@ class _TiledMLPFunction(torch.autograd.Function):
                 y = forward(flat[start:end].reshape(*chunk_lead, end - start, hidden))
                 if not isinstance(y, torch.Tensor) or y.shape[:-1] != (*chunk_lead, end - start):
                     got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-                    raise RuntimeError(f"a tiled MLP must map (..., tokens, hidden) to (..., tokens, out): for a "
-                                       f"chunk of shape {(*chunk_lead, end - start, hidden)} it returned {got}")
+                    raise RuntimeError(
+                        f"a tiled MLP must map (..., tokens, hidden) to (..., tokens, out): for a "
+                        f"chunk of shape {(*chunk_lead, end - start, hidden)} it returned {got}"
+                    )
                 if out is None:
                     # Allocated once, from the first chunk's dtype and width: the only full-sequence tensor made here.
                     out = y.new_empty((*x.shape[:-1], y.shape[-1]))
@@ -386,8 +388,11 @@ def apply_tiled_mlp(model: nn.Module, tokens_per_chunk: int, layers: Iterable[in
     handle.remove()  # the model computes exactly as before
     ```
     """
-    if isinstance(tokens_per_chunk, bool) or not isinstance(tokens_per_chunk, numbers.Integral) \
-            or tokens_per_chunk <= 0:
+    if (
+        isinstance(tokens_per_chunk, bool)
+        or not isinstance(tokens_per_chunk, numbers.Integral)
+        or tokens_per_chunk <= 0
+    ):
         raise ValueError(f"tokens_per_chunk must be a positive int, got {tokens_per_chunk!r}")
     tokens_per_chunk = int(tokens_per_chunk)
     inner = unwrap_model(model)

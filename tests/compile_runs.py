@@ -62,11 +62,17 @@ def train(compile_how: str, checkpointing: bool, offloading: bool, device: str =
         optimizer.zero_grad()
         losses.append(loss.detach().cpu())
         stats.append(context.get_stats() if context is not None else None)
-    return {"losses": losses, "weights": [p.detach().cpu().clone() for p in model.parameters()], "stats": stats,
-            "graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+    return {
+        "losses": losses,
+        "weights": [p.detach().cpu().clone() for p in model.parameters()],
+        "stats": stats,
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def bitwise_equal(first: dict, second: dict) -> bool:
     """Whether two runs' losses and final weights are equal bit for bit."""
     return all(torch.equal(a, b) for a, b in zip(first["losses"], second["losses"])) and all(
-        torch.equal(a, b) for a, b in zip(first["weights"], second["weights"]))
+        torch.equal(a, b) for a, b in zip(first["weights"], second["weights"])
+    )

@@ -113,7 +113,8 @@ def test_the_plan_follows_the_order_the_layers_are_called_in():
     # In call order: the vision blocks (16 patches and the CLS per image), then the text layers.
     hidden, image_tokens = SIZE["hidden"], 2 * 17
     assert [layer.input_bytes for layer in roomy.budget.profile.layers] == [image_tokens * hidden * 4] * 2 + [
-        2 * SEQ * hidden * 4] * 2
+        2 * SEQ * hidden * 4
+    ] * 2
     with pytest.raises(InfeasibleBudgetError) as refused:
         plan(roomy.budget.profile, 1)
     budget = (refused.value.lowest_plan.predicted.peak_bytes + roomy.budget.plan.predicted.peak_bytes) // 2
@@ -123,7 +124,8 @@ def test_the_plan_follows_the_order_the_layers_are_called_in():
     assert set(code) - {"K"} and "K" in code
     assert_bitwise_equal(baseline, planned, f"llava, vision tower registered last, under {code}")
     in_call_order = [layer for name, layer in find_decoder_layers(model) if "vision" in name] + [
-        layer for name, layer in find_decoder_layers(model) if "vision" not in name]
+        layer for name, layer in find_decoder_layers(model) if "vision" not in name
+    ]
     kept = [getattr(layer._gradient_checkpointing_func, "function", None) is _run_as_is for layer in in_call_order]
     assert kept == [letter == "K" for letter in code]
 
@@ -197,8 +199,14 @@ class TwoStacksOfOneLayer(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        config = transformers.LlamaConfig(vocab_size=SIZE["vocab"], hidden_size=SIZE["hidden"], intermediate_size=64,
-                                          num_attention_heads=2, num_key_value_heads=1, attn_implementation="eager")
+        config = transformers.LlamaConfig(
+            vocab_size=SIZE["vocab"],
+            hidden_size=SIZE["hidden"],
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            attn_implementation="eager",
+        )
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(SIZE["vocab"], SIZE["hidden"])
         self.rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)

@@ -22,6 +22,7 @@ import hf_offload
 
 INPUT_IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
 
+
 @pytest.fixture(scope="module", params=[True, False], ids=["checkpointing", "no-checkpointing"])
 def regional_baseline(request) -> tuple[bool, dict]:
     baseline = train("regional", request.param, offloading=False)
@@ -75,8 +76,12 @@ def test_the_trainers_torch_compile_runs_exactly_and_offloading_stands_aside(tmp
         args = hf_offload.TrainingArguments(output_dir=str(tmp_path / str(offloading)), torch_compile=True,
                                             activation_offloading=offloading, **CPU_TEST_MODE,
                                             **{**COMMON_ARGS, "eval_strategy": "no"})  # fmt: skip
-        trainer = transformers.Trainer(model=tiny_model(tokenizer), args=args, train_dataset=lm_dataset,
-                                       data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))
+        trainer = transformers.Trainer(
+            model=tiny_model(tokenizer),
+            args=args,
+            train_dataset=lm_dataset,
+            data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        )
         trainer.train()
         return trainer
 
@@ -85,5 +90,6 @@ def test_the_trainers_torch_compile_runs_exactly_and_offloading_stands_aside(tmp
         offloaded = run(offloading=True)
     assert_same_weights(offloaded.model, without.model)
     assert [r["loss"] for r in offloaded.state.log_history if "loss" in r] == [
-        r["loss"] for r in without.state.log_history if "loss" in r]
+        r["loss"] for r in without.state.log_history if "loss" in r
+    ]
     assert sum("compiled as a whole" in record.message for record in caplog.records) == 1

@@ -190,8 +190,10 @@ def test_plan_auto_predicts_with_the_library_planner(tiny):
     assert prediction["predicted_peak_bytes"] <= prediction["budget_bytes"] - prediction["margin_bytes"]
     assert prediction["plan_table"].startswith(f"Memory plan for {prediction['longest_tokens']} tokens")
     # one length longer, the planner says why no plan fits
-    assert prediction["limit"] in (longest.LIMIT_GPU, longest.LIMIT_POOL_CAP) and "below the smallest peak" in (
-        prediction["limit_detail"])
+    assert (
+        prediction["limit"] in (longest.LIMIT_GPU, longest.LIMIT_POOL_CAP)
+        and "below the smallest peak" in (prediction["limit_detail"])
+    )
     assert prediction["predicted_step_s"] == pytest.approx(prediction["planner_step_s"]
                                                            + prediction["attention_correction_s"])  # fmt: skip
     assert prediction["attention_correction_s"] > 0  # the library's probes scale attention linearly

@@ -17,7 +17,7 @@ def test_train_sh_runs_the_main_job():
 def test_the_main_job_compares_checkpointing_with_and_without_offloading_and_says_what_it_ran(tmp_path, capsys):
     runs = with_and_without.main(["--output_dir", str(tmp_path), "--max_steps", "4"])
     out = capsys.readouterr().out
-    report = out[out.index("hf-offload's main job"):]
+    report = out[out.index("hf-offload's main job") :]
     assert "layers, hidden size" in report and "examples/data/tiny_sft.jsonl" in report
     assert "4 optimizer steps" in report and "activation checkpointing in both" in report
     without, with_ = runs["checkpointing alone"], runs["checkpointing + hf-offload"]

@@ -115,7 +115,8 @@ def test_the_arguments_are_made_from_the_options():
             continue  # an engine-only option (TRL's count of copies in flight)
         in_mib = option.metadata["argument_unit"] == "MiB" and option.default is not None
         expected[ARGUMENT_PREFIX + option.metadata["argument"]] = (
-            option.default / MIB if in_mib else option.default, command_line_help(option.metadata["help"])
+            option.default / MIB if in_mib else option.default,
+            command_line_help(option.metadata["help"]),
         )
     assert {name: (field.default, field.metadata["help"]) for name, field in fields.items()} == expected
     for name in expected:  # every argument is documented, once, in the class docstring

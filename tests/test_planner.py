@@ -153,8 +153,38 @@ def test_parse_none_auto_and_percentages() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    [True, False, 0, -1, 1.5, 24e9, math.nan, math.inf, "nan", "inf", "", "  ", "0", "-1", "-1GiB", "0GiB", "0.1B",
-     "1.5", "24e9", "24 GiBs", "24XB", "GiB", "abc", "0%", "-5%", "100.5%", "101%", "60%%", [24], {"bytes": 1}],
+    [
+        True,
+        False,
+        0,
+        -1,
+        1.5,
+        24e9,
+        math.nan,
+        math.inf,
+        "nan",
+        "inf",
+        "",
+        "  ",
+        "0",
+        "-1",
+        "-1GiB",
+        "0GiB",
+        "0.1B",
+        "1.5",
+        "24e9",
+        "24 GiBs",
+        "24XB",
+        "GiB",
+        "abc",
+        "0%",
+        "-5%",
+        "100.5%",
+        "101%",
+        "60%%",
+        [24],
+        {"bytes": 1},
+    ],
 )
 def test_parse_rejects_everything_else(value) -> None:
     with pytest.raises(ValueError, match=r"^memory_budget must be None.*'auto'.*'24GiB'.*'60%'; got"):
@@ -266,8 +296,12 @@ def test_keep_everything() -> None:
 def test_checkpointed_first_layer(code, held, offloaded, recompute_s, peak) -> None:
     predicted = simulate(tiny_profile(), code)
     first = predicted.layers[0]
-    assert (first.held_bytes, first.offloaded_bytes, first.recompute_s, first.stall_s) == (held, offloaded,
-                                                                                          recompute_s, 0.0)
+    assert (first.held_bytes, first.offloaded_bytes, first.recompute_s, first.stall_s) == (
+        held,
+        offloaded,
+        recompute_s,
+        0.0,
+    )
     assert (predicted.peak_bytes, predicted.peak_at) == (peak, "head")
     # The 10-byte input copy (0.1 s) hides under the second layer's forward, its reload under that layer's backward.
     assert predicted.step_s == pytest.approx(7.5 + recompute_s)
@@ -372,8 +406,16 @@ def test_sweep_of_budgets_never_exceeds_and_never_gets_faster() -> None:
 
 @pytest.mark.parametrize(
     "hand_plan",
-    ["SSSSSSSSKKKKKKKK", "S" * 16, "CCCCCCCCKKKKKKKK", "CCCCSSSSSSSSSSSS", "CCCCCCCCSSSSSSSS", "CCCCCCCCCCCCKKKK",
-     "C" * 16, "OOKKKKKKKKKKKKKK"],
+    [
+        "SSSSSSSSKKKKKKKK",
+        "S" * 16,
+        "CCCCCCCCKKKKKKKK",
+        "CCCCSSSSSSSSSSSS",
+        "CCCCCCCCSSSSSSSS",
+        "CCCCCCCCCCCCKKKK",
+        "C" * 16,
+        "OOKKKKKKKKKKKKKK",
+    ],
 )
 def test_plan_beats_or_equals_the_issues_hand_plans(hand_plan) -> None:
     profile = s1_profile()
@@ -608,8 +650,16 @@ def long_profile(**changes) -> StepProfile:
     """An 8B-shape step at 256K tokens in round numbers: a layer's untiled activations (40 GiB, 20 GiB of gradient
     buffers) cannot fit next to 16 GiB of weights on an 80 GiB device; tiled, its MLP's intermediates shrink to one
     chunk (1 GiB) and the layer's working set to 12 + 1 + 8 GiB. The host holds all 32 inputs (2 GiB each)."""
-    layer = LayerProfile(saved_bytes=40 * GIB, selective_bytes=20 * GIB, input_bytes=2 * GIB, forward_s=2.0,
-                         backward_s=5.0, selective_recompute_s=0.5, tiled_saved_bytes=12 * GIB, tiled_extra_s=0.2)
+    layer = LayerProfile(
+        saved_bytes=40 * GIB,
+        selective_bytes=20 * GIB,
+        input_bytes=2 * GIB,
+        forward_s=2.0,
+        backward_s=5.0,
+        selective_recompute_s=0.5,
+        tiled_saved_bytes=12 * GIB,
+        tiled_extra_s=0.2,
+    )
     profile = StepProfile(layers=(layer,) * 32, static_bytes=16 * GIB, head_bytes=3 * GIB,
                           backward_working_bytes=20 * GIB, head_s=1.0, other_s=0.5, d2h_bytes_per_s=55e9,
                           h2d_bytes_per_s=55e9, host_cap_bytes=64 * GIB, tokens=262144, tile_tokens=4096,
@@ -690,8 +740,10 @@ def test_a_full_host_is_said() -> None:
     result = plan(profile, 70 * GIB)
     assert result.code == "T" * 20 + "t" * 12
     assert result.inputs_kept_for_host == list(range(20, 32))
-    assert "12 checkpointed layers keep their input on the GPU: the host's pinned cap of 40.00 GiB is full" \
+    assert (
+        "12 checkpointed layers keep their input on the GPU: the host's pinned cap of 40.00 GiB is full"
         in result.format_table()
+    )
     assert plan(long_profile(), 60 * GIB).inputs_kept_for_host == []
 
 

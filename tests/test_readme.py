@@ -101,7 +101,7 @@ def test_the_statistics_section_names_every_counter_and_every_logged_entry():
         assert f"`{key}`" in statistics, key
     logged = log_entries({**counters, "steps": 1}, peak_memory_bytes=0)
     for key in [key for key in logged if not key.startswith(LOG_PREFIX + "tensors_kept_")]:
-        if key[len(LOG_PREFIX):] not in counters:  # the derived entries, named with their prefix
+        if key[len(LOG_PREFIX) :] not in counters:  # the derived entries, named with their prefix
             assert f"`{key}`" in statistics, key
     for key in HEADLINE_KEYS:
         assert f"`{key}`" in statistics, key

@@ -12,8 +12,30 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import soak_1b  # noqa: E402
 
-TINY = ["--device", "cpu", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4",
-        "--kv-heads", "2", "--vocab", "128", "--seq", "64", "--steps", "15", "--every", "5", "--settle", "5"]
+TINY = [
+    "--device",
+    "cpu",
+    "--hidden",
+    "64",
+    "--intermediate",
+    "128",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--vocab",
+    "128",
+    "--seq",
+    "64",
+    "--steps",
+    "15",
+    "--every",
+    "5",
+    "--settle",
+    "5",
+]
 
 
 @pytest.mark.parametrize("checkpointing", [[], ["--no-ckpt"]], ids=["ckpt", "no-ckpt"])

@@ -183,8 +183,9 @@ def test_remove_restores_the_model_exactly():
     assert handle.names == [f"model.layers.{i}.mlp" for i in range(LAYERS)]
     assert all("forward" in mlp.__dict__ for mlp in mlps(model))
     tiled = step(model, embeds, labels)
-    assert not torch.equal(tiled[2]["model.layers.0.mlp.down_proj.weight"],
-                           ref[2]["model.layers.0.mlp.down_proj.weight"])  # tiling changed the sums' order
+    assert not torch.equal(
+        tiled[2]["model.layers.0.mlp.down_proj.weight"], ref[2]["model.layers.0.mlp.down_proj.weight"]
+    )  # tiling changed the sums' order
     handle.remove()
     assert all("forward" not in mlp.__dict__ for mlp in mlps(model))  # the class's forward again
     assert_bitwise(step(model, embeds, labels), ref)
@@ -310,7 +311,7 @@ class _ChunkedWithGrad:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        outs = [self.forward(flat[s:s + self.chunk].unsqueeze(0)) for s in range(0, flat.shape[0], self.chunk)]
+        outs = [self.forward(flat[s : s + self.chunk].unsqueeze(0)) for s in range(0, flat.shape[0], self.chunk)]
         return torch.cat(outs, dim=1).reshape(*x.shape[:-1], -1)
 
 
@@ -416,8 +417,10 @@ def test_autocast_is_replayed_in_the_recompute():
     assert len(log.tokens(0, grad=True)) == len(CHUNKS)
     assert recompute_dtypes == {torch.bfloat16}, recompute_dtypes
     difference, where = max_difference(got, ref)
-    print(f"[tiled mlp] qwen3 fp32 + bf16 autocast: max relative difference {difference:.3g} ({where}); "
-          f"untiled with and without autocast: {rounding:.3g}")
+    print(
+        f"[tiled mlp] qwen3 fp32 + bf16 autocast: max relative difference {difference:.3g} ({where}); "
+        f"untiled with and without autocast: {rounding:.3g}"
+    )
     # Under autocast every gradient passes through bf16 products, so any change in their rounding (here the chunks'
     # weight-gradient sums) shows at bf16's scale: measured 1.1e-2, against 1.6e-2 between the untiled step with and
     # without autocast. Asserted: no more than twice what autocast itself changes.
@@ -475,7 +478,11 @@ def test_with_the_offloading_engine(span, checkpointing):
                     loss.backward()
             if span == "fwd":
                 loss.backward()
-            got = (loss.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})  # noqa: E501
+            got = (
+                loss.detach(),
+                x.grad,
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            )  # noqa: E501
             assert_bitwise(got, ref)
             assert context.get_stats().get("bytes_offloaded", 0) > 0
     finally:
@@ -504,8 +511,11 @@ def test_model_without_decoder_layers():
 def test_layer_without_mlp_names_the_layer_and_changes_nothing():
     model = tiny("mistral")
     del model.model.layers[1].mlp
-    with pytest.raises(ValueError, match=r"decoder layer 1 \('model.layers.1', MistralDecoderLayer\) has no MLP: "
-                                         r"looked for a child module named 'mlp'"):
+    with pytest.raises(
+        ValueError,
+        match=r"decoder layer 1 \('model.layers.1', MistralDecoderLayer\) has no MLP: "
+        r"looked for a child module named 'mlp'",
+    ):
         apply_tiled_mlp(model, CHUNK)
     assert "forward" not in model.model.layers[0].mlp.__dict__  # layer 0 was checked first, but not tiled
     assert apply_tiled_mlp(model, CHUNK, layers=[0]).names == ["model.layers.0.mlp"]
@@ -600,8 +610,10 @@ def test_one_chunk_of_intermediates_at_a_time(family):
     untiled = intermediate_peaks(mlp, TOKENS, widths)
     with apply_tiled_mlp(model, CHUNK, layers=[0]):
         tiled = intermediate_peaks(mlp, TOKENS, widths)
-    print(f"[tiled mlp] {family} live intermediate bytes (forward, backward): one chunk {one_chunk}, "
-          f"untiled {untiled}, tiled {tiled}")
+    print(
+        f"[tiled mlp] {family} live intermediate bytes (forward, backward): one chunk {one_chunk}, "
+        f"untiled {untiled}, tiled {tiled}"
+    )
     # The probe sees the untiled MLP hold all the tokens' intermediates...
     assert untiled[0] >= 3 * TOKENS * INTERMEDIATE * 4 and untiled[1] >= untiled[0]
     # ... and the tiled one never more than the untiled MLP does for one chunk, in forward and in backward.

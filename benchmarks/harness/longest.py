@@ -89,8 +89,13 @@ def fit_time(tokens: Sequence[int], seconds: Sequence[float], c: float | None = 
     steps (every superlinear second is then attention's)."""
     if c is not None:
         a, b = fit_line(tokens, [s - c * t * t for t, s in zip(tokens, seconds)])
-        return TimeModel(a, b, c, "a + b*t from the profiled steps (least squares) after removing c*t^2; c from "
-                                  "the attention probe (the quadratic term is attention's alone)")
+        return TimeModel(
+            a,
+            b,
+            c,
+            "a + b*t from the profiled steps (least squares) after removing c*t^2; c from "
+            "the attention probe (the quadratic term is attention's alone)",
+        )
     distinct = sorted(set(tokens))
     if len(distinct) >= 3:
         sums = [sum(t**k for t in tokens) for k in range(5)]
@@ -101,8 +106,13 @@ def fit_time(tokens: Sequence[int], seconds: Sequence[float], c: float | None = 
         (t1, s1), (t2, s2) = ((t, sum(s for x, s in zip(tokens, seconds) if x == t) / tokens.count(t))
                               for t in distinct)  # fmt: skip
         c2 = (s2 / t2 - s1 / t1) / (t2 - t1)
-        return TimeModel(0.0, s1 / t1 - c2 * t1, c2, "two lengths and no attention probe: a = 0, b and c through "
-                                                     "both steps (all superlinear time taken as attention's)")
+        return TimeModel(
+            0.0,
+            s1 / t1 - c2 * t1,
+            c2,
+            "two lengths and no attention probe: a = 0, b and c through "
+            "both steps (all superlinear time taken as attention's)",
+        )
     raise ValueError(f"a time model needs two distinct lengths, got {list(tokens)}")
 
 
@@ -207,8 +217,13 @@ def predict_longest(memory: MemoryModel, time: TimeModel | None, gpu_limit_bytes
     longest = by_memory
     if time is not None and by_memory and time(by_memory) > max_step_s:
         longest = largest_multiple(lambda n: memory_fits(n) and time(n) <= max_step_s, step, max_tokens)
-        limit, detail = LIMIT_TIME, (f"predicted {time(by_memory):.0f} s/step at {by_memory} tokens (the memory "
-                                     f"limit), over --max-step-seconds {max_step_s:g}")
+        limit, detail = (
+            LIMIT_TIME,
+            (
+                f"predicted {time(by_memory):.0f} s/step at {by_memory} tokens (the memory "
+                f"limit), over --max-step-seconds {max_step_s:g}"
+            ),
+        )
     out: dict[str, Any] = {"longest_tokens": longest, "limit": limit, "limit_detail": detail,
                            "by_memory_tokens": by_memory}  # fmt: skip
     if longest:
@@ -227,14 +242,18 @@ def _memory_limit(memory: MemoryModel, gpu_limit_bytes: int, past: int, max_toke
     if past > max_tokens:
         return LIMIT_SEARCH, f"fits up to --max-tokens {max_tokens}; longer lengths were not searched"
     if not memory.host_fits(past):
-        return LIMIT_HOST, (f"{past} tokens would pin {fmt_size(memory.host_bytes(past))} (power-of-two blocks), "
-                            f"over the {fmt_size(memory.host_room_bytes)} of host RAM available")
+        return LIMIT_HOST, (
+            f"{past} tokens would pin {fmt_size(memory.host_bytes(past))} (power-of-two blocks), "
+            f"over the {fmt_size(memory.host_room_bytes)} of host RAM available"
+        )
     gpu = memory.gpu_bytes(past)
     excess = memory.excess(past)
     if excess and gpu - excess <= gpu_limit_bytes:
-        return LIMIT_POOL_CAP, (f"at {past} tokens the pinned pool's cap ({fmt_size(memory.pool_cap_bytes)}) is "
-                                f"full: {fmt_size(excess)} of offloaded activations would stay on the GPU, "
-                                f"{fmt_size(gpu)} > {fmt_size(gpu_limit_bytes)}")
+        return LIMIT_POOL_CAP, (
+            f"at {past} tokens the pinned pool's cap ({fmt_size(memory.pool_cap_bytes)}) is "
+            f"full: {fmt_size(excess)} of offloaded activations would stay on the GPU, "
+            f"{fmt_size(gpu)} > {fmt_size(gpu_limit_bytes)}"
+        )
     return LIMIT_GPU, f"{past} tokens: predicted peak {fmt_size(gpu)} > {fmt_size(gpu_limit_bytes)}"
 
 

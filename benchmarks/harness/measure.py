@@ -24,8 +24,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_train_step(model: torch.nn.Module, input_ids: torch.Tensor, params: list[torch.nn.Parameter],
-                    optimizer: torch.optim.Optimizer, context: Any | None, span: str) -> TrainStep:
+def make_train_step(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    context: Any | None,
+    span: str,
+) -> TrainStep:
     """``span`` "step": the offload context wraps forward and backward (as TRL's trainers do); "forward": the
     forward only (as Trainer.compute_loss does)."""
     fwd_ctx = context if (context is not None and span == "forward") else contextlib.nullcontext()
@@ -79,14 +85,15 @@ class StepPeaks:
         return max(self._folded[0], allocated), max(self._folded[1], reserved)
 
 
-def time_steps(train_step: TrainStep, offload: Offload, warmup: int, steps: int, device: torch.device,
-               res: dict[str, Any]) -> None:
+def time_steps(
+    train_step: TrainStep, offload: Offload, warmup: int, steps: int, device: torch.device, res: dict[str, Any]
+) -> None:
     """``warmup`` then ``steps`` timed steps, each synchronised before and after; the figures go into ``res``.
     On CUDA each step's peak is recorded (``StepPeaks``), outside the timed span."""
     is_cuda = device.type == "cuda"
     res["warmup_steps"] = warmup
     per_step = []
-    with (StepPeaks(device) if is_cuda else contextlib.nullcontext()) as peaks:
+    with StepPeaks(device) if is_cuda else contextlib.nullcontext() as peaks:
         for i in range(warmup + steps):
             if i == warmup and is_cuda:
                 synchronize(device)
@@ -113,10 +120,13 @@ def time_steps(train_step: TrainStep, offload: Offload, warmup: int, steps: int,
                 rec["host_allocs"] = host_alloc_count()
             rec["rss_gib"] = rss_gib()
             per_step.append(rec)
-            print(f"  step {i + 1}: {dt:.4f} s loss {rec['loss']:.6f}" +
-                  (f" out {rec['bytes_out'] / GIB:.3f} GiB" if "bytes_out" in rec else "") +
-                  (f" peak {rec['peak_bytes'] / GIB:.2f} GiB" if "peak_bytes" in rec else "") +
-                  (f" plan {rec['plan']}" if rec.get("plan") else ""), flush=True)
+            print(
+                f"  step {i + 1}: {dt:.4f} s loss {rec['loss']:.6f}"
+                + (f" out {rec['bytes_out'] / GIB:.3f} GiB" if "bytes_out" in rec else "")
+                + (f" peak {rec['peak_bytes'] / GIB:.2f} GiB" if "peak_bytes" in rec else "")
+                + (f" plan {rec['plan']}" if rec.get("plan") else ""),
+                flush=True,
+            )
     _summarise(per_step, warmup, offload.offloader, res)
 
 
@@ -210,6 +220,7 @@ def host_alloc_count() -> int | None:
 def rss_gib() -> float | None:
     try:
         import psutil
+
         return psutil.Process().memory_info().rss / GIB
     except Exception:
         return None

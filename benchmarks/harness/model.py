@@ -10,8 +10,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from .scenarios import Scenario
 
-LIGER_CALL = ("apply_liger_kernel_to_llama(fused_linear_cross_entropy=True) before building the model (rope, "
-              "rms_norm, swiglu on: the defaults)")
+LIGER_CALL = (
+    "apply_liger_kernel_to_llama(fused_linear_cross_entropy=True) before building the model (rope, "
+    "rms_norm, swiglu on: the defaults)"
+)
 
 
 def apply_liger(device: torch.device, notes: list[str]) -> bool:
@@ -22,6 +24,7 @@ def apply_liger(device: torch.device, notes: list[str]) -> bool:
         return False
     try:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
+
         apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)
         return True
     except Exception as e:
@@ -33,10 +36,17 @@ def build_model(scenario: Scenario, seed: int, device: torch.device, **config_ov
     """Random bf16 weights drawn on ``device`` from ``seed``, sdpa attention. ``config_overrides`` are further
     ``LlamaConfig`` fields that the scenario does not set (e.g. ``rope_parameters``)."""
     config = LlamaConfig(
-        hidden_size=scenario.hidden, intermediate_size=scenario.intermediate, num_hidden_layers=scenario.layers,
-        num_attention_heads=scenario.heads, num_key_value_heads=scenario.kv_heads, vocab_size=scenario.vocab,
-        max_position_embeddings=max(scenario.seq, 4096), use_cache=False, tie_word_embeddings=False,
-        attn_implementation="sdpa", **config_overrides,
+        hidden_size=scenario.hidden,
+        intermediate_size=scenario.intermediate,
+        num_hidden_layers=scenario.layers,
+        num_attention_heads=scenario.heads,
+        num_key_value_heads=scenario.kv_heads,
+        vocab_size=scenario.vocab,
+        max_position_embeddings=max(scenario.seq, 4096),
+        use_cache=False,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        **config_overrides,
     )
     torch.manual_seed(seed)
     if device.type == "cuda":
@@ -53,8 +63,9 @@ def build_model(scenario: Scenario, seed: int, device: torch.device, **config_ov
 def apply_lora(model: torch.nn.Module) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                                            task_type="CAUSAL_LM"))
+    return get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
 
 
 def make_optimizer(params: list[torch.nn.Parameter], notes: list[str]) -> tuple[torch.optim.Optimizer, str]:

@@ -21,12 +21,24 @@ COMPILE_SUFFIXES = {"compile": "model", "regional": "layers"}
 PLAN_MIN_WARMUP = 3
 # Execution order (the report keeps the order asked for): references first, then ours, so that a run that hits its
 # time budget loses the slow third-party modes rather than the ones being tuned. Prefixes stand for their family.
-RUN_PRIORITY = ["none", "ckpt", PLAN_PREFIX, "ckpt+hfo", "hfo", EVERY_PREFIX, "ckpt+trl", "trl", "ckpt+native",
-                "trl-sync", "ckpt+trl-sync"]
+RUN_PRIORITY = [
+    "none",
+    "ckpt",
+    PLAN_PREFIX,
+    "ckpt+hfo",
+    "hfo",
+    EVERY_PREFIX,
+    "ckpt+trl",
+    "trl",
+    "ckpt+native",
+    "trl-sync",
+    "ckpt+trl-sync",
+]
 
 
 class MemoryBudget(TypedDict):
     """A plan mode's budget, fixed by the parent once the reference it is a share of is known."""
+
     option: int | str  # the library's memory_budget: bytes, or "auto"
     percent: float | None  # plan@P: P; plan@auto: None
     reference: str  # what the budget is a share of, for the report
@@ -34,6 +46,7 @@ class MemoryBudget(TypedDict):
 
 class ModeSpec(TypedDict):
     """What the parent asks of the worker process that runs one mode (JSON on its command line)."""
+
     scenario: str
     mode: str
     device: str
@@ -96,7 +109,7 @@ def _ckpt_every(head: str, mode: str) -> int:
         return 0
     if head == "ckpt":
         return 1
-    k = head[len(EVERY_PREFIX):] if head.startswith(EVERY_PREFIX) else ""
+    k = head[len(EVERY_PREFIX) :] if head.startswith(EVERY_PREFIX) else ""
     if not k.isdigit() or int(k) < 2:
         raise ValueError(_unknown(mode))
     return int(k)
@@ -104,19 +117,23 @@ def _ckpt_every(head: str, mode: str) -> int:
 
 def _budget_percent(mode: str) -> float:
     try:
-        percent = float(mode[len(PLAN_PREFIX):])
+        percent = float(mode[len(PLAN_PREFIX) :])
     except ValueError:
         percent = math.nan
     if not (math.isfinite(percent) and percent > 0):
-        raise ValueError(f"mode {mode!r}: {PLAN_PREFIX}P needs a percentage P > 0 of none's peak (e.g. plan@50), "
-                         f"or 'auto' ({PLAN_PREFIX}auto)")
+        raise ValueError(
+            f"mode {mode!r}: {PLAN_PREFIX}P needs a percentage P > 0 of none's peak (e.g. plan@50), "
+            f"or 'auto' ({PLAN_PREFIX}auto)"
+        )
     return percent
 
 
 def _unknown(mode: str) -> str:
-    return (f"unknown mode {mode!r}; known: {', '.join(ALL_MODES)}, ckpt+trl-sync, {EVERY_PREFIX}K and "
-            f"{EVERY_PREFIX}K+OFFLOADER (K >= 2), {PLAN_PREFIX}P (P% of none's peak), {PLAN_PREFIX}auto; any of them "
-            f"followed by /compile or /regional")
+    return (
+        f"unknown mode {mode!r}; known: {', '.join(ALL_MODES)}, ckpt+trl-sync, {EVERY_PREFIX}K and "
+        f"{EVERY_PREFIX}K+OFFLOADER (K >= 2), {PLAN_PREFIX}P (P% of none's peak), {PLAN_PREFIX}auto; any of them "
+        f"followed by /compile or /regional"
+    )
 
 
 def budget_sweep(spec: str) -> list[str]:
@@ -134,8 +151,10 @@ def budget_sweep(spec: str) -> list[str]:
 def run_order(modes: list[str]) -> list[str]:
     """``modes`` in execution order (RUN_PRIORITY; modes it does not list last; the order given within a family).
     `none` comes first: the plan modes' budgets are shares of its peak."""
+
     def family(mode: str) -> str:
         return next((prefix for prefix in (PLAN_PREFIX, EVERY_PREFIX) if mode.startswith(prefix)), mode)
 
-    return sorted(modes, key=lambda m: (RUN_PRIORITY.index(family(m)) if family(m) in RUN_PRIORITY
-                                        else len(RUN_PRIORITY)))
+    return sorted(
+        modes, key=lambda m: RUN_PRIORITY.index(family(m)) if family(m) in RUN_PRIORITY else len(RUN_PRIORITY)
+    )

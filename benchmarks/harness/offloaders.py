@@ -58,6 +58,7 @@ def enable_checkpointing(model: torch.nn.Module, offload: bool, every: int = 1) 
     if offload:
         if "offload" not in accepted:
             import transformers
+
             raise SkipMode(f"transformers {transformers.__version__}: {fn.__name__} has no 'offload' flag")
         kwargs["offload"] = True
     if every > 1 and "every_n_layers" in accepted:
@@ -103,6 +104,7 @@ def _count_native_offload(counter: ByteCounter) -> bool:
     """Swaps the save_on_cpu that transformers' checkpoint wrapper calls for a subclass whose pack hook counts, then
     calls the original. Returns False where that name is not found."""
     import transformers.modeling_utils as mu
+
     base = getattr(mu, "save_on_cpu", None)
     if base is None:
         return False
@@ -145,6 +147,7 @@ def _count_trl_offload(ctx: Any, counter: ByteCounter) -> bool:
 @dataclass
 class Offload:
     """An offloader set up on the model: the context the steps run in, and who counts the bytes it moves."""
+
     offloader: str  # one of modes.OFFLOADERS
     # What the step runs inside; None for "none", and for "native", whose save_on_cpu sits inside checkpointing.
     context: Any | None
@@ -157,8 +160,9 @@ class Offload:
         return self.counter is not None or self.offloader in ("none", "hfo")
 
 
-def start_offload(offloader: str, factory: ContextFactory | None, model: torch.nn.Module,
-                  hfo_options: dict[str, Any]) -> Offload:
+def start_offload(
+    offloader: str, factory: ContextFactory | None, model: torch.nn.Module, hfo_options: dict[str, Any]
+) -> Offload:
     """The offload context of ``offloader`` on ``model`` (built, checkpointing and LoRA applied), with its counter."""
     counter = ByteCounter()
     if offloader == "native":

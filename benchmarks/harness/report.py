@@ -27,6 +27,7 @@ TIME_ERROR_TARGET = 0.10
 @dataclass(frozen=True)
 class ReportFiles:
     """An invocation's outputs: ``<stem>.md``, ``.json`` and ``.log`` (its processes' output)."""
+
     md: Path
     json: Path
     log: Path
@@ -90,8 +91,10 @@ def loss_check(rs: list[Result]) -> tuple[str, str]:
     else:
         bits = {r["loss1_bits"] for r in ok}
         if len(bits) == 1:
-            loss_line = (f"first-step loss: **equal** (bitwise) across {len(ok)} modes: "
-                         f"{ok[0]['loss1']!r} (0x{ok[0]['loss1_bits']})")
+            loss_line = (
+                f"first-step loss: **equal** (bitwise) across {len(ok)} modes: "
+                f"{ok[0]['loss1']!r} (0x{ok[0]['loss1_bits']})"
+            )
         else:
             parts = ", ".join(f"{r['mode']}={r['loss1']!r} (0x{r['loss1_bits']})" for r in ok)
             loss_line = f"first-step loss: **NOT equal**: {parts}"
@@ -106,24 +109,30 @@ def loss_check(rs: list[Result]) -> tuple[str, str]:
             groups: dict[str, list[str]] = {}
             for r in g:
                 groups.setdefault(r["grad1_fingerprint"], []).append(r["mode"])
-            grad_line = ("first-step gradients: fingerprints differ: " +
-                         "; ".join(f"{k}: {', '.join(v)}" for k, v in groups.items()) +
-                         " (attention backward kernels need not be deterministic: informative only)")
+            grad_line = (
+                "first-step gradients: fingerprints differ: "
+                + "; ".join(f"{k}: {', '.join(v)}" for k, v in groups.items())
+                + " (attention backward kernels need not be deterministic: informative only)"
+            )
     return loss_line, grad_line
 
 
 def _host_flat(r: Result) -> str:
     bits = []
     if "pinned_flat" in r:
-        bits.append(f"pinned {r['pinned_bytes_step1'] / GIB:.2f}->{r['pinned_bytes_last'] / GIB:.2f} GiB "
-                    f"{'flat' if r['pinned_flat'] else 'GROWS'}")
+        bits.append(
+            f"pinned {r['pinned_bytes_step1'] / GIB:.2f}->{r['pinned_bytes_last'] / GIB:.2f} GiB "
+            f"{'flat' if r['pinned_flat'] else 'GROWS'}"
+        )
     if "host_allocs_flat" in r:
         bits.append(f"allocs {r['host_allocs_step1']}->{r['host_allocs_last']}")
     return "; ".join(bits) or "—"
 
 
-TABLE_HEAD = ("| mode | status | median s/step | x none | x ckpt | peak GiB | static GiB | offloaded GiB/step | "
-              "transfer floor s | floor/step | step-1 s | step-1 loss | host side (after step 1 -> last) |")
+TABLE_HEAD = (
+    "| mode | status | median s/step | x none | x ckpt | peak GiB | static GiB | offloaded GiB/step | "
+    "transfer floor s | floor/step | step-1 s | step-1 loss | host side (after step 1 -> last) |"
+)
 
 
 def table_rows(rs: list[Result]) -> list[str]:
@@ -142,13 +151,16 @@ def table_rows(rs: list[Result]) -> list[str]:
             f"{fmt(r.get('x_ckpt'), '{:.2f}')} | {fmt(r.get('peak_gib'), '{:.1f}')} | "
             f"{fmt(r.get('static_gib'), '{:.1f}')} | {offl} | {fmt(floor, '{:.3f}', 'n/a')} | "
             f"{fmt(floor / r['median_s'] if floor is not None else None, '{:.0%}', 'n/a')} | "
-            f"{fmt(r.get('first_step_s'), '{:.2f}')} | {r.get('loss1', float('nan')):.6f} | {_host_flat(r)} |")
+            f"{fmt(r.get('first_step_s'), '{:.2f}')} | {r.get('loss1', float('nan')):.6f} | {_host_flat(r)} |"
+        )
     return rows
 
 
-PLAN_HEAD = ("| mode | budget % | budget GiB | plan | predicted peak GiB | peak GiB, timed steps | peak GiB, all steps "
-             "| peak <= budget, every step | predicted s/step | measured s/step | predicted x none | x none | x ckpt | "
-             "peak error | time error | issue target |")
+PLAN_HEAD = (
+    "| mode | budget % | budget GiB | plan | predicted peak GiB | peak GiB, timed steps | peak GiB, all steps "
+    "| peak <= budget, every step | predicted s/step | measured s/step | predicted x none | x none | x ckpt | "
+    "peak error | time error | issue target |"
+)
 
 
 def _plans(rs: list[Result]) -> list[Result]:
@@ -163,8 +175,7 @@ def plan_rows(rs: list[Result]) -> list[str]:
     rows = [PLAN_HEAD, "|" + "---|" * (PLAN_HEAD.count(" | ") + 1)]
     for r in plans:
         budget = _budget_bytes(r)
-        head = (f"| {r['mode']} | {r['mode'][len(PLAN_PREFIX):]} | "
-                f"{fmt(budget / GIB if budget else None, '{:.2f}')} |")
+        head = f"| {r['mode']} | {r['mode'][len(PLAN_PREFIX) :]} | {fmt(budget / GIB if budget else None, '{:.2f}')} |"
         if r.get("status") != "ok":
             why = r.get("error") or "; ".join(r.get("notes", [])) or ""
             rows.append(f"{head} {r.get('status')}: {why} |" + " |" * 12)
@@ -177,7 +188,8 @@ def plan_rows(rs: list[Result]) -> list[str]:
             f"{'n/a' if held is None else 'yes' if held else 'NO: steps ' + str(r['steps_over_budget'])} | "
             f"{plan['predicted_step_s']:.3f} | {r['median_s']:.3f} | {fmt(r.get('predicted_x_none'), '{:.2f}')} | "
             f"{fmt(r.get('x_none'), '{:.2f}')} | {fmt(r.get('x_ckpt'), '{:.2f}')} | "
-            f"{fmt(r.get('peak_error'), '{:+.1%}')} | {fmt(r.get('time_error'), '{:+.1%}')} | {_target(r)} |")
+            f"{fmt(r.get('peak_error'), '{:+.1%}')} | {fmt(r.get('time_error'), '{:+.1%}')} | {_target(r)} |"
+        )
     return rows
 
 
@@ -235,12 +247,18 @@ def mode_details(r: Result) -> str | None:
             bits.append(f"tensors offloaded/step {r['tensors_out']}")
         st = r.get("hfo_stats_last")
         if st:
-            keep = {k[len("bytes_kept_"):]: v for k, v in st.items() if k.startswith("bytes_kept_") and v}
-            bits.append("hfo: " + ", ".join(
-                [f"compute_wait {st.get('compute_wait_s', 0):.4f} s",
-                 f"prefetch hits/misses/inflight {st.get('prefetch_hits')}/{st.get('prefetch_misses')}/"
-                 f"{st.get('inflight_hits')}"] +
-                [f"kept {k} {v / 2**20:.1f} MiB" for k, v in keep.items()]))
+            keep = {k[len("bytes_kept_") :]: v for k, v in st.items() if k.startswith("bytes_kept_") and v}
+            bits.append(
+                "hfo: "
+                + ", ".join(
+                    [
+                        f"compute_wait {st.get('compute_wait_s', 0):.4f} s",
+                        f"prefetch hits/misses/inflight {st.get('prefetch_hits')}/{st.get('prefetch_misses')}/"
+                        f"{st.get('inflight_hits')}",
+                    ]
+                    + [f"kept {k} {v / 2**20:.1f} MiB" for k, v in keep.items()]
+                )
+            )
         if r.get("rss_step1_gib") is not None:
             bits.append(f"host RSS {r['rss_step1_gib']:.1f}->{r['rss_last_gib']:.1f} GiB")
         if r.get("ckpt_call"):
@@ -253,8 +271,9 @@ def mode_details(r: Result) -> str | None:
     return f"- `{r['mode']}`: " + "; ".join(bits) if bits else None
 
 
-def write_report(files: ReportFiles, meta: dict[str, Any], bw: dict[str, Any], results: list[Result],
-                 final: bool) -> None:
+def write_report(
+    files: ReportFiles, meta: dict[str, Any], bw: dict[str, Any], results: list[Result], final: bool
+) -> None:
     """Writes the markdown and the JSON (rewritten after every mode, so a run cut short still leaves its finished
     modes), and copies them and the log into $OUT."""
     by_scen = derive(results, bw)
@@ -285,10 +304,24 @@ def _markdown(meta: dict[str, Any], bw: dict[str, Any], by_scen: dict[str, list[
         f"- date (UTC): {meta['date']}; host: {meta['host']}",
         f"- command: `{meta['command']}`",
         f"- device: {meta['device_name']}" + (f" ({bw['device_mem_gib']:.0f} GiB)" if bw.get("device_mem_gib") else ""),
-        "- versions: " + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "cuda", "transformers", "accelerate",
-                                                          "peft", "trl", "liger-kernel", "triton", "hf-offload",
-                                                          "hf_offload-src")
-                                   if k in v),
+        "- versions: "
+        + ", ".join(
+            f"{k} {v[k]}"
+            for k in (
+                "python",
+                "torch",
+                "cuda",
+                "transformers",
+                "accelerate",
+                "peft",
+                "trl",
+                "liger-kernel",
+                "triton",
+                "hf-offload",
+                "hf_offload-src",
+            )
+            if k in v
+        ),
         f"- method: one process per mode; bf16 weights from a config (seed {meta['seed']}), sdpa attention, fused "
         f"AdamW on the trainable parameters, labels = input_ids; offload context spans the "
         f"{'forward and backward' if meta['span'] == 'step' else 'forward only'}; "
@@ -303,9 +336,12 @@ def _markdown(meta: dict[str, Any], bw: dict[str, Any], by_scen: dict[str, list[
         lines.append(
             f"- pinned bandwidth ({bw['bytes'] / GIB:.0f} GiB copies, median): H2D {bw['h2d_GBps']:.1f} GB/s, "
             f"D2H {bw['d2h_GBps']:.1f} GB/s, both at once {bw['both_GBps']:.1f} GB/s (sum); pageable: H2D "
-            f"{bw['pageable_h2d_GBps']:.1f} GB/s, D2H {bw['pageable_d2h_GBps']:.1f} GB/s")
-        lines.append("- transfer floor = bytes offloaded / D2H + the same bytes back / H2D (serial copies, "
-                     "no overlap with compute)")
+            f"{bw['pageable_h2d_GBps']:.1f} GB/s, D2H {bw['pageable_d2h_GBps']:.1f} GB/s"
+        )
+        lines.append(
+            "- transfer floor = bytes offloaded / D2H + the same bytes back / H2D (serial copies, "
+            "no overlap with compute)"
+        )
     else:
         lines.append(f"- bandwidth probe: {bw.get('skipped') or bw.get('error') or 'not run'}")
     for scen in meta["scenarios"]:
@@ -320,15 +356,21 @@ def _markdown(meta: dict[str, Any], bw: dict[str, Any], by_scen: dict[str, list[
         lines += [d for d in (mode_details(r) for r in rs) if d]
         lines += _plan_section(rs)
     if meta.get("profiles"):
-        lines += ["", "## Profiles (torch.profiler chrome traces of one step after warm-up; open in "
-                      "chrome://tracing or ui.perfetto.dev)", ""]
+        lines += [
+            "",
+            "## Profiles (torch.profiler chrome traces of one step after warm-up; open in "
+            "chrome://tracing or ui.perfetto.dev)",
+            "",
+        ]
         for p in meta["profiles"]:
             where = Path(p["path"]).name if p.get("path") else (p.get("error") or p.get("status"))
             lines.append(f"- {p['scenario']} `{p['mode']}`: {where}")
             busy = p.get("streams") or {}
             for stream, st in sorted(busy.get("streams", {}).items(), key=lambda kv: -kv[1]["busy_ms"]):
-                lines.append(f"  - stream {stream} ({st['work']}): busy {st['busy_ms']:.1f} ms of the "
-                             f"{busy['gpu_span_ms']:.1f} ms GPU span ({st['busy_ms'] / busy['gpu_span_ms']:.0%})")
+                lines.append(
+                    f"  - stream {stream} ({st['work']}): busy {st['busy_ms']:.1f} ms of the "
+                    f"{busy['gpu_span_ms']:.1f} ms GPU span ({st['busy_ms'] / busy['gpu_span_ms']:.0%})"
+                )
     lines.append("")
     return "\n".join(lines)
 
@@ -338,21 +380,37 @@ def _plan_section(rs: list[Result]) -> list[str]:
     rows = plan_rows(rs)
     if not rows:
         return []
-    reference = next((r["memory_budget"]["reference"] for r in rs
-                      if r.get("memory_budget") and r["memory_budget"]["percent"] is not None), "none's peak")
+    reference = next(
+        (
+            r["memory_budget"]["reference"]
+            for r in rs
+            if r.get("memory_budget") and r["memory_budget"]["percent"] is not None
+        ),
+        "none's peak",
+    )
     warmups = "/".join(str(w) for w in sorted({r["warmup_steps"] for r in rs if "plan" in r})) or "—"
-    return [
-        "", "### Memory-budget plans", "",
-        f"plan@P budgets P% of {reference}. Plan modes run {warmups} warm-up steps: the library profiles two under "
-        "full checkpointing and plans at the third. Peaks are each step's `max_memory_allocated`, also where the "
-        "profiler resets the counter inside a step; error = predicted / measured - 1 (peak: the timed steps'; "
-        "time: the median).", "",
-    ] + rows + [""] + [f"- {line}" for line in plan_checks(rs)]
+    return (
+        [
+            "",
+            "### Memory-budget plans",
+            "",
+            f"plan@P budgets P% of {reference}. Plan modes run {warmups} warm-up steps: the library profiles two under "
+            "full checkpointing and plans at the third. Peaks are each step's `max_memory_allocated`, also where the "
+            "profiler resets the counter inside a step; error = predicted / measured - 1 (peak: the timed steps'; "
+            "time: the median).",
+            "",
+        ]
+        + rows
+        + [""]
+        + [f"- {line}" for line in plan_checks(rs)]
+    )
 
 
 def short_table(results: list[Result]) -> str:
-    hdr = f"{'scenario':9} {'mode':18} {'status':10} {'s/step':>8} {'x none':>7} {'x ckpt':>7} {'peak GiB':>9} " \
-          f"{'out GiB':>8} {'floor s':>8} {'loss1':>12}"
+    hdr = (
+        f"{'scenario':9} {'mode':18} {'status':10} {'s/step':>8} {'x none':>7} {'x ckpt':>7} {'peak GiB':>9} "
+        f"{'out GiB':>8} {'floor s':>8} {'loss1':>12}"
+    )
     out = [hdr, "-" * len(hdr)]
     for r in results:
         ok = r.get("status") == "ok"
@@ -362,7 +420,8 @@ def short_table(results: list[Result]) -> str:
             f"{fmt(r.get('median_s') if ok else None, '{:8.3f}'):>8} {fmt(r.get('x_none'), '{:7.2f}'):>7} "
             f"{fmt(r.get('x_ckpt'), '{:7.2f}'):>7} {fmt(r.get('peak_gib'), '{:9.1f}'):>9} "
             f"{fmt(b / GIB if b is not None else None, '{:8.2f}', 'n/a'):>8} "
-            f"{fmt(r.get('floor_s'), '{:8.3f}', 'n/a'):>8} {fmt(r.get('loss1'), '{:12.6f}'):>12}")
+            f"{fmt(r.get('floor_s'), '{:8.3f}', 'n/a'):>8} {fmt(r.get('loss1'), '{:12.6f}'):>12}"
+        )
     return "\n".join(out)
 
 

@@ -27,6 +27,7 @@ from .scenarios import SCENARIOS
 @dataclass(frozen=True)
 class RunConfig:
     """The command line, parsed and checked (see run.py's options)."""
+
     scenarios: list[str]
     modes: list[str]  # timed, in the report's order
     profile_modes: list[str]  # traced, one step each
@@ -68,13 +69,25 @@ def run(config: RunConfig, started_at: float) -> int:
     _print_probe(bw, time.time() - t0)
 
     # (warm-up, timed) steps per scenario
-    steps_by_scenario = {s: (config.warmup if config.warmup is not None else SCENARIOS[s].warmup,
-                             config.steps if config.steps is not None else SCENARIOS[s].steps)
-                         for s in config.scenarios}
+    steps_by_scenario = {
+        s: (
+            config.warmup if config.warmup is not None else SCENARIOS[s].warmup,
+            config.steps if config.steps is not None else SCENARIOS[s].steps,
+        )
+        for s in config.scenarios
+    }
     meta: dict[str, Any] = {
-        "date": date, "device_name": device_name, "host": os.uname().nodename, "scenarios": config.scenarios,
-        "modes": config.modes, "command": config.command, "seed": config.seed, "span": config.span,
-        "deterministic": config.deterministic, "hfo_opts": config.hfo_opts, "steps": steps_by_scenario,
+        "date": date,
+        "device_name": device_name,
+        "host": os.uname().nodename,
+        "scenarios": config.scenarios,
+        "modes": config.modes,
+        "command": config.command,
+        "seed": config.seed,
+        "span": config.span,
+        "deterministic": config.deterministic,
+        "hfo_opts": config.hfo_opts,
+        "steps": steps_by_scenario,
         "device": config.device,
     }
     results: list[Result] = []
@@ -84,8 +97,10 @@ def run(config: RunConfig, started_at: float) -> int:
             results.append(res)
             st = res.get("status")
             if st == "ok":
-                summary = (f"{res['median_s']:.3f} s/step, peak {fmt(res.get('peak_gib'), '{:.1f}')} GiB, "
-                           f"loss1 {res.get('loss1')!r}" + (f", plan {res['plan']['code']}" if "plan" in res else ""))
+                summary = (
+                    f"{res['median_s']:.3f} s/step, peak {fmt(res.get('peak_gib'), '{:.1f}')} GiB, "
+                    f"loss1 {res.get('loss1')!r}" + (f", plan {res['plan']['code']}" if "plan" in res else "")
+                )
             else:
                 summary = res.get("error") or "; ".join(res.get("notes", []))
             print(f"[{scen} {mode}] {st}: {summary} ({res.get('process_s', 0):.0f} s)", flush=True)
@@ -93,25 +108,37 @@ def run(config: RunConfig, started_at: float) -> int:
             write_report(files, meta, bw, results, final=False)
         for mode in config.profile_modes:
             trace_path = config.out_dir / f"{stem}-{scen}-{_file_part(mode)}-trace.json.gz"
-            res = _run_mode(config, scen, mode, steps_by_scenario[scen], files.log, tmp_dir, deadline, results,
-                            trace_path)
+            res = _run_mode(
+                config, scen, mode, steps_by_scenario[scen], files.log, tmp_dir, deadline, results, trace_path
+            )
             st = res.get("status")
-            print(f"[{scen} {mode} profile] {st}: {res.get('profile_path') or res.get('error') or res.get('notes')}"
-                  f" streams: {json.dumps(res.get('profile_streams'))}", flush=True)
+            print(
+                f"[{scen} {mode} profile] {st}: {res.get('profile_path') or res.get('error') or res.get('notes')}"
+                f" streams: {json.dumps(res.get('profile_streams'))}",
+                flush=True,
+            )
             if st == "ok":
                 copy_to_out(trace_path)
-            meta.setdefault("profiles", []).append({"scenario": scen, "mode": mode, "status": st,
-                                                    "path": str(trace_path) if st == "ok" else None,
-                                                    "error": res.get("error"),
-                                                    "streams": res.get("profile_streams")})
+            meta.setdefault("profiles", []).append(
+                {
+                    "scenario": scen,
+                    "mode": mode,
+                    "status": st,
+                    "path": str(trace_path) if st == "ok" else None,
+                    "error": res.get("error"),
+                    "streams": res.get("profile_streams"),
+                }
+            )
 
     write_report(files, meta, bw, results, final=True)
     shutil.rmtree(tmp_dir, ignore_errors=True)
     print()
     if results:
         print_summary(results, config.scenarios)
-    print(f"\nwrote {files.md} and {files.json} ({time.time() - started_at:.0f} s)"
-          + (f"; copied to {os.environ['OUT']}" if os.environ.get("OUT") else ""))
+    print(
+        f"\nwrote {files.md} and {files.json} ({time.time() - started_at:.0f} s)"
+        + (f"; copied to {os.environ['OUT']}" if os.environ.get("OUT") else "")
+    )
     return 0
 
 
@@ -135,6 +162,7 @@ def _device_name(device: str, bw: dict[str, Any]) -> str:
     if name == "cuda":
         try:
             import torch
+
             name = torch.cuda.get_device_name()
         except Exception:
             pass
@@ -143,16 +171,28 @@ def _device_name(device: str, bw: dict[str, Any]) -> str:
 
 def _print_probe(bw: dict[str, Any], seconds: float) -> None:
     if bw.get("h2d_GBps"):
-        print(f"bandwidth ({seconds:.0f} s): H2D {bw['h2d_GBps']:.1f} GB/s, D2H {bw['d2h_GBps']:.1f} GB/s, "
-              f"both {bw['both_GBps']:.1f} GB/s; pageable H2D {bw['pageable_h2d_GBps']:.1f} GB/s, "
-              f"D2H {bw['pageable_d2h_GBps']:.1f} GB/s", flush=True)
+        print(
+            f"bandwidth ({seconds:.0f} s): H2D {bw['h2d_GBps']:.1f} GB/s, D2H {bw['d2h_GBps']:.1f} GB/s, "
+            f"both {bw['both_GBps']:.1f} GB/s; pageable H2D {bw['pageable_h2d_GBps']:.1f} GB/s, "
+            f"D2H {bw['pageable_d2h_GBps']:.1f} GB/s",
+            flush=True,
+        )
     else:
         print(f"bandwidth probe: {bw.get('skipped') or bw.get('error')}", flush=True)
     print("versions:", json.dumps(bw.get("versions", {})), flush=True)
 
 
-def _run_mode(config: RunConfig, scen: str, mode: str, warmup_and_steps: tuple[int, int], log_path: Path,
-              tmp_dir: Path, deadline: float, done: list[Result], trace_path: Path | None = None) -> Result:
+def _run_mode(
+    config: RunConfig,
+    scen: str,
+    mode: str,
+    warmup_and_steps: tuple[int, int],
+    log_path: Path,
+    tmp_dir: Path,
+    deadline: float,
+    done: list[Result],
+    trace_path: Path | None = None,
+) -> Result:
     """One mode in its child process (with ``trace_path``: warm-up, one plain step, then the traced step). Modes
     the scenario does not run, plan modes without a budget (``done``: the results so far) and modes past the budget
     are skipped without starting a process."""
@@ -170,20 +210,37 @@ def _run_mode(config: RunConfig, scen: str, mode: str, warmup_and_steps: tuple[i
         return skipped | {"notes": ["time budget spent"]}
     warmup, steps = warmup_and_steps
     spec: ModeSpec = {
-        "scenario": scen, "mode": mode, "device": config.device, "seed": config.seed, "span": config.span,
-        "warmup": max(warmup, PLAN_MIN_WARMUP) if parsed.planned else warmup, "steps": 1 if trace_path else steps,
-        "hfo_opts": config.hfo_opts, "memory_budget": budget, "deterministic": config.deterministic,
+        "scenario": scen,
+        "mode": mode,
+        "device": config.device,
+        "seed": config.seed,
+        "span": config.span,
+        "warmup": max(warmup, PLAN_MIN_WARMUP) if parsed.planned else warmup,
+        "steps": 1 if trace_path else steps,
+        "hfo_opts": config.hfo_opts,
+        "memory_budget": budget,
+        "deterministic": config.deterministic,
         "result_path": str(tmp_dir / f"{scen}-{_file_part(mode)}.json"),
         "profile_path": str(trace_path) if trace_path else None,
     }
     if os.path.exists(spec["result_path"]):
         os.remove(spec["result_path"])
     t = time.time()
-    res, err = _run_child("--_worker", spec, log_path, min(config.mode_timeout, left - 5),
-                          f"{scen} {mode}{' (profile)' if trace_path else ''}")
+    res, err = _run_child(
+        "--_worker",
+        spec,
+        log_path,
+        min(config.mode_timeout, left - 5),
+        f"{scen} {mode}{' (profile)' if trace_path else ''}",
+    )
     if res is None:
-        res = {"scenario": scen, "mode": mode, "status": "timeout" if err.startswith("timeout") else "error",
-               "error": err, "notes": []}
+        res = {
+            "scenario": scen,
+            "mode": mode,
+            "status": "timeout" if err.startswith("timeout") else "error",
+            "error": err,
+            "notes": [],
+        }
     res["process_s"] = time.time() - t
     if budget is not None:
         res["memory_budget"] = budget
@@ -199,8 +256,10 @@ def _memory_budget(config: RunConfig, scen: str, budget: float | str, done: list
         return {"option": "auto", "percent": None, "reference": "the device's memory, less the library's margin"}
     if config.device == "cpu":
         if config.plan_cpu_reference_bytes is None:
-            return ("no budget: on CPU there is no peak counter to measure none's peak; give "
-                    "--plan-cpu-reference-bytes N (plan@P then budgets P% of N) and --hfo-opt device_type=cpu")
+            return (
+                "no budget: on CPU there is no peak counter to measure none's peak; give "
+                "--plan-cpu-reference-bytes N (plan@P then budgets P% of N) and --hfo-opt device_type=cpu"
+            )
         reference, what = config.plan_cpu_reference_bytes, "--plan-cpu-reference-bytes"
     else:
         none = next((r for r in done if r["scenario"] == scen and r["mode"] == "none"), None)
@@ -209,12 +268,16 @@ def _memory_budget(config: RunConfig, scen: str, budget: float | str, done: list
         if none.get("status") != "ok":
             return f"no budget: plan@P budgets P% of none's peak, and `none` did not finish ({none.get('status')})"
         reference, what = none["peak_bytes"], "none's peak (timed steps)"
-    return {"option": math.floor(reference * budget / 100), "percent": budget,
-            "reference": f"{what}: {reference} bytes ({reference / GIB:.2f} GiB)"}
+    return {
+        "option": math.floor(reference * budget / 100),
+        "percent": budget,
+        "reference": f"{what}: {reference} bytes ({reference / GIB:.2f} GiB)",
+    }
 
 
-def _run_child(kind: str, spec: ModeSpec | dict[str, Any], log_path: Path, timeout: float,
-               header: str) -> tuple[Result | None, str]:
+def _run_child(
+    kind: str, spec: ModeSpec | dict[str, Any], log_path: Path, timeout: float, header: str
+) -> tuple[Result | None, str]:
     """Runs ``run.py KIND SPEC`` with the working tree first on its path, its output appended to ``log_path``.
     Returns what it wrote to ``spec["result_path"]``, or None and why there is nothing (timeout, crash)."""
     env = dict(os.environ)
@@ -229,8 +292,9 @@ def _run_child(kind: str, spec: ModeSpec | dict[str, Any], log_path: Path, timeo
         log.write(f"\n===== {header} =====\n")
         log.flush()
         try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
-                                  timeout=max(1.0, timeout))
+            proc = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO), timeout=max(1.0, timeout)
+            )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             log.write(f"\n[timeout after {timeout:.0f} s]\n")

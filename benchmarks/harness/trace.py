@@ -63,6 +63,9 @@ def stream_busy(trace_path: str) -> dict[str, Any]:
                 busy += b - max(a, end)
                 end = b
         main = max(kinds[stream], key=kinds[stream].get)
-        out["streams"][str(stream)] = {"busy_ms": busy / 1e3, "work": main,
-                                       "by_kind_ms": {k: v / 1e3 for k, v in kinds[stream].items()}}
+        out["streams"][str(stream)] = {
+            "busy_ms": busy / 1e3,
+            "work": main,
+            "by_kind_ms": {k: v / 1e3 for k, v in kinds[stream].items()},
+        }
     return out

@@ -65,8 +65,10 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
         if not res["hfo_active"]:
             notes.append("hf_offload inactive on this device (identity hooks)")
     if mode.planned and offload.context.budget is None:
-        raise SkipMode("no memory budget: hf_offload is inactive on this device (on CPU, its test mode plans: "
-                       "--hfo-opt device_type=cpu)")
+        raise SkipMode(
+            "no memory budget: hf_offload is inactive on this device (on CPU, its test mode plans: "
+            "--hfo-opt device_type=cpu)"
+        )
     res["bytes_counted"] = offload.bytes_counted
 
     train_step = make_train_step(runs, input_ids, params, optimizer, offload.context, spec["span"])
@@ -113,11 +115,19 @@ def _plan_summary(plan: Any, profile: Any) -> dict[str, Any]:
     """The plan in force at the end (an ``hf_offload.planner.Plan``): its code, what it predicts, and the measured
     profile it was planned from (an ``hf_offload.planner.StepProfile``, for replaying the planner offline)."""
     predicted = plan.predicted
-    return {"code": plan.code, "budget_bytes": plan.budget_bytes, "tokens": plan.tokens,
-            "predicted_peak_bytes": predicted.peak_bytes, "predicted_peak_at": predicted.peak_at,
-            "predicted_step_s": predicted.step_s, "predicted_host_bytes": predicted.host_bytes,
-            "forward_window_bytes": plan.forward_window_bytes, "prefetch_window_bytes": plan.prefetch_window_bytes,
-            "profile": dataclasses.asdict(profile), "table": plan.format_table()}
+    return {
+        "code": plan.code,
+        "budget_bytes": plan.budget_bytes,
+        "tokens": plan.tokens,
+        "predicted_peak_bytes": predicted.peak_bytes,
+        "predicted_peak_at": predicted.peak_at,
+        "predicted_step_s": predicted.step_s,
+        "predicted_host_bytes": predicted.host_bytes,
+        "forward_window_bytes": plan.forward_window_bytes,
+        "prefetch_window_bytes": plan.prefetch_window_bytes,
+        "profile": dataclasses.asdict(profile),
+        "table": plan.format_table(),
+    }
 
 
 def main(spec: ModeSpec) -> int:

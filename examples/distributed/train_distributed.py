@@ -51,15 +51,20 @@ VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, SEQ_LEN, BATCH = 1000, 256, 4, 8, 4, 256
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
-                        help="activation_offloading=True (hf-offload)")
+    parser.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="activation_offloading=True (hf-offload)",
+    )
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (r=8) on the attention projections")
     parser.add_argument("--checkpointing", action="store_true", help="non-reentrant activation checkpointing")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="losses.json", help="each rank writes <stem>.rank<R>.json next to it")
-    parser.add_argument("--device-type", default=None,
-                        help="activation_offloading_device_type; 'cpu' = the engine's CPU test mode")
+    parser.add_argument(
+        "--device-type", default=None, help="activation_offloading_device_type; 'cpu' = the engine's CPU test mode"
+    )
     return parser.parse_args(argv)
 
 
@@ -275,8 +280,11 @@ def main(argv=None) -> int:
         "weights_sha256": sha,
         "trainable_numel_local": numel,
         "offload_stats": stats,
-        "param_audit": {"eligible_checked": audit.eligible, "violations": len(audit.violations),
-                        "examples": audit.violations[:5]},  # fmt: skip
+        "param_audit": {
+            "eligible_checked": audit.eligible,
+            "violations": len(audit.violations),
+            "examples": audit.violations[:5],
+        },  # fmt: skip
         "versions": {
             name: __import__(name).__version__ for name in ("torch", "transformers", "accelerate", "hf_offload")
         },

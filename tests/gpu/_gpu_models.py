@@ -46,8 +46,18 @@ IMAGE_TOKENS = {"llava": 16, "gemma3": 4, "idefics3": 4, "qwen2_vl": 4, "qwen2_5
 # --------------------------------------------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------------------------------------------
-def model_config(arch: str, *, hidden: int, layers: int, seq: int, vocab: int = VOCAB, attn: str = "eager",
-                 intermediate: int | None = None, heads: int | None = None, kv_heads: int | None = None):
+def model_config(
+    arch: str,
+    *,
+    hidden: int,
+    layers: int,
+    seq: int,
+    vocab: int = VOCAB,
+    attn: str = "eager",
+    intermediate: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+):
     """A transformers config for a small random-weight model of ``arch`` (no download)."""
     import transformers as tf
 
@@ -57,8 +67,15 @@ def model_config(arch: str, *, hidden: int, layers: int, seq: int, vocab: int = 
     common = dict(vocab_size=vocab, attn_implementation=attn, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     # Decoder-only LMs share their config fields. Mistral and Gemma-2 get sliding windows shorter than the
     # sequence, so that the sliding-window masks are really used.
-    decoder = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                   num_key_value_heads=kv_heads, max_position_embeddings=max(seq, 256), **common)
+    decoder = dict(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max(seq, 256),
+        **common,
+    )
     sliding = dict(head_dim=hidden // heads, sliding_window=max(seq // 2, 1))
     decoders = {
         "llama": (tf.LlamaConfig, {}),
@@ -71,27 +88,58 @@ def model_config(arch: str, *, hidden: int, layers: int, seq: int, vocab: int = 
         config_class, extra = decoders[arch]
         return config_class(**decoder, **extra)
     if arch == "gpt2":
-        return tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inter,
-                             n_positions=max(seq, 256), **common)
+        return tf.GPT2Config(
+            n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inter, n_positions=max(seq, 256), **common
+        )
     if arch == "t5":
-        return tf.T5Config(d_model=hidden, d_kv=hidden // heads, d_ff=inter, num_layers=max(1, layers - 1),
-                           num_decoder_layers=max(1, layers - 1), num_heads=heads, decoder_start_token_id=0,
-                           **common)
+        return tf.T5Config(
+            d_model=hidden,
+            d_kv=hidden // heads,
+            d_ff=inter,
+            num_layers=max(1, layers - 1),
+            num_decoder_layers=max(1, layers - 1),
+            num_heads=heads,
+            decoder_start_token_id=0,
+            **common,
+        )
     if arch == "bart":
-        return tf.BartConfig(d_model=hidden, encoder_layers=max(1, layers - 1), decoder_layers=max(1, layers - 1),
-                             encoder_attention_heads=heads, decoder_attention_heads=heads,
-                             encoder_ffn_dim=inter, decoder_ffn_dim=inter, max_position_embeddings=max(seq, 256),
-                             decoder_start_token_id=2, forced_eos_token_id=None, **common)
+        return tf.BartConfig(
+            d_model=hidden,
+            encoder_layers=max(1, layers - 1),
+            decoder_layers=max(1, layers - 1),
+            encoder_attention_heads=heads,
+            decoder_attention_heads=heads,
+            encoder_ffn_dim=inter,
+            decoder_ffn_dim=inter,
+            max_position_embeddings=max(seq, 256),
+            decoder_start_token_id=2,
+            forced_eos_token_id=None,
+            **common,
+        )
     if arch in VLMS + MOES + HYBRIDS:
         return _family_config(tf, arch, decoder, sliding, hidden, heads)
     if arch == "bert":
-        return tf.BertConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                             num_attention_heads=heads, max_position_embeddings=max(seq, 256),
-                             num_labels=NUM_LABELS, **common)
+        return tf.BertConfig(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            max_position_embeddings=max(seq, 256),
+            num_labels=NUM_LABELS,
+            **common,
+        )
     if arch == "vit":
-        return tf.ViTConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                            num_attention_heads=heads, image_size=IMAGE["size"], patch_size=IMAGE["patch"],
-                            num_channels=IMAGE["channels"], num_labels=NUM_LABELS, attn_implementation=attn)
+        return tf.ViTConfig(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            image_size=IMAGE["size"],
+            patch_size=IMAGE["patch"],
+            num_channels=IMAGE["channels"],
+            num_labels=NUM_LABELS,
+            attn_implementation=attn,
+        )
     raise ValueError(f"unknown arch {arch!r}")
 
 
@@ -105,48 +153,113 @@ def _family_config(tf, arch: str, decoder: dict, sliding: dict, hidden: int, hea
     if arch == "gpt_oss":
         return tf.GptOssConfig(**decoder, **sliding, num_local_experts=4, **moe)
     if arch == "jamba":  # Mamba, then attention with experts, alternating
-        return tf.JambaConfig(**decoder, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                              expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4,
-                              mamba_expand=2, **{**moe, "num_experts_per_tok": 1})
+        return tf.JambaConfig(
+            **decoder,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            **{**moe, "num_experts_per_tok": 1},
+        )
     if arch == "qwen3_next":  # linear attention, then full attention, alternating; experts in every layer
         layer_types = ["linear_attention", "full_attention"] * (decoder["num_hidden_layers"] // 2)
-        return tf.Qwen3NextConfig(**decoder, head_dim=hidden // heads, layer_types=layer_types,
-                                  linear_conv_kernel_dim=4, linear_key_head_dim=hidden // heads,
-                                  linear_value_head_dim=hidden // heads, linear_num_key_heads=heads,
-                                  linear_num_value_heads=heads, num_experts=4, moe_intermediate_size=hidden,
-                                  shared_expert_intermediate_size=hidden, **moe)
+        return tf.Qwen3NextConfig(
+            **decoder,
+            head_dim=hidden // heads,
+            layer_types=layer_types,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=hidden // heads,
+            linear_value_head_dim=hidden // heads,
+            linear_num_key_heads=heads,
+            linear_num_value_heads=heads,
+            num_experts=4,
+            moe_intermediate_size=hidden,
+            shared_expert_intermediate_size=hidden,
+            **moe,
+        )
     if arch == "bamba":  # Mamba-2, then attention
-        return tf.BambaConfig(**decoder, attn_layer_indices=list(range(1, decoder["num_hidden_layers"], 2)),
-                              mamba_n_heads=heads * 2, mamba_d_head=hidden // heads, mamba_n_groups=1,
-                              mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8)
-    vision = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=decoder["num_hidden_layers"],
-                  num_attention_heads=heads, image_size=VLM_IMAGE["size"], patch_size=VLM_IMAGE["patch"])
+        return tf.BambaConfig(
+            **decoder,
+            attn_layer_indices=list(range(1, decoder["num_hidden_layers"], 2)),
+            mamba_n_heads=heads * 2,
+            mamba_d_head=hidden // heads,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=8,
+        )
+    vision = dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=decoder["num_hidden_layers"],
+        num_attention_heads=heads,
+        image_size=VLM_IMAGE["size"],
+        patch_size=VLM_IMAGE["patch"],
+    )
     image = dict(image_token_id=IMAGE_TOKEN)
     if arch == "llava":
-        return tf.LlavaConfig(vision_config=tf.CLIPVisionConfig(**vision), text_config=tf.LlamaConfig(**decoder),
-                              image_token_index=IMAGE_TOKEN, vision_feature_layer=-1,
-                              image_seq_length=IMAGE_TOKENS[arch])
+        return tf.LlavaConfig(
+            vision_config=tf.CLIPVisionConfig(**vision),
+            text_config=tf.LlamaConfig(**decoder),
+            image_token_index=IMAGE_TOKEN,
+            vision_feature_layer=-1,
+            image_seq_length=IMAGE_TOKENS[arch],
+        )
     if arch == "gemma3":
         text = tf.Gemma3TextConfig(**decoder, **sliding, query_pre_attn_scalar=hidden // heads)
-        return tf.Gemma3Config(text_config=text, vision_config=tf.SiglipVisionConfig(**vision),
-                               mm_tokens_per_image=IMAGE_TOKENS[arch], image_token_index=IMAGE_TOKEN,
-                               boi_token_index=IMAGE_TOKEN + 1, eoi_token_index=IMAGE_TOKEN + 2)
+        return tf.Gemma3Config(
+            text_config=text,
+            vision_config=tf.SiglipVisionConfig(**vision),
+            mm_tokens_per_image=IMAGE_TOKENS[arch],
+            image_token_index=IMAGE_TOKEN,
+            boi_token_index=IMAGE_TOKEN + 1,
+            eoi_token_index=IMAGE_TOKEN + 2,
+        )
     if arch == "idefics3":
-        return tf.Idefics3Config(vision_config=tf.Idefics3VisionConfig(**vision), text_config=tf.LlamaConfig(**decoder),
-                                 scale_factor=2, **image)
+        return tf.Idefics3Config(
+            vision_config=tf.Idefics3VisionConfig(**vision),
+            text_config=tf.LlamaConfig(**decoder),
+            scale_factor=2,
+            **image,
+        )
     # Qwen2-VL and Qwen2.5-VL: multimodal rotary sections of a head of `hidden // heads`.
     half = hidden // heads // 2
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * (half // 3), half // 3,
-                                                                                half // 3]}
-    qwen_vision = dict(depth=decoder["num_hidden_layers"], hidden_size=hidden, num_heads=heads, patch_size=2,
-                       spatial_merge_size=2, temporal_patch_size=2)
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+    }
+    qwen_vision = dict(
+        depth=decoder["num_hidden_layers"],
+        hidden_size=hidden,
+        num_heads=heads,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
     if arch == "qwen2_vl":
-        return tf.Qwen2VLConfig(text_config=tf.Qwen2VLTextConfig(**decoder, rope_parameters=rope).to_dict(),
-                                vision_config=dict(qwen_vision, embed_dim=hidden, in_chans=3), **image)
-    return tf.Qwen2_5_VLConfig(text_config=tf.Qwen2_5_VLTextConfig(**decoder, rope_parameters=rope).to_dict(),
-                               vision_config=dict(qwen_vision, out_hidden_size=hidden, intermediate_size=2 * hidden,
-                                                  in_channels=3, window_size=8, fullatt_block_indexes=[1]),
-                               **image)
+        return tf.Qwen2VLConfig(
+            text_config=tf.Qwen2VLTextConfig(**decoder, rope_parameters=rope).to_dict(),
+            vision_config=dict(qwen_vision, embed_dim=hidden, in_chans=3),
+            **image,
+        )
+    return tf.Qwen2_5_VLConfig(
+        text_config=tf.Qwen2_5_VLTextConfig(**decoder, rope_parameters=rope).to_dict(),
+        vision_config=dict(
+            qwen_vision,
+            out_hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            in_channels=3,
+            window_size=8,
+            fullatt_block_indexes=[1],
+        ),
+        **image,
+    )
 
 
 def model_class(arch: str):
@@ -181,8 +294,11 @@ def enable_checkpointing(model, mode: str) -> None:
     """mode in CKPT_MODES. Uses ``activation_checkpointing_enable`` (transformers >= 5.x) when it exists,
     else the older ``gradient_checkpointing_enable``."""
     if mode == "off":
-        name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        name = (
+            "is_activation_checkpointing"
+            if hasattr(type(model), "is_activation_checkpointing")
             else "is_gradient_checkpointing"
+        )
         if getattr(model, name, False):
             _call_ckpt_api(model, enable=False)
         return
@@ -216,13 +332,30 @@ def apply_lora(model, seed: int = 1):
     return get_peft_model(model, cfg)
 
 
-def build_model(arch: str, *, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cuda",
-                ckpt: str = "off", lora: bool = False, seed: int = 0, attn: str = "eager", **size) -> torch.nn.Module:
+def build_model(
+    arch: str,
+    *,
+    dtype: str | torch.dtype = "fp32",
+    device: str | torch.device = "cuda",
+    ckpt: str = "off",
+    lora: bool = False,
+    seed: int = 0,
+    attn: str = "eager",
+    **size,
+) -> torch.nn.Module:
     """A deterministic random-weight model: the same arguments always give bitwise the same weights."""
     size = {**TINY, **size}
-    cfg = model_config(arch, hidden=size["hidden"], layers=size["layers"], seq=size["seq"], attn=attn,
-                       vocab=size.get("vocab", VOCAB), intermediate=size.get("intermediate"),
-                       heads=size.get("heads"), kv_heads=size.get("kv_heads"))
+    cfg = model_config(
+        arch,
+        hidden=size["hidden"],
+        layers=size["layers"],
+        seq=size["seq"],
+        attn=attn,
+        vocab=size.get("vocab", VOCAB),
+        intermediate=size.get("intermediate"),
+        heads=size.get("heads"),
+        kv_heads=size.get("kv_heads"),
+    )
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -236,8 +369,15 @@ def build_model(arch: str, *, dtype: str | torch.dtype = "fp32", device: str | t
     return model
 
 
-def make_batch(arch: str, *, batch: int = TINY["batch"], seq: int = TINY["seq"], vocab: int = VOCAB,
-               device="cuda", seed: int = 1234) -> dict[str, torch.Tensor]:
+def make_batch(
+    arch: str,
+    *,
+    batch: int = TINY["batch"],
+    seq: int = TINY["seq"],
+    vocab: int = VOCAB,
+    device="cuda",
+    seed: int = 1234,
+) -> dict[str, torch.Tensor]:
     """Inputs with labels, so that the model computes its own loss: LM labels (shifted inside the model),
     seq2seq targets, or one class per sequence or image (pixels in fp32: ViT casts them to its dtype)."""
     g = torch.Generator().manual_seed(seed)
@@ -256,7 +396,7 @@ def make_batch(arch: str, *, batch: int = TINY["batch"], seq: int = TINY["seq"],
     if arch in CLASSIFIERS:
         if arch == "bert":
             out["attention_mask"] = torch.ones_like(ids)
-            out["attention_mask"][1:, -(seq // 4):] = 0  # right padding in all but the first sequence
+            out["attention_mask"][1:, -(seq // 4) :] = 0  # right padding in all but the first sequence
         out["labels"] = torch.randint(0, NUM_LABELS, (batch,), generator=g)
     return {k: v.to(device) for k, v in out.items()}
 
@@ -316,7 +456,7 @@ class HookAudit:
     packs, that unpack returns a tensor on the same device with the same dtype, shape and strides."""
 
     def __init__(self, ctx):
-        self.packed = Counter()      # device -> count
+        self.packed = Counter()  # device -> count
         self.unpacked = Counter()
         self.errors: list[str] = []
         orig_pack, orig_unpack = ctx.pack_hook, ctx.unpack_hook
@@ -330,8 +470,12 @@ class HookAudit:
             meta, inner = p
             out = orig_unpack(inner)
             self.unpacked[str(out.device)] += 1
-            got = (out.device, out.dtype, tuple(out.shape),
-                   tuple(out.stride()) if out.layout == torch.strided else None)
+            got = (
+                out.device,
+                out.dtype,
+                tuple(out.shape),
+                tuple(out.stride()) if out.layout == torch.strided else None,
+            )
             if got != meta and len(self.errors) < 20:
                 self.errors.append(f"packed {meta} but unpacked {got}")
             return out
@@ -341,7 +485,8 @@ class HookAudit:
     def check(self) -> None:
         assert sum(self.packed.values()) > 0, (
             "the audit saw no pack call: the context does not push ctx.pack_hook/unpack_hook in __enter__ "
-            "(update HookAudit to the engine's hook attributes)")
+            "(update HookAudit to the engine's hook attributes)"
+        )
         assert not self.errors, "unpacked tensors differ from what was packed:\n" + "\n".join(self.errors)
 
 
@@ -363,9 +508,19 @@ def _sync(device) -> None:
             torch.cuda.synchronize(i)
 
 
-def run_steps(model, batch: dict, *, steps: int = 2, ctx=None, span: str = "fwd", lr: float = 1e-3,
-              seed: int = 4321, keep: bool = True, device="cuda",
-              optimizer: str | torch.optim.Optimizer = "adamw") -> RunResult:
+def run_steps(
+    model,
+    batch: dict,
+    *,
+    steps: int = 2,
+    ctx=None,
+    span: str = "fwd",
+    lr: float = 1e-3,
+    seed: int = 4321,
+    keep: bool = True,
+    device="cuda",
+    optimizer: str | torch.optim.Optimizer = "adamw",
+) -> RunResult:
     """``steps`` training steps (zero_grad, forward, backward, optimizer step) on the same batch.
 
     span="fwd": only the forward runs inside ``with ctx`` (Trainer.compute_loss style); span="fwd_bwd": the
@@ -430,15 +585,19 @@ def assert_bitwise_equal(ref: RunResult, got: RunResult, what: str = "") -> None
                 bad.append(f"{name}: {_diff(a, b)}")
         assert not bad, f"{what} step {step + 1}: {len(bad)} of loss+gradients differ:\n  " + "\n  ".join(bad[:10])
     assert n_with_grad > 0, f"{what}: no parameter received a gradient"
-    bad = [f"{n}: {_diff(ref.final_params[n], got.final_params[n])}" for n in ref.final_params
-           if not torch.equal(ref.final_params[n], got.final_params[n])]
+    bad = [
+        f"{n}: {_diff(ref.final_params[n], got.final_params[n])}"
+        for n in ref.final_params
+        if not torch.equal(ref.final_params[n], got.final_params[n])
+    ]
     assert not bad, f"{what}: parameters after the optimizer steps differ:\n  " + "\n  ".join(bad[:10])
 
 
 def assert_offloaded(stats: Iterable[dict], what: str = "") -> None:
     for step, s in enumerate(stats):
         assert s.get("bytes_offloaded", 0) > 0 and s.get("tensors_offloaded", 0) > 0, (
-            f"{what} step {step + 1}: nothing was offloaded, stats={_short(s)}")
+            f"{what} step {step + 1}: nothing was offloaded, stats={_short(s)}"
+        )
 
 
 def _short(s: dict) -> dict:
@@ -458,12 +617,18 @@ class Case:
     span: str = "fwd"
     steps: int = 2
     attn: str = "eager"
-    options: tuple = ()          # extra engine options, as ((name, value), ...)
+    options: tuple = ()  # extra engine options, as ((name, value), ...)
 
     @property
     def id(self) -> str:
-        parts = [self.arch, self.dtype, f"ckpt-{self.ckpt}", "lora" if self.lora else "full",
-                 "streams" if self.use_streams else "nostreams", f"span-{self.span}"]
+        parts = [
+            self.arch,
+            self.dtype,
+            f"ckpt-{self.ckpt}",
+            "lora" if self.lora else "full",
+            "streams" if self.use_streams else "nostreams",
+            f"span-{self.span}",
+        ]
         if self.attn != "eager":
             parts.append(self.attn)
         parts += [f"{k}={v}" for k, v in self.options]
@@ -529,6 +694,7 @@ def forward_backward(model, batch: dict, ctx=None, span: str = "fwd") -> torch.T
 
 def peak_step_memory(model, batch, *, ctx=None, span="fwd", warmup: int = 1, device="cuda") -> dict:
     """Peak memory of one training step (forward + backward, no optimizer) after ``warmup`` steps."""
+
     def step():
         model.zero_grad(set_to_none=True)
         torch.manual_seed(0)
@@ -547,8 +713,12 @@ def peak_step_memory(model, batch, *, ctx=None, span="fwd", warmup: int = 1, dev
     out = {"peak_bytes": peak, "resident_bytes": before, "step_peak_over_resident": peak - before}
     if ctx is not None:
         st = ctx.get_stats()
-        out.update({k: st.get(k) for k in ("bytes_offloaded", "tensors_offloaded", "bytes_kept_tail",
-                                           "pinned_bytes", "compute_wait_s")})
+        out.update(
+            {
+                k: st.get(k)
+                for k in ("bytes_offloaded", "tensors_offloaded", "bytes_kept_tail", "pinned_bytes", "compute_wait_s")
+            }
+        )
     model.zero_grad(set_to_none=True)
     return out
 
@@ -577,5 +747,5 @@ def split_across_devices(model, devices: list[str]) -> None:
     for m in second:
         m.to(devices[1])
         m.register_forward_pre_hook(
-            lambda mod, args, kwargs, _d=devices[1]: (move_to(args, _d), move_to(kwargs, _d)), with_kwargs=True)
-
+            lambda mod, args, kwargs, _d=devices[1]: (move_to(args, _d), move_to(kwargs, _d)), with_kwargs=True
+        )

@@ -47,15 +47,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    lines = [f"tests/gpu: torch {torch.__version__}, cuda available: {_cuda()}, "
-             f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG')}"]
+    lines = [
+        f"tests/gpu: torch {torch.__version__}, cuda available: {_cuda()}, "
+        f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG')}"
+    ]
     try:
         import transformers
 
         import hf_offload
 
-        lines.append(f"tests/gpu: hf_offload from {pathlib.Path(hf_offload.__file__).parent}, "
-                     f"transformers {transformers.__version__}")
+        lines.append(
+            f"tests/gpu: hf_offload from {pathlib.Path(hf_offload.__file__).parent}, "
+            f"transformers {transformers.__version__}"
+        )
     except Exception as e:  # pragma: no cover - reported, not fatal
         lines.append(f"tests/gpu: could not import hf_offload/transformers: {e!r}")
     if _cuda():

@@ -70,8 +70,9 @@ def test_bitwise_engine_options(case, device, record):
 
 # SDPA attention (what users run) for the decoder-only archs: skipped where the reference itself is not
 # reproducible under deterministic algorithms on this device.
-SDPA_CASES = [Case(arch=a, dtype="bf16", ckpt=c, attn="sdpa")
-              for a in ("llama", "qwen2") for c in ("off", "nonreentrant")]
+SDPA_CASES = [
+    Case(arch=a, dtype="bf16", ckpt=c, attn="sdpa") for a in ("llama", "qwen2") for c in ("off", "nonreentrant")
+]
 
 
 @pytest.mark.parametrize("case", SDPA_CASES, ids=lambda c: c.id)

@@ -27,8 +27,12 @@ ARCHS = ("qwen2_vl", "llava", "mixtral", "qwen3_moe", "jamba", "t5", "bart")
 def on_host(result):
     """A run's losses, gradients and weights moved to the host: kept on the GPU, a reference run's tensors would count
     as static memory in the runs after it, which the budget (derived from an earlier run's profile) must then cover."""
-    return dataclasses.replace(result, losses=move_to(result.losses, "cpu"), grads=move_to(result.grads, "cpu"),
-                               final_params=move_to(result.final_params, "cpu"))
+    return dataclasses.replace(
+        result,
+        losses=move_to(result.losses, "cpu"),
+        grads=move_to(result.grads, "cpu"),
+        final_params=move_to(result.final_params, "cpu"),
+    )
 
 
 def train(arch: str, budget: int | None = None):

@@ -80,8 +80,10 @@ def test_oom_in_forward_leaves_nothing_and_next_steps_exact(ckpt, device, record
     record("", {"ckpt": ckpt, "aborted_step_bytes_offloaded": aborted.get("bytes_offloaded"), **left}, show=True)
 
     assert_offloaded([aborted], f"ckpt={ckpt} aborted step")  # else the fault tested nothing of the engine
-    assert left["device_bytes"] == 0, (f"device memory after the OOM step is {left['device_bytes']} bytes above "
-                                       f"the baseline ({left['inflight_copies']} copies still in the forward window)")
+    assert left["device_bytes"] == 0, (
+        f"device memory after the OOM step is {left['device_bytes']} bytes above "
+        f"the baseline ({left['inflight_copies']} copies still in the forward window)"
+    )
     assert left["pinned_in_use"] == 0, f"{left['pinned_in_use']} pinned bytes still in use after the OOM step"
     assert_bitwise_equal(ref_first, first, f"ckpt={ckpt} before the OOM")
     assert_bitwise_equal(ref_next, after, f"ckpt={ckpt} after the OOM")

@@ -23,8 +23,11 @@ PEAK_SIZE = dict(hidden=1024, layers=8, seq=4096, intermediate=2816, heads=16, k
         # seq 4096 x batch 4), and the peak is at the first layer's recompute in backward. The default 128 MiB
         # forward window could keep four of the 8 inputs as the tail, so windows of two layers' inputs make the
         # saving visible at this size (the 1B report, peak_1b.py, measures the defaults at scale).
-        ("nonreentrant", dict(seq=4096, batch=4),
-         {"forward_window_bytes": 64 * MiB, "prefetch_window_bytes": 64 * MiB}),
+        (
+            "nonreentrant",
+            dict(seq=4096, batch=4),
+            {"forward_window_bytes": 64 * MiB, "prefetch_window_bytes": 64 * MiB},
+        ),
     ],
     ids=["ckpt-off", "ckpt-nonreentrant"],
 )
@@ -38,28 +41,41 @@ def test_peak_memory_lower(ckpt, shape, options, device, record, nondeterministi
     finally:
         dispose(ctx)
     saved = base["peak_bytes"] - off["peak_bytes"]
-    record("peak", {"ckpt": ckpt, **shape, "no_offload_peak_MiB": round(base["peak_bytes"] / MiB, 1),
-                    "offload_peak_MiB": round(off["peak_bytes"] / MiB, 1),
-                    "saved_MiB": round(saved / MiB, 1),
-                    "resident_MiB": round(base["resident_bytes"] / MiB, 1),
-                    "offloaded_MiB": round((off.get("bytes_offloaded") or 0) / MiB, 1),
-                    "kept_tail_MiB": round((off.get("bytes_kept_tail") or 0) / MiB, 1),
-                    "compute_wait_s": off.get("compute_wait_s")}, show=True)
-    print(f"[peak ckpt={ckpt}] no offload {base['peak_bytes'] / MiB:.1f} MiB, "
-          f"offload {off['peak_bytes'] / MiB:.1f} MiB, saved {saved / MiB:.1f} MiB")
+    record(
+        "peak",
+        {
+            "ckpt": ckpt,
+            **shape,
+            "no_offload_peak_MiB": round(base["peak_bytes"] / MiB, 1),
+            "offload_peak_MiB": round(off["peak_bytes"] / MiB, 1),
+            "saved_MiB": round(saved / MiB, 1),
+            "resident_MiB": round(base["resident_bytes"] / MiB, 1),
+            "offloaded_MiB": round((off.get("bytes_offloaded") or 0) / MiB, 1),
+            "kept_tail_MiB": round((off.get("bytes_kept_tail") or 0) / MiB, 1),
+            "compute_wait_s": off.get("compute_wait_s"),
+        },
+        show=True,
+    )
+    print(
+        f"[peak ckpt={ckpt}] no offload {base['peak_bytes'] / MiB:.1f} MiB, "
+        f"offload {off['peak_bytes'] / MiB:.1f} MiB, saved {saved / MiB:.1f} MiB"
+    )
     assert (off.get("bytes_offloaded") or 0) > 0, "nothing was offloaded"
     assert off["peak_bytes"] < base["peak_bytes"], (
-        f"peak not lower with offloading: {off['peak_bytes'] / MiB:.1f} MiB vs {base['peak_bytes'] / MiB:.1f} MiB")
+        f"peak not lower with offloading: {off['peak_bytes'] / MiB:.1f} MiB vs {base['peak_bytes'] / MiB:.1f} MiB"
+    )
     # "measurably": at least 2% of the step's own peak above the resident weights
     assert saved >= 0.02 * (base["peak_bytes"] - base["resident_bytes"]), (
-        f"saving of {saved / MiB:.1f} MiB is within noise")
+        f"saving of {saved / MiB:.1f} MiB is within noise"
+    )
 
 
 FLAT_STEPS = 50
 
 
-@pytest.mark.parametrize("ckpt, span", [("off", "fwd"), ("off", "fwd_bwd"), ("nonreentrant", "fwd"),
-                                        ("reentrant", "fwd_bwd")])
+@pytest.mark.parametrize(
+    "ckpt, span", [("off", "fwd"), ("off", "fwd_bwd"), ("nonreentrant", "fwd"), ("reentrant", "fwd_bwd")]
+)
 def test_flat_memory_over_steps(ckpt, span, device, record):
     model = build_model("llama", dtype="bf16", device=device, ckpt=ckpt, hidden=256, layers=2, seq=256)
     batch = make_batch("llama", device=device, seq=256)
@@ -70,11 +86,17 @@ def test_flat_memory_over_steps(ckpt, span, device, record):
         dispose(ctx)
     mem = res.mem_after_step
     pinned = [s.get("pinned_bytes") for s in res.stats]
-    record("", {"mem_after_step_first5": mem[:5], "mem_after_step_last": mem[-1],
-                "pinned_first5": pinned[:5], "pinned_last": pinned[-1],
-                "bytes_offloaded_first_last": [res.stats[0].get("bytes_offloaded"),
-                                               res.stats[-1].get("bytes_offloaded")]},
-           show=(ckpt, span) == ("off", "fwd"))
+    record(
+        "",
+        {
+            "mem_after_step_first5": mem[:5],
+            "mem_after_step_last": mem[-1],
+            "pinned_first5": pinned[:5],
+            "pinned_last": pinned[-1],
+            "bytes_offloaded_first_last": [res.stats[0].get("bytes_offloaded"), res.stats[-1].get("bytes_offloaded")],
+        },
+        show=(ckpt, span) == ("off", "fwd"),
+    )
     assert_offloaded(res.stats[:1] + res.stats[-1:], f"ckpt={ckpt} span={span}")
     growing = [(i + 1, m) for i, m in enumerate(mem) if i >= 2 and m != mem[2]]
     assert not growing, f"device memory after the optimizer step changes from step 3 on: {growing[:5]} vs {mem[2]}"
@@ -111,7 +133,8 @@ def test_step_without_backward_does_not_leak(device, record):
     record("", {"mem_before": first.mem_after_step[-1], "mem_after": second.mem_after_step})
     assert_offloaded(second.stats, "after abandoned forwards")
     assert second.mem_after_step[-1] == first.mem_after_step[-1], (
-        f"device memory after abandoned forwards: {second.mem_after_step} vs {first.mem_after_step[-1]} before")
+        f"device memory after abandoned forwards: {second.mem_after_step} vs {first.mem_after_step[-1]} before"
+    )
     assert second.stats[-1].get("pinned_bytes") == first.stats[-1].get("pinned_bytes")
 
 

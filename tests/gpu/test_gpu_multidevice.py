@@ -19,8 +19,9 @@ from _gpu_models import (
     split_across_devices,
 )
 
-needs_two = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                               reason="needs at least 2 CUDA devices")
+needs_two = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs at least 2 CUDA devices"
+)
 
 
 @needs_two
@@ -46,8 +47,15 @@ def test_split_model_two_devices(ckpt, span, record):
         torch.cuda.synchronize(devices[0])
     finally:
         dispose(ctx)
-    record("", {"packed_by_device": dict(audit.packed), "unpacked_by_device": dict(audit.unpacked),
-                "bytes_offloaded": [s.get("bytes_offloaded") for s in got.stats]}, show=True)
+    record(
+        "",
+        {
+            "packed_by_device": dict(audit.packed),
+            "unpacked_by_device": dict(audit.unpacked),
+            "bytes_offloaded": [s.get("bytes_offloaded") for s in got.stats],
+        },
+        show=True,
+    )
     assert_bitwise_equal(ref, got, f"split ckpt={ckpt} span={span}")
     assert_offloaded(got.stats, "split")
     audit.check()

@@ -37,9 +37,17 @@ def test_checkpointed_reload_is_not_on_top_of_the_block_peak(ckpt, device, recor
     finally:
         dispose(ctx)
 
-    record("", {"peak_MiB_points": points["peak_bytes"] / MiB, "peak_MiB_on_unpack": on_unpack["peak_bytes"] / MiB,
-                "prefetch_hits": stats["prefetch_hits"], "prefetch_misses": stats["prefetch_misses"],
-                "compute_wait_s": stats["compute_wait_s"]}, show=True)
+    record(
+        "",
+        {
+            "peak_MiB_points": points["peak_bytes"] / MiB,
+            "peak_MiB_on_unpack": on_unpack["peak_bytes"] / MiB,
+            "prefetch_hits": stats["prefetch_hits"],
+            "prefetch_misses": stats["prefetch_misses"],
+            "compute_wait_s": stats["compute_wait_s"],
+        },
+        show=True,
+    )
     assert stats["tensors_offloaded"] >= SIZE["layers"] - 1
     assert stats["prefetch_misses"] == 0, stats  # every reload was started ahead of its use
     assert points["peak_bytes"] <= on_unpack["peak_bytes"] - 0.9 * layer_input_bytes, (points, on_unpack)

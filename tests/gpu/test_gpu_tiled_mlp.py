@@ -85,17 +85,29 @@ def test_tiled_mlp_lowers_the_peak(ckpt, device, record, nondeterministic):
     # intermediates, which the untiled backward adds on top, are not counted: the expectation is a lower bound.
     layers = SHAPE["layers"] if ckpt == "off" else 1
     expected = layers * SAVED_PER_LAYER * INTERMEDIATE_BYTES
-    record("peak", {"ckpt": ckpt, "tokens": SEQ, "chunk": CHUNK,
-                    "untiled_peak_MiB": round(base["peak_bytes"] / MiB, 1),
-                    "tiled_peak_MiB": round(tiled["peak_bytes"] / MiB, 1),
-                    "saved_MiB": round(saved / MiB, 1), "expected_saving_MiB": round(expected / MiB, 1),
-                    "resident_MiB": round(base["resident_bytes"] / MiB, 1)}, show=True)
-    print(f"[tiled mlp ckpt={ckpt}] untiled peak {base['peak_bytes'] / MiB:.1f} MiB, "
-          f"tiled {tiled['peak_bytes'] / MiB:.1f} MiB: saved {saved / MiB:.1f} MiB, "
-          f"expected {expected / MiB:.0f} MiB")
+    record(
+        "peak",
+        {
+            "ckpt": ckpt,
+            "tokens": SEQ,
+            "chunk": CHUNK,
+            "untiled_peak_MiB": round(base["peak_bytes"] / MiB, 1),
+            "tiled_peak_MiB": round(tiled["peak_bytes"] / MiB, 1),
+            "saved_MiB": round(saved / MiB, 1),
+            "expected_saving_MiB": round(expected / MiB, 1),
+            "resident_MiB": round(base["resident_bytes"] / MiB, 1),
+        },
+        show=True,
+    )
+    print(
+        f"[tiled mlp ckpt={ckpt}] untiled peak {base['peak_bytes'] / MiB:.1f} MiB, "
+        f"tiled {tiled['peak_bytes'] / MiB:.1f} MiB: saved {saved / MiB:.1f} MiB, "
+        f"expected {expected / MiB:.0f} MiB"
+    )
     assert saved >= 0.75 * expected, (
         f"tiling saved {saved / MiB:.1f} MiB at the peak, less than 75% of the {expected / MiB:.0f} MiB of MLP "
-        f"intermediates it should remove")
+        f"intermediates it should remove"
+    )
 
 
 def test_tiled_mlp_gradients_bf16(device, record, nondeterministic):
@@ -113,17 +125,29 @@ def test_tiled_mlp_gradients_bf16(device, record, nondeterministic):
     difference, where = max_difference(got, ref)
     untiled_error, untiled_where = max_difference(ref, exact)
     tiled_error, tiled_where = max_difference(got, exact)
-    record("bf16", {"max_rel_diff_tiled_vs_untiled": difference, "where": where,
-                    "untiled_repeat_max_rel_diff": noise[0],
-                    "untiled_vs_fp32": untiled_error, "untiled_vs_fp32_where": untiled_where,
-                    "tiled_vs_fp32": tiled_error, "tiled_vs_fp32_where": tiled_where}, show=True)
-    print(f"[tiled mlp bf16] tiled vs untiled {difference:.3g} ({where}); untiled twice {noise[0]:.3g}; "
-          f"vs fp32: untiled {untiled_error:.3g}, tiled {tiled_error:.3g}")
+    record(
+        "bf16",
+        {
+            "max_rel_diff_tiled_vs_untiled": difference,
+            "where": where,
+            "untiled_repeat_max_rel_diff": noise[0],
+            "untiled_vs_fp32": untiled_error,
+            "untiled_vs_fp32_where": untiled_where,
+            "tiled_vs_fp32": tiled_error,
+            "tiled_vs_fp32_where": tiled_where,
+        },
+        show=True,
+    )
+    print(
+        f"[tiled mlp bf16] tiled vs untiled {difference:.3g} ({where}); untiled twice {noise[0]:.3g}; "
+        f"vs fp32: untiled {untiled_error:.3g}, tiled {tiled_error:.3g}"
+    )
     assert noise[0] <= BF16_TOLERANCE / 4, f"the untiled step does not repeat itself: {noise}"
     assert difference <= BF16_TOLERANCE, f"{where} differs by {difference:.3g}"
     assert tiled_error <= TILED_ERROR_RATIO * untiled_error, (
         f"tiling moves the gradients further from fp32 ({tiled_error:.3g}, {tiled_where}) than bf16 does "
-        f"({untiled_error:.3g}, {untiled_where})")
+        f"({untiled_error:.3g}, {untiled_where})"
+    )
 
 
 # The engine test runs eager attention, whose backward is deterministic: the tiled step must repeat itself bitwise
@@ -160,6 +184,14 @@ def test_tiled_mlp_with_offloading_and_checkpointing(span, device, record):
     assert_offloaded(got.stats, f"tiled, span={span}")
     assert_bitwise_equal(ref, got, f"tiled with the engine, span={span}")
     difference, where = max_difference((got.losses[0], got.grads[0]), (untiled.losses[0], untiled.grads[0]))
-    record("", {"span": span, "max_rel_diff_vs_untiled": difference, "where": where,
-                "bytes_offloaded": [s.get("bytes_offloaded") for s in got.stats]}, show=span == "fwd")
+    record(
+        "",
+        {
+            "span": span,
+            "max_rel_diff_vs_untiled": difference,
+            "where": where,
+            "bytes_offloaded": [s.get("bytes_offloaded") for s in got.stats],
+        },
+        show=span == "fwd",
+    )
     assert difference <= BF16_TOLERANCE, f"{where} differs from the untiled model by {difference:.3g}"
