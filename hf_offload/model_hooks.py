@@ -46,6 +46,7 @@ class _ExemptHooks:
 
     @eager_only
     def enter(self, module: nn.Module, args: Any) -> None:
+        self.engine.model_hooks_ran = True  # the module runs eagerly: the forward was not compiled as a whole
         region = self.engine.exempt() if self.engine.is_innermost() else None
         if region is not None:
             region.__enter__()
@@ -91,6 +92,7 @@ class _TailHooks(_ExemptHooks):
 
     @eager_only
     def enter(self, module: nn.Module, args: Any) -> None:
+        self.engine.model_hooks_ran = True  # a head called on its own (`model.lm_head(hidden)`) runs eagerly too
         stack = self._stack()
         if stack and stack[-1][1] == self._depth() and self._depth() > 0:
             return  # the region opened by an earlier tail module of this forward is still open
