@@ -16,6 +16,7 @@ Usage (GPU machine): python benchmarks/hook_cost.py [--engine-root DIR] [--label
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -49,7 +50,7 @@ def main() -> int:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         hidden = start
-        with engine if engine is not None else _Null():
+        with engine if engine is not None else contextlib.nullcontext():
             for scale in scales:
                 hidden = hidden * scale  # saves `hidden` (16 MiB) for the gradient of `scale`
                 if engine is not None and prefetch_points:
@@ -143,14 +144,6 @@ def time_primitives(torch: object, tensor: object) -> dict[str, float]:
         print(f"  {name:42s} {out[name]:7.2f} us")
     cuda.synchronize()
     return out
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 if __name__ == "__main__":

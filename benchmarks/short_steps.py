@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import argparse
 import ast
-import gzip
+import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ import torch  # noqa: E402
 from harness.model import build_model, make_input_ids, make_optimizer  # noqa: E402
 from harness.offloaders import enable_checkpointing  # noqa: E402
 from harness.scenarios import SCENARIOS  # noqa: E402
+from harness.trace import busy_and_gaps, save_trace, stream_work  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload.engine import OffloadActivations  # noqa: E402
@@ -132,7 +132,7 @@ def main() -> int:
         """One step, synchronised before and after, as the benchmark times it; host-side marks along the way."""
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with context if context is not None else _null():
+        with context if context is not None else contextlib.nullcontext():
             loss = model(input_ids=input_ids, labels=input_ids).loss
             t_forward = time.perf_counter()
             loss.backward()
@@ -239,14 +239,6 @@ def host_profile(variant: str, model: torch.nn.Module, step: Any) -> None:
         context.remove_hooks()
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
 def trace_summary(run_step: Any, context: Any, path: str) -> dict[str, Any]:
     """One step under torch.profiler: the compute stream's busy and idle time, its largest gaps, the copies per
     stream and the runtime calls, from the chrome trace (saved gzipped at `path`)."""
@@ -255,56 +247,37 @@ def trace_summary(run_step: Any, context: Any, path: str) -> dict[str, Any]:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_step(context)
-    raw = path[:-3]
-    prof.export_chrome_trace(raw)
-    events = json.loads(Path(raw).read_text()).get("traceEvents", [])
-    with open(raw, "rb") as source, gzip.open(path, "wb") as target:
-        shutil.copyfileobj(source, target)
-    os.remove(raw)
-
-    device_work: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+    events = save_trace(prof, path)
+    device_work = stream_work(events)
     copies: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "ms": 0.0})
+    for stream, work in device_work.items():
+        for start, stop, name, kind in work:
+            if kind in ("DtoH", "HtoD", "gpu_memcpy"):
+                copies[f"stream {stream} {name}"]["count"] += 1
+                copies[f"stream {stream} {name}"]["ms"] += (stop - start) / 1e3
     runtime: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "ms": 0.0})
     for event in events:
-        if event.get("ph") != "X":
-            continue
-        category, name = event.get("cat"), event.get("name", "")
-        start, duration = float(event["ts"]), float(event.get("dur", 0))
-        if category in ("kernel", "gpu_memcpy", "gpu_memset"):
-            stream = (event.get("args") or {}).get("stream")
-            device_work[stream].append((start, start + duration, name))
-            if category == "gpu_memcpy":
-                copies[f"stream {stream} {name}"]["count"] += 1
-                copies[f"stream {stream} {name}"]["ms"] += duration / 1e3
-        elif category == "cuda_runtime" or category == "cuda_driver":
-            runtime[name]["count"] += 1
-            runtime[name]["ms"] += duration / 1e3
+        if event.get("ph") == "X" and event.get("cat") in ("cuda_runtime", "cuda_driver"):
+            runtime[event.get("name", "")]["count"] += 1
+            runtime[event.get("name", "")]["ms"] += float(event.get("dur", 0)) / 1e3
     # The compute stream: the one with the most kernel time.
-    compute = max(device_work, key=lambda s: sum(b - a for a, b, n in device_work[s] if "Memcpy" not in n))
-    work = sorted(device_work[compute])
-    span_start = min(a for intervals in device_work.values() for a, _, _ in intervals)
-    span_end = max(b for intervals in device_work.values() for _, b, _ in intervals)
-    busy, end, gaps, previous = 0.0, float("-inf"), [], ""
-    for start, stop, name in work:
-        if start > end and end != float("-inf"):
-            gaps.append(
-                {
-                    "ms": (start - end) / 1e3,
-                    "at": round((end - span_start) / (span_end - span_start), 3),
-                    "after": previous[:60],
-                    "before": name[:60],
-                }
-            )
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
-            previous = name
-    gaps.sort(key=lambda g: -g["ms"])
+    compute = max(device_work, key=lambda s: sum(b - a for a, b, _, kind in device_work[s] if kind == "kernel"))
+    span_start = min(piece[0] for work in device_work.values() for piece in work)
+    span_end = max(piece[1] for work in device_work.values() for piece in work)
+    busy, idle = busy_and_gaps(device_work[compute])
+    gaps = sorted(
+        (
+            {"ms": (after - before) / 1e3, "at": round((before - span_start) / (span_end - span_start), 3),
+             "after": previous[:60], "before": following[:60]}
+            for before, after, previous, following in idle
+        ),
+        key=lambda gap: -gap["ms"],
+    )  # fmt: skip
     return {
         "gpu_span_ms": (span_end - span_start) / 1e3,
         "compute_busy_ms": busy / 1e3,
         "compute_idle_ms": (span_end - span_start - busy) / 1e3,
-        "gaps_over_50us": sum(g["ms"] > 0.05 for g in gaps),
+        "gaps_over_50us": sum(gap["ms"] > 0.05 for gap in gaps),
         "copies": dict(copies),
         "runtime": {k: v for k, v in sorted(runtime.items(), key=lambda kv: -kv[1]["ms"])[:14]},
         "gaps": gaps[:20],
