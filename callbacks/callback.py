@@ -191,7 +191,8 @@ class ActivationOffloadingCallback(TrainerCallback):
             return
         accumulate(self._stats, self._context.consume_stats())
         if state.is_world_process_zero:
-            tqdm.write(format_summary(self._stats, self._context.device_type))  # print() would join the progress bar
+            # tqdm.write: print() would join the progress bar
+            tqdm.write(format_summary(self._stats, self._context.device_type, self._context.peak_report))
         self._detach()
 
     def _detach(self) -> None:

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     if offload_args.activation_offloading:
         if offloading.active:
-            print(format_summary(offloading.consume_stats(), offloading.device_type))
+            print(format_summary(offloading.consume_stats(), offloading.device_type, offloading.peak_report))
         offloading.remove_hooks()  # the exemption hooks on the output head
     return losses
 

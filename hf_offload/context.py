@@ -29,7 +29,13 @@ from .model import (
     outermost,
     unwrap_model,
 )
-from .model_hooks import install_exempt_hooks, install_prefetch_points, install_tail_hooks, remove_stale_hooks
+from .model_hooks import (
+    install_exempt_hooks,
+    install_prefetch_points,
+    install_step_tokens_hook,
+    install_tail_hooks,
+    remove_stale_hooks,
+)
 from .options import OffloadOptions
 from .planner import parse_memory_budget
 from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
@@ -169,6 +175,7 @@ def get_act_offloading_ctx_manager(
     )
     if layers:
         engine.track_hook(layers[0].register_forward_pre_hook(LongContextCheck(engine), with_kwargs=True))
+    install_step_tokens_hook(engine, unwrapped)
     if engine.options.tile_mlp is True:
         engine.track_hook(apply_tiled_mlp(unwrapped, default_tokens_per_chunk(unwrapped)))
     if engine.options.memory_budget is not None and engine.active:

@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .host_memory import HostBlock, PinnedHostPool, host_memory_cap
 from .options import DEFAULT_WINDOW_BYTES, MIB, OffloadOptions, current_accelerator_type
+from .peak import DevicePeakCounter, PeakReport, StepPeakWatch, queue_after_backward
 from .policy import TailPlanner, kept_reason, parameter_storages, storage_span
 from .stats import StatsRecorder
 
@@ -58,6 +59,9 @@ logger = logging.getLogger(__name__)
 _PREFETCH_WINDOW_COPIES = 4
 
 _IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
+# Without `min_peak_reduction`, a measured step whose peak offloading lowers by less than this share gets a warning
+# that says so, with the figures.
+_NOTICE_BELOW = 0.05
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
@@ -295,7 +299,13 @@ class OffloadActivations(saved_tensors_hooks):
         # Set by the model hooks of `get_act_offloading_ctx_manager` whenever one runs: a forward that saved tensors
         # while none ran was compiled as a whole, and the engine then stands aside (see `_begin_backward`).
         self.model_hooks_ran = False
-        self._whole_model_compiled = False
+        # Why offloading stands aside (a key of `stats.KEPT_REASONS`: every saved tensor is then kept, at the cost of
+        # a count), or None. "compiled": the model was compiled as a whole; "cannot_lower_peak": the measured step
+        # showed that offloading lowers the peak by less than `min_peak_reduction`, until a longer step arrives.
+        self.standing_aside: str | None = None
+        # The second step's phases, measured on the device's peak counter (`hf_offload.peak`); not under a memory
+        # budget, whose controller resets that counter in its own profiled steps.
+        self._peak_watch = StepPeakWatch(DevicePeakCounter(self.device_type).read_and_reset)
         # The memory budget's controller (`hf_offload.budget`), attached by `get_act_offloading_ctx_manager` when
         # `memory_budget` is set: its `plan` is the per-layer plan in force.
         self.budget: Any = None
@@ -332,7 +342,11 @@ class OffloadActivations(saved_tensors_hooks):
             if torch.compiler.is_compiling():  # traced: nothing of the engine in compiled code (see compile_guard)
                 return tensor
             engine = engine_ref()
-            return _kept(tensor) if engine is None else engine._pack(tensor)
+            if engine is None:
+                return _kept(tensor)
+            if engine.standing_aside is not None:
+                return engine._keep_standing_aside(tensor)
+            return engine._pack(tensor)
 
         pack.offloading_engine = engine_ref  # tells `__enter__` of another engine that this one is active
         super().__init__(pack, _unpack)
@@ -344,6 +358,12 @@ class OffloadActivations(saved_tensors_hooks):
         """The memory budget's plan in force (`hf_offload.planner.Plan`); None without a budget or before the
         profiled steps are over."""
         return None if self.budget is None else self.budget.plan
+
+    @property
+    def peak_report(self) -> PeakReport | None:
+        """The second step's peak, where it was set and what offloading took off it (`hf_offload.peak`); None
+        before that step's end, without a device peak counter (the CPU test mode), or under a memory budget."""
+        return self._peak_watch.report
 
     @property
     def active(self) -> bool:
@@ -576,16 +596,12 @@ class OffloadActivations(saved_tensors_hooks):
             return _kept(tensor)
         with self._lock:
             in_backward = self._note_pack()
-            reason = (
-                "compiled"
-                if self._whole_model_compiled
-                else kept_reason(
-                    tensor,
-                    device_type=self.device_type,
-                    min_offload_size=self.options.min_offload_size,
-                    parameter_pointers=self._parameter_pointers,
-                    in_backward=in_backward,
-                )
+            reason = kept_reason(
+                tensor,
+                device_type=self.device_type,
+                min_offload_size=self.options.min_offload_size,
+                parameter_pointers=self._parameter_pointers,
+                in_backward=in_backward,
             )
             if reason is None:
                 return self._offload(tensor)
@@ -598,6 +614,15 @@ class OffloadActivations(saved_tensors_hooks):
             self._stats.kept(reason, tensor.numel() * tensor.element_size())
             return _kept(tensor)
 
+    def _keep_standing_aside(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The pack hook's whole work while offloading stands aside: keep the tensor, count it. Called for every
+        saved tensor of a step that may be short, so the lock is taken only where a step may begin."""
+        if self._phase != _FORWARD:
+            with self._lock:
+                self._note_pack()
+        self._stats.kept(self.standing_aside, tensor.numel() * tensor.element_size())
+        return _kept(tensor)
+
     def _keep(self, tensor: torch.Tensor, reason: str) -> None:
         """Counts a tensor that a region of this engine kept without asking it (an exempt module)."""
         with self._lock:
@@ -609,6 +634,7 @@ class OffloadActivations(saved_tensors_hooks):
         with self._lock:
             if self._phase == _FORWARD:
                 self._mark_end_of_forward(self._step, drain=True)
+                self._peak_watch.forward_ends(self._stats.step.bytes_offloaded)
 
     def _note_pack(self) -> bool:
         """Starts a new step if this pack opens a forward; True if it happens inside a backward pass."""
@@ -622,6 +648,10 @@ class OffloadActivations(saved_tensors_hooks):
         own graph)."""
         if self._step.end_of_forward is not None:  # a forward that never reached its end teaches nothing
             self._planner.end_forward(_first_unfinished(self._step.end_of_forward))
+        if self.budget is None:
+            report = self._peak_watch.step_begins()
+            if report is not None:
+                self._peak_measured(report)
         self._phase = _FORWARD
         self._step = _Step()
         self._dedup.clear()
@@ -769,6 +799,9 @@ class OffloadActivations(saved_tensors_hooks):
         self._phase = _BACKWARD
         self._note_whole_model_compile(step)
         self._mark_end_of_forward(step, drain=False)
+        self._peak_watch.backward_begins(self._stats.step.bytes_offloaded)
+        if self._peak_watch.measuring:
+            queue_after_backward(self._peak_watch.backward_ends)
         for lane in self._lanes.values():
             # Copies still in flight (no tail region drained them) keep their GPU original until it is
             # unpacked: reloading it later would only cost, and the memory is held at this point anyway.
@@ -791,8 +824,8 @@ class OffloadActivations(saved_tensors_hooks):
         loss, is behind it, so moving them could only cost (and the head's and the loss's, which backward needs first,
         would move too). Compiling the decoder layers instead (regional compilation) keeps the hooks and the overlap.
         """
-        if self._module_hooks and step.copies and not self.model_hooks_ran and not self._whole_model_compiled:
-            self._whole_model_compiled = True
+        if self._module_hooks and step.copies and not self.model_hooks_ran and self.standing_aside is None:
+            self.standing_aside = "compiled"
             self.warn_once("compiled", "the model's forward is compiled as a whole (torch.compile(model) or "
                             "torch_compile=True): its saved tensors reach hf-offload only after the compiled forward "
                             "has ended, when moving them cannot lower the step's peak, so activation offloading "
@@ -800,6 +833,44 @@ class OffloadActivations(saved_tensors_hooks):
                             "`for layer in model.model.layers: layer.compile()`): hf-offload then moves their inputs "
                             "as it does without compilation.")  # fmt: skip
         self.model_hooks_ran = False
+
+    def note_step_tokens(self, tokens: int) -> None:
+        """Told by the model's hook at each forward: the tokens of the step that runs.
+
+        Offloading that stands aside because it could not lower the measured step's peak resumes, for good, at a
+        step with more tokens: its activations grow, and may set the peak where the measured step's did not.
+
+        Args:
+            tokens: the tokens of the model's input (batch x sequence).
+        """
+        self._peak_watch.note_tokens(tokens)
+        report = self._peak_watch.report
+        if self.standing_aside == "cannot_lower_peak" and tokens > report.tokens:
+            self.standing_aside = None
+            logger.warning("hf_offload: a step of %d tokens, more than the %d of the step that showed offloading "
+                           "could not lower the peak: offloading resumes, for the rest of the run", tokens,
+                           report.tokens)  # fmt: skip
+
+    def _peak_measured(self, report: PeakReport) -> None:
+        """Says what the measured step's peak owes to offloading; stands aside if it owes less than the option asks."""
+        logger.info("hf_offload: %s", report.describe())
+        threshold = self.options.min_peak_reduction
+        if threshold is None:
+            if report.most_reduction < _NOTICE_BELOW:
+                self.warn_once("little_reduction", f"hf_offload: {report.describe()}. The copies cost time for "
+                                f"little here: min_peak_reduction={_NOTICE_BELOW:g} lets offloading stand aside where "
+                                "it helps less than that")  # fmt: skip
+        elif report.most_reduction < threshold:
+            if not report.tokens:
+                self.warn_once("cannot_lower_peak", f"hf_offload: {report.describe()}, less than min_peak_reduction="
+                                f"{threshold:g}, but offloading does not stand aside: the model's inputs (no input_ids "
+                                "or inputs_embeds) did not say how many tokens the step had, so a longer step, which "
+                                "offloading may help, would go unnoticed")  # fmt: skip
+                return
+            self.standing_aside = "cannot_lower_peak"
+            self.warn_once("cannot_lower_peak", f"hf_offload: {report.describe()}, less than min_peak_reduction="
+                            f"{threshold:g}: offloading stands aside (moves nothing) from now on, until a step of "
+                            f"more than {report.tokens} tokens")  # fmt: skip
 
     def _mark_end_of_forward(self, step: _Step, drain: bool) -> None:
         """Records, once per step, which copies were still in flight when the forward ended.

@@ -13,13 +13,20 @@ import threading
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from .compile_guard import eager_only
 from .engine import OffloadActivations
 from .model import checkpointing_on, first_tensor
 
-__all__ = ["install_exempt_hooks", "install_tail_hooks", "install_prefetch_points", "remove_stale_hooks"]
+__all__ = [
+    "install_exempt_hooks",
+    "install_tail_hooks",
+    "install_prefetch_points",
+    "install_step_tokens_hook",
+    "remove_stale_hooks",
+]
 
 # --------------------------------------------------------------------------------------------------------------------
 # Exemption hooks
@@ -188,8 +195,10 @@ class _PrefetchPoints:
 
     def _prefetch_at(self, output: Any, head: bool) -> None:
         engine = self._engine()
+        if engine is None or engine.standing_aside is not None:  # nothing to reload
+            return
         tensor = first_tensor(output)
-        if engine is not None and tensor is not None and tensor.requires_grad:
+        if tensor is not None and tensor.requires_grad:
             tensor.register_hook(engine.prefetch_hook(engine.head_prefetch_window_bytes if head else None))
 
     def __deepcopy__(self, memo: dict) -> _PrefetchPoints:
@@ -207,6 +216,31 @@ def install_prefetch_points(engine: OffloadActivations, model: nn.Module, layers
         engine.track_hook(module.register_forward_hook(points.point_exit))
 
 
+class _StepTokens:
+    """A forward pre-hook (with kwargs) on the model: tells the engine the tokens of each step, from `input_ids` (or
+    `inputs_embeds`, or the first positional argument). On the model rather than on a decoder layer, whose hooks are
+    traced away when the layers are compiled (regional compilation)."""
+
+    def __init__(self, engine: OffloadActivations) -> None:
+        self._engine = weakref.ref(engine)  # a model that outlives the engine must not keep it alive
+
+    @eager_only
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        engine = self._engine()
+        if engine is None:
+            return
+        inputs = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+        if isinstance(inputs, torch.Tensor) and inputs.dim() >= 1:
+            engine.note_step_tokens(inputs.numel() if not inputs.is_floating_point() else inputs.shape[:-1].numel())
+
+    def __deepcopy__(self, memo: dict) -> _StepTokens:
+        return self  # as for _ExemptHooks: never copy the engine with a model
+
+
+def install_step_tokens_hook(engine: OffloadActivations, model: nn.Module) -> None:
+    engine.track_hook(model.register_forward_pre_hook(_StepTokens(engine), with_kwargs=True))
+
+
 def remove_stale_hooks(model: nn.Module) -> None:
     """Remove exempt hooks of ours that no live installation record covers (a deep copy of a hooked model)."""
     for module in model.modules():
@@ -215,8 +249,8 @@ def remove_stale_hooks(model: nn.Module) -> None:
             if not hooks:
                 continue
             for hook_id, hook in list(hooks.items()):
-                if isinstance(getattr(hook, "__self__", None),
-                              (_ExemptHooks, _PrefetchPoints)):  # fmt: skip
+                if isinstance(hook, _StepTokens) or isinstance(getattr(hook, "__self__", None),
+                                                               (_ExemptHooks, _PrefetchPoints)):  # fmt: skip
                     del hooks[hook_id]
                     for extra in (
                         "_forward_pre_hooks_with_kwargs",

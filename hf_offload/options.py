@@ -314,6 +314,13 @@ class OffloadOptions:
         "the current accelerator (with none, offloading is inactive and says so once). `'cpu'` moves CPU tensors "
         "through a separate host buffer, which exercises the bookkeeping and statistics without a GPU (CPU test "
         "mode).", argument="device_type")  # fmt: skip
+    min_peak_reduction: float | None = _option(
+        None, Rule(_FRACTION, maximum=0.5, optional=True), "Let offloading stand aside where it cannot lower the "
+        "step's peak by at least this share (e.g. `0.05`): the second step is measured, and when even the most "
+        "offloading can take off its peak (set by the output head and loss, or the optimizer step) is less, nothing "
+        "is moved from then on, at no cost, until a step with more tokens than the measured one arrives. `None` "
+        "(`none` on the command line): offloading never stands aside; the measurement is reported either way. Not "
+        "with a memory_budget, whose plan decides what moves.", argument="min_peak_reduction")  # fmt: skip
     memory_budget: int | str | None = _option(
         None, Rule(_BUDGET, optional=True), "A budget for the step's peak memory (max_memory_allocated: parameters, "
         "gradients, optimizer state and activations). hf-offload profiles the first two steps, then chooses per "
@@ -334,6 +341,10 @@ class OffloadOptions:
             rule = option.metadata["rule"]
             object.__setattr__(self, option.name, rule.check(getattr(self, option.name), option.name))
         check_budget_for_device(self.memory_budget, self.device_type)
+        if self.min_peak_reduction is not None and self.memory_budget is not None:
+            raise ValueError(f"min_peak_reduction={self.min_peak_reduction:g} and memory_budget={self.memory_budget!r} "
+                             "cannot be combined: under a memory budget the plan decides what moves (a plan that "
+                             "keeps every layer moves nothing). Set one of them to None.")  # fmt: skip
 
     @classmethod
     def rule(cls, name: str) -> Rule:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from .peak import PeakReport
 from .units import format_bytes
 
 __all__ = ["KEPT_REASONS", "OffloadStats", "StatsRecorder", "format_summary"]
@@ -28,6 +29,7 @@ KEPT_REASONS: dict[str, str] = {
     "in_backward": "saved during backward (reentrant checkpointing), used at once",
     "unsupported_type": "a tensor subclass (DTensor, quantized, sparse)",
     "compiled": "saved by a model compiled as a whole, after its forward: moving them cannot lower the peak",
+    "cannot_lower_peak": "offloading stood aside: it lowered the measured step's peak less than min_peak_reduction",
 }
 
 
@@ -133,13 +135,14 @@ class StatsRecorder:
         return out
 
 
-def format_summary(stats: dict[str, int | float], device_type: str = "cuda") -> str:
+def format_summary(stats: dict[str, int | float], device_type: str = "cuda", peak: PeakReport | None = None) -> str:
     """A few lines a person reads about a stats dict from `get_stats()` or `consume_stats()`.
 
     Args:
         stats: the counters.
         device_type: the engine's device type (`engine.device_type`): the words for where kept tensors stayed.
             `"cpu"` is the CPU test mode, where CPU tensors are copied to a separate host buffer.
+        peak: the measured step's peak (`engine.peak_report`): where it is set, and what offloading took off it.
 
     Returns:
         The summary, one figure per line, each explained in a few words.
@@ -165,4 +168,6 @@ def format_summary(stats: dict[str, int | float], device_type: str = "cuda") -> 
         f"  {'host buffer' if test_mode else 'pinned host memory'} held (a pool reused every step): "
         f"{format_bytes(stats.get('pinned_bytes', 0))}",
     ]
+    if peak is not None:
+        lines.append(f"  peak memory, measured in step 2: {peak.describe()}")
     return "\n".join(lines)

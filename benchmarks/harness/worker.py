@@ -81,6 +81,13 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
     if mode.planned:
         res["plan"] = _plan_summary(offload.context.budget.plan, offload.context.budget.profile)
         print(res["plan"]["table"], flush=True)
+    report = getattr(offload.context, "peak_report", None)  # ours, on a device, without a budget
+    if report is not None:
+        res["peak_report"] = {"text": report.describe(), "set_in": report.set_in, "peak_bytes": report.peak_bytes,
+                              "without_least_bytes": report.without_least_bytes,
+                              "without_most_bytes": report.without_most_bytes,
+                              "standing_aside": offload.context.standing_aside}  # fmt: skip
+        print(f"peak report: {report.describe()}", flush=True)
     if spec.get("profile_path"):
         res["profile_streams"] = trace_step(train_step, device, spec["profile_path"])
         res["profile_path"] = spec["profile_path"]
