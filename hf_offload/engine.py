@@ -657,7 +657,8 @@ class OffloadActivations(saved_tensors_hooks):
         self._dedup.clear()
         self._stats.begin_step()
         self._planner.begin_step()
-        self._refresh_parameter_pointers()
+        if self.standing_aside is None:  # standing aside, nothing is eligible: walking the parameters costs ~1 ms
+            self._refresh_parameter_pointers()
         for lane in self._lanes.values():
             self._drain_inflight(lane)
             if lane.d2h is not None:
@@ -847,6 +848,7 @@ class OffloadActivations(saved_tensors_hooks):
         report = self._peak_watch.report
         if self.standing_aside == "cannot_lower_peak" and tokens > report.tokens:
             self.standing_aside = None
+            self._refresh_parameter_pointers()  # not refreshed while standing aside
             logger.warning("hf_offload: a step of %d tokens, more than the %d of the step that showed offloading "
                            "could not lower the peak: offloading resumes, for the rest of the run", tokens,
                            report.tokens)  # fmt: skip
