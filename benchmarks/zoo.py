@@ -138,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         return finish(out, args.shapes, charts=not args.no_charts)
     if not args.resume:
+        if not (out / PROGRESS).exists() and any(out.glob("*-zoo-*.json")):
+            print(f"{out} holds zoo results that no run of this script is working on (committed results?): give "
+                  "another --out, or --resume to go on with them", file=sys.stderr)  # fmt: skip
+            return 2
         _clear(out)
     (out / LIVE_LOG).touch()
     deadline = started + 60 * args.max_minutes
@@ -168,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(__file__).resolve(), ["--_child", json.dumps(spec | {"shapes": shapes})], out / LIVE_LOG, left + 5
         )
         progress = _progress(out)
+        if "env" not in progress:  # it died before its sweep began (no CUDA device, an import): another would too
+            break
         if progress.get("running"):  # the child died in a mode: record it, so that the next child goes on after it
             why = "timeout" if timed_out else "crashed"
             seconds = time.time() - progress["running"]["started"]
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _clear(out: Path) -> None:
-    """Removes an earlier run's files from ``out`` (only the zoo's own)."""
+    """Removes the files of the run that worked in ``out`` before (only the zoo's own)."""
     for path in out.iterdir():
         if path.is_file() and ("-zoo" in path.name or path.name in (PROGRESS, LIVE_LOG)):
             path.unlink()

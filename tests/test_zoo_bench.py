@@ -182,6 +182,9 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
     summary_md.unlink()
     assert zoo_script.main(["--device", "cpu", "--out", str(out), "--report-only", "--no-charts"]) == 0
     assert summary_md.read_text() == text
+    # results no run is working on (committed ones, an extracted archive) are never cleared
+    (out / zoo_script.PROGRESS).unlink()
+    assert zoo_script.main([*FAST, "--out", str(out)]) == 2 and summary_md.exists()
 
 
 def test_time_budget_stops_cleanly(tmp_path, monkeypatch):
