@@ -45,9 +45,7 @@ import importlib.util  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import weakref  # noqa: E402
@@ -55,7 +53,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import GIB, REPO  # noqa: E402
+from harness import GIB, child  # noqa: E402
 from harness.longest import (  # noqa: E402
     LIMIT_GPU,
     LIMIT_POOL_CAP,
@@ -307,36 +305,7 @@ def _skip_without_child(settings: dict[str, Any], mode: str) -> str | None:
 def run_child(spec: dict[str, Any], log_path: Path, timeout: float) -> tuple[int | None, bool]:
     """Runs one mode in ``python long_context.py --_child SPEC``; its output goes to stdout and the log as it comes.
     Returns its exit code and whether it was killed at ``timeout``."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--_child", json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=str(REPO),
-    )
-
-    def pump() -> None:
-        with open(log_path, "a") as log_file:
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                log_file.write(line)
-                log_file.flush()
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        return proc.wait(timeout=max(1.0, timeout)), False
-    except subprocess.TimeoutExpired:
-        proc.kill()  # this mode's own process, started above
-        proc.wait()
-        return proc.returncode, True
-    finally:
-        reader.join(timeout=10)
+    return child.run_child(Path(__file__).resolve(), ["--_child", json.dumps(spec)], log_path, timeout)
 
 
 # ======================================================================================================= child

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Pareto chart of run.py results: step time (x the `none` mode of the same run) against peak memory, one panel
-per scenario, every finished mode a labelled point and the plan@P points joined by a line in order of P.
+"""Pareto chart of run.py (and zoo.py) results: step time (x the `none` mode of the same run) against peak memory,
+one panel per scenario, every finished mode a labelled point and the plan@P points joined by a line in order of P.
 
 Usage:
   python benchmarks/pareto.py benchmarks/results/<date>-<device>-S1.json [MORE.json ...] --out FILE.png [--percent]
@@ -142,9 +142,14 @@ def _ticks(values: list[float]) -> list[float]:
     return ticks
 
 
+def _script(command: str) -> str:
+    """The benchmark script a result's command ran (run.py's, or zoo.py's, which writes the same format)."""
+    return next((word for word in command.split() if word.endswith(".py")), "benchmarks/run.py")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", type=Path, help="JSON files written by benchmarks/run.py")
+    ap.add_argument("results", nargs="+", type=Path, help="JSON files written by benchmarks/run.py or zoo.py")
     ap.add_argument("--out", type=Path, required=True, help="the PNG to write")
     ap.add_argument("--percent", action="store_true", help="peak as a percentage of none's, not in GiB")
     args = ap.parse_args(argv)
@@ -159,11 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     devices = sorted({m.get("device_name", "?") for m in metas})
     dates = sorted({m.get("date", "?") for m in metas})
     # One file name per line: a run split across calls names several, which would not fit on one line.
+    scripts = sorted({_script(m.get("command", "")) for m in metas})
     plot(
         points,
         args.out,
         args.percent,
-        f"{', '.join(devices)}; {', '.join(dates)}; benchmarks/run.py:\n"
+        f"{', '.join(devices)}; {', '.join(dates)}; {', '.join(scripts)}:\n"
         + "\n".join(path.name for path in args.results),
     )
     print(f"wrote {args.out}: " + "; ".join(f"{s} {len(m)} modes" for s, m in sorted(points.items())))

@@ -11,7 +11,8 @@ Where a new test goes: next to the module it tests, in the file named after it.
 - Across families of models: `test_architectures.py` (offloading), `test_budget_families.py` (the budget);
   `test_qlora.py` for 4-bit models; `test_reliability.py` for faults and leaks over many steps.
 - The user's view: `test_readme.py`, `test_main_job.py`, `test_notebook.py`, `test_packaging.py`; the benchmarks'
-  own logic: `test_long_context_bench.py`, `test_soak_script.py`.
+  own logic: `test_long_context_bench.py`, `test_soak_script.py`,
+  `test_zoo_bench.py`, `test_dynamic_padding_bench.py`.
 - GPU-only behaviour: `tests/gpu/test_gpu_<topic>.py`, run by `bash tests/gpu/run_all.sh` on a GPU machine.
 Shared helpers live in one place per use: `helpers.py` (the tiny model and its data, Trainer runs), `compile_runs.py`,
 `qlora_models.py`, `ranks.py`, and `gpu/_gpu_models.py` (the model families, shared with the CPU family tests).

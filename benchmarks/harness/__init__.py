@@ -2,13 +2,15 @@
 
 Parent process (the invocation, no torch needed to import):
   runner.py       runs the invocation: the environment probe, then one child process per mode, within the budget
-  scenarios.py    the scenarios S1, S2, S3 and the CPU smoke tests: model shapes, tokens, default step counts
+  child.py        child processes: their environment; one whose output goes to stdout and a log, with a time limit
+  scenarios.py    the scenarios S1, S2, S3, M36, the shape zoo and the CPU smoke tests: shapes, tokens, step counts
   modes.py        the mode names ("ckpt+hfo", "ckpt-every-2", "plan@50", ...) and what each one means
   report.py       derived figures (ratios, transfer floor, loss equality, the memory-budget plans' checks) and the
                   markdown, JSON and stdout tables
+  zoo.py          the shape zoo's sweep (benchmarks/zoo.py): which mode runs next, the checks per budget, the summary
 
-Child processes (``run.py --_worker SPEC`` and ``run.py --_bandwidth SPEC``):
-  worker.py       one mode of one scenario, start to finish, its result written to a JSON file
+Child processes (``run.py --_worker SPEC`` and ``run.py --_bandwidth SPEC``; zoo.py's child runs many modes):
+  worker.py       one mode of one scenario, start to finish: its result written to a JSON file, or returned
   model.py        the model from a scenario's config (Liger, LoRA), its optimizer and its batch
   offloaders.py   checkpointing and the offload contexts (transformers' native, TRL's, ours) with byte counters
   measure.py      the timed training steps: step times, device memory, bytes offloaded, host side, fingerprints

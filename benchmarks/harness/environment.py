@@ -29,8 +29,8 @@ def versions() -> dict[str, str | None]:
     # the library is run from the working tree (not installed): identify its source by content
     try:
         h = hashlib.sha256()
-        for f in sorted((REPO / "hf_offload").glob("*.py")) + sorted((REPO / "callbacks").glob("*.py")):
-            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        for f in sorted((REPO / "hf_offload").rglob("*.py")):  # its sub-packages too
+            h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes())
         out["hf_offload-src"] = h.hexdigest()[:12]
     except Exception:
         pass
@@ -85,12 +85,12 @@ def _measure_bandwidth(device: torch.device, n: int, reps: int, res: dict[str, A
     res["pageable_d2h_GBps"] = n / _median_seconds(lambda: hp.copy_(d1), 2, device) / 1e9
 
 
-def main(spec: dict[str, Any]) -> int:
-    """Child process entry: versions, device and bandwidth written to ``spec["result_path"]``; the device's part is
-    skipped on CPU (``spec["device"]``), and replaced by its error if it fails."""
+def probe(device_name: str, bw_bytes: int, reps: int = 5) -> dict[str, Any]:
+    """Versions, and on a CUDA device its name, memory and copy bandwidth (``bw_bytes`` per copy; none when 0). A
+    failure of the device's part is recorded as ``error``, not raised."""
     res: dict[str, Any] = {"versions": versions()}
     try:
-        device = torch.device(spec["device"])
+        device = torch.device(device_name)
         if device.type != "cuda":
             res["skipped"] = "no CUDA device"
         else:
@@ -98,10 +98,18 @@ def main(spec: dict[str, Any]) -> int:
             props = torch.cuda.get_device_properties(device)
             res["device_name"] = props.name
             res["device_mem_gib"] = props.total_memory / GIB
-            _measure_bandwidth(device, int(spec["bw_bytes"]), int(spec.get("bw_reps", 5)), res)
+            if bw_bytes:
+                _measure_bandwidth(device, bw_bytes, reps, res)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
+    return res
+
+
+def main(spec: dict[str, Any]) -> int:
+    """Child process entry: versions, device and bandwidth written to ``spec["result_path"]``; the device's part is
+    skipped on CPU (``spec["device"]``), and replaced by its error if it fails."""
+    res = probe(spec["device"], int(spec["bw_bytes"]), int(spec.get("bw_reps", 5)))
     with open(spec["result_path"], "w") as f:
         json.dump(res, f, indent=1)
     return 0

@@ -46,6 +46,7 @@ def build_model(scenario: Scenario, seed: int, device: torch.device, **config_ov
         use_cache=False,
         tie_word_embeddings=False,
         attn_implementation="sdpa",
+        **({"head_dim": scenario.head_dim} if scenario.head_dim else {}),
         **config_overrides,
     )
     torch.manual_seed(seed)

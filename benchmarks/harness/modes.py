@@ -44,6 +44,16 @@ class MemoryBudget(TypedDict):
     reference: str  # what the budget is a share of, for the report
 
 
+def budget_share(reference: int, percent: float, what: str) -> MemoryBudget:
+    """plan@P's budget: P% of ``reference`` bytes (floored: a budget never exceeds its share); ``what`` names the
+    reference in the report."""
+    return {
+        "option": math.floor(reference * percent / 100),
+        "percent": percent,
+        "reference": f"{what}: {reference} bytes ({reference / 2**30:.2f} GiB)",
+    }
+
+
 class ModeSpec(TypedDict):
     """What the parent asks of the worker process that runs one mode (JSON on its command line)."""
 

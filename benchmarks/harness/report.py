@@ -174,7 +174,7 @@ def plan_rows(rs: list[Result]) -> list[str]:
         return []
     rows = [PLAN_HEAD, "|" + "---|" * (PLAN_HEAD.count(" | ") + 1)]
     for r in plans:
-        budget = _budget_bytes(r)
+        budget = budget_bytes(r)
         head = f"| {r['mode']} | {r['mode'][len(PLAN_PREFIX) :]} | {fmt(budget / GIB if budget else None, '{:.2f}')} |"
         if r.get("status") != "ok":
             why = r.get("error") or "; ".join(r.get("notes", [])) or ""
@@ -193,7 +193,7 @@ def plan_rows(rs: list[Result]) -> list[str]:
     return rows
 
 
-def _budget_bytes(r: Result) -> int | None:
+def budget_bytes(r: Result) -> int | None:
     """A plan mode's budget in bytes: as the library resolved it where it planned, else as it was given."""
     if "plan" in r:
         return r["plan"]["budget_bytes"]
@@ -272,15 +272,24 @@ def mode_details(r: Result) -> str | None:
 
 
 def write_report(
-    files: ReportFiles, meta: dict[str, Any], bw: dict[str, Any], results: list[Result], final: bool
+    files: ReportFiles,
+    meta: dict[str, Any],
+    bw: dict[str, Any],
+    results: list[Result],
+    final: bool,
+    copy: bool = True,
+    extra_markdown: list[str] | None = None,
 ) -> None:
-    """Writes the markdown and the JSON (rewritten after every mode, so a run cut short still leaves its finished
-    modes), and copies them and the log into $OUT."""
+    """Writes the markdown (``extra_markdown``'s lines at its end) and the JSON (rewritten after every mode, so a run
+    cut short still leaves its finished modes), and with ``copy`` copies them and the log into $OUT."""
     by_scen = derive(results, bw)
-    files.md.write_text(_markdown(meta, bw, by_scen, final))
-    files.json.write_text(json.dumps({"meta": meta, "bandwidth": bw, "results": results}, indent=1, default=str))
-    for path in (files.md, files.json, files.log):
-        copy_to_out(path)
+    files.md.write_text(_markdown(meta, bw, by_scen, final) + "\n".join(extra_markdown or []))
+    tmp = files.json.with_name(files.json.name + ".tmp")  # replaced at once: a run killed while writing keeps the last
+    tmp.write_text(json.dumps({"meta": meta, "bandwidth": bw, "results": results}, indent=1, default=str))
+    os.replace(tmp, files.json)
+    if copy:
+        for path in (files.md, files.json, files.log):
+            copy_to_out(path)
 
 
 def copy_to_out(path: Path) -> None:
@@ -322,7 +331,8 @@ def _markdown(meta: dict[str, Any], bw: dict[str, Any], by_scen: dict[str, list[
             )
             if k in v
         ),
-        f"- method: one process per mode; bf16 weights from a config (seed {meta['seed']}), sdpa attention, fused "
+        f"- method: {meta.get('processes', 'one process per mode')}; bf16 weights from a config (seed "
+        f"{meta['seed']}), sdpa attention, fused "
         f"AdamW on the trainable parameters, labels = input_ids; offload context spans the "
         f"{'forward and backward' if meta['span'] == 'step' else 'forward only'}; "
         f"median of the timed steps after warm-up, torch.cuda.synchronize around each step (optimizer step "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import re
 import shutil
@@ -18,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import GIB, REPO, RUN_SCRIPT
-from .modes import PLAN_MIN_WARMUP, MemoryBudget, ModeSpec, parse_mode, run_order
+from . import REPO, RUN_SCRIPT
+from .child import child_env
+from .modes import PLAN_MIN_WARMUP, MemoryBudget, ModeSpec, budget_share, parse_mode, run_order
 from .report import ReportFiles, Result, copy_to_out, fmt, print_summary, write_report
 from .scenarios import SCENARIOS
 
@@ -59,11 +59,11 @@ def run(config: RunConfig, started_at: float) -> int:
     probe_log = tmp_dir / "pre.log"  # the probe runs before the report's name, which has the device in it, is known
     bw = _probe_environment(config, tmp_dir / "bw.json", probe_log)
     device_name = _device_name(config.device, bw)
-    stem = f"{date}-{_slug(device_name)}-{'-'.join(config.scenarios)}"
+    stem = f"{date}-{slug(device_name)}-{'-'.join(config.scenarios)}"
     if config.modes == [] and config.profile_modes:
         stem += "-profile"
     if config.tag:
-        stem += f"-{_slug(config.tag)}"
+        stem += f"-{slug(config.tag)}"
     files = ReportFiles.at(config.out_dir, stem)
     files.log.write_text(probe_log.read_text() if probe_log.exists() else "")
     _print_probe(bw, time.time() - t0)
@@ -268,11 +268,7 @@ def _memory_budget(config: RunConfig, scen: str, budget: float | str, done: list
         if none.get("status") != "ok":
             return f"no budget: plan@P budgets P% of none's peak, and `none` did not finish ({none.get('status')})"
         reference, what = none["peak_bytes"], "none's peak (timed steps)"
-    return {
-        "option": math.floor(reference * budget / 100),
-        "percent": budget,
-        "reference": f"{what}: {reference} bytes ({reference / GIB:.2f} GiB)",
-    }
+    return budget_share(reference, budget, what)
 
 
 def _run_child(
@@ -280,11 +276,7 @@ def _run_child(
 ) -> tuple[Result | None, str]:
     """Runs ``run.py KIND SPEC`` with the working tree first on its path, its output appended to ``log_path``.
     Returns what it wrote to ``spec["result_path"]``, or None and why there is nothing (timeout, crash)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env = child_env()
     if spec.get("deterministic"):
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     cmd = [sys.executable, str(RUN_SCRIPT), kind, json.dumps(spec)]
@@ -313,5 +305,6 @@ def _file_part(mode: str) -> str:
     return mode.replace("+", "_").replace("@", "-").replace("/", "-")
 
 
-def _slug(s: str) -> str:
+def slug(s: str) -> str:
+    """``s`` in a file name: lowercase letters, digits and dashes ("NVIDIA H100 80GB HBM3": "nvidia-h100-80gb-hbm3")."""
     return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "unknown"

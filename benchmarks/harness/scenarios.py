@@ -1,7 +1,12 @@
-"""The scenarios: a Llama-style model's shape, the tokens per step, and what else the scenario turns on."""
+"""The scenarios: a Llama-style model's shape, the tokens per step, and what else the scenario turns on.
+
+Besides run.py's scenarios (S1, S2, S3, M36 and the CPU smoke tests), the shape zoo of `benchmarks/zoo.py` (issue 20,
+target 2): the layer shape and vocabulary of real 1B-8B models, some with fewer layers than the real model so that a
+step stays short. `run.py --scenarios` accepts them too."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -20,11 +25,14 @@ class Scenario:
     force_ckpt: bool  # checkpointing on in every mode: only ckpt* modes run
     steps: int  # timed steps, unless --steps
     warmup: int  # warm-up steps, unless --warmup
+    head_dim: int | None = None  # attention head size where it is not hidden / heads (Gemma's 256)
+    model: str = ""  # the real model whose layer shape and vocabulary these are (the zoo's shapes)
 
     def describe(self) -> str:
         text = (
             f"hidden {self.hidden}, intermediate {self.intermediate}, {self.layers} layers, "
-            f"{self.heads}/{self.kv_heads} heads, vocab {self.vocab}; seq {self.seq}, batch {self.batch} "
+            f"{self.heads}/{self.kv_heads} heads{f' of {self.head_dim}' if self.head_dim else ''}, vocab {self.vocab}; "
+            f"seq {self.seq}, batch {self.batch} "
             f"({self.seq * self.batch} tokens/step)"
         )
         extras = []
@@ -34,7 +42,8 @@ class Scenario:
             extras.append("Liger (fused linear CE)")
         if self.force_ckpt:
             extras.append("checkpointing on in every mode")
-        return text + ("; " + ", ".join(extras) if extras else "")
+        text += "; " + ", ".join(extras) if extras else ""
+        return f"{self.model}: {text}" if self.model else text
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -100,6 +109,7 @@ SCENARIOS: dict[str, Scenario] = {
         force_ckpt=False,
         steps=10,
         warmup=3,
+        model="Qwen2.5-3B shape",
     ),
     # CPU smoke tests of the harness itself.
     "tiny": Scenario(
@@ -133,3 +143,45 @@ SCENARIOS: dict[str, Scenario] = {
         warmup=2,
     ),
 }
+
+
+def _zoo_shape(model: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
+               seq: int, batch: int, lora: bool = False, head_dim: int | None = None) -> Scenario:  # fmt: skip
+    """A zoo shape: Llama layers of a real model's shape and vocabulary, no Liger, 2 warm-up and 3 timed steps."""
+    return Scenario(hidden=hidden, intermediate=intermediate, layers=layers, heads=heads, kv_heads=kv_heads,
+                    vocab=vocab, seq=seq, batch=batch, lora=lora, liger=False, force_ckpt=False, steps=3, warmup=2,
+                    head_dim=head_dim, model=model)  # fmt: skip
+
+
+# The shape zoo (benchmarks/zoo.py): 1B to 8B-class layer shapes and vocabularies, 8 to 36 layers, 1 x 2K to 8 x 4K
+# tokens, full fine-tunes and LoRA r=16, each sized for a step of about 0.1-0.3 s on an H100 (fewer layers than the
+# real model where the real number would make the step long). M36 (above) is the zoo's Qwen2.5-3B shape, the issue's
+# first case; mistral-7b-8l is its second.
+ZOO_SCENARIOS: dict[str, Scenario] = {
+    "mistral-7b-8l": _zoo_shape("Mistral-7B, 8 of 32 layers", 4096, 14336, 8, 32, 8, 32000, 4096, 2),
+    "llama3.2-1b": _zoo_shape("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 128256, 4096, 2),
+    "qwen2.5-1.5b-lora": _zoo_shape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, 4096, 1, lora=True),
+    "gemma2-2b-2k": _zoo_shape("Gemma-2-2B, Llama layers", 2304, 9216, 26, 8, 4, 256000, 2048, 1, head_dim=256),
+    "llama3.2-3b-14l-lora": _zoo_shape(
+        "Llama-3.2-3B, 14 of 28 layers", 3072, 8192, 14, 24, 8, 128256, 4096, 2, lora=True
+    ),
+    "qwen2.5-7b-8l": _zoo_shape("Qwen2.5-7B, 8 of 28 layers", 3584, 18944, 8, 28, 4, 152064, 4096, 1),
+    "tinyllama-8l-8x4k-lora": _zoo_shape(
+        "TinyLlama-1.1B, 8 of 22 layers", 2048, 5632, 8, 32, 4, 32000, 4096, 8, lora=True
+    ),
+    # Not in the default sweep (time): run them with --shapes.
+    "llama3.1-8b-8l-4x4k-lora": _zoo_shape(
+        "Llama-3.1-8B, 8 of 32 layers", 4096, 14336, 8, 32, 8, 128256, 4096, 4, lora=True
+    ),
+    "phi3-mini-2k": _zoo_shape("Phi-3-mini, Llama layers", 3072, 8192, 32, 32, 32, 32064, 2048, 1),
+}
+SCENARIOS.update(ZOO_SCENARIOS)
+# The zoo's CPU smoke test of a LoRA shape: tiny-lora without Liger and without forced checkpointing, so that every
+# mode of the sweep runs.
+SCENARIOS["tiny-lora-plain"] = dataclasses.replace(SCENARIOS["tiny-lora"], liger=False, force_ckpt=False)
+# The zoo's sweep, in the order it runs: the issue's two cases first. --shapes all adds the others.
+ZOO_DEFAULT = ["M36", "mistral-7b-8l", "llama3.2-1b", "qwen2.5-1.5b-lora", "gemma2-2b-2k", "llama3.2-3b-14l-lora",
+               "qwen2.5-7b-8l", "tinyllama-8l-8x4k-lora"]  # fmt: skip
+ZOO_ALL = ZOO_DEFAULT + [name for name in ZOO_SCENARIOS if name not in ZOO_DEFAULT]
+# --device cpu: the zoo's CPU smoke run (hf-offload in its CPU test mode, no peaks measured).
+ZOO_CPU = ["tiny", "tiny-lora-plain"]

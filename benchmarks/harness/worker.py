@@ -64,7 +64,7 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
         res["hfo_active"] = bool(getattr(offload.context, "active", True))
         if not res["hfo_active"]:
             notes.append("hf_offload inactive on this device (identity hooks)")
-    if mode.planned and offload.context.budget is None:
+    if mode.planned and not offload.context.active:
         raise SkipMode(
             "no memory budget: hf_offload is inactive on this device (on CPU, its test mode plans: "
             "--hfo-opt device_type=cpu)"
@@ -76,10 +76,10 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
         time_steps(train_step, offload, spec["warmup"], spec["steps"], device, res)
     except ValueError as e:
         if mode.planned and _raised_by_planner(e):
-            raise Infeasible(str(e)) from e
+            raise Infeasible(str(e), getattr(e, "minimum_bytes", None)) from e
         raise
-    if mode.planned:
-        res["plan"] = _plan_summary(offload.context.budget.plan, offload.context.budget.profile)
+    if mode.planned and offload.context.memory_plan is not None:
+        res["plan"] = _plan_summary(offload.context)
         print(res["plan"]["table"], flush=True)
     report = getattr(offload.context, "peak_report", None)  # ours, on a device, without a budget
     if report is not None:
@@ -108,7 +108,12 @@ def compile_model(model: torch.nn.Module, how: str | None) -> torch.nn.Module:
 
 class Infeasible(Exception):
     """The planner refused the budget: it is below the smallest peak any plan reaches (the message says what
-    dominates it). Reported as 'infeasible', not as a crash: for a budget too small, that error is the target."""
+    dominates it). Reported as 'infeasible', not as a crash: for a budget too small, that error is the target.
+    ``minimum_bytes`` is the smallest budget that works, as the library's error names it (its attribute)."""
+
+    def __init__(self, message: str, minimum_bytes: int | None) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
 
 
 def _raised_by_planner(error: ValueError) -> bool:
@@ -118,11 +123,13 @@ def _raised_by_planner(error: ValueError) -> bool:
     return isinstance(error, InfeasibleBudgetError)
 
 
-def _plan_summary(plan: Any, profile: Any) -> dict[str, Any]:
-    """The plan in force at the end (an ``hf_offload.planner.Plan``): its code, what it predicts, and the measured
-    profile it was planned from (an ``hf_offload.planner.StepProfile``, for replaying the planner offline)."""
+def _plan_summary(context: Any) -> dict[str, Any]:
+    """The plan in force at the end (``context.memory_plan``, an ``hf_offload`` ``Plan``): its code, what it
+    predicts, and, where the context still exposes it, the measured profile it was planned from (for replaying the
+    planner offline; the controller that holds it is no public name of the library, so it is read only if found)."""
+    plan = context.memory_plan
     predicted = plan.predicted
-    return {
+    summary = {
         "code": plan.code,
         "budget_bytes": plan.budget_bytes,
         "tokens": plan.tokens,
@@ -132,13 +139,18 @@ def _plan_summary(plan: Any, profile: Any) -> dict[str, Any]:
         "predicted_host_bytes": predicted.host_bytes,
         "forward_window_bytes": plan.forward_window_bytes,
         "prefetch_window_bytes": plan.prefetch_window_bytes,
-        "profile": dataclasses.asdict(profile),
         "table": plan.format_table(),
     }
+    profile = getattr(getattr(context, "budget", None), "profile", None)
+    if dataclasses.is_dataclass(profile):
+        summary["profile"] = dataclasses.asdict(profile)
+    return summary
 
 
-def main(spec: ModeSpec) -> int:
-    """Child process entry: runs the mode and writes its result, whatever happened, to ``spec["result_path"]``."""
+def run_mode_safely(spec: ModeSpec) -> dict[str, Any]:
+    """Runs the mode; returns its result, whatever happened (status "ok", "OOM", "skipped", "infeasible" with the
+    smallest budget that works as ``minimum_bytes``, or "error"). ``benchmarks/zoo.py`` runs the modes of a shape
+    one after the other in one process through this."""
     res: dict[str, Any] = {"scenario": spec["scenario"], "mode": spec["mode"], "status": "ok", "notes": []}
     t0 = time.time()
     try:
@@ -153,12 +165,20 @@ def main(spec: ModeSpec) -> int:
     except Infeasible as e:
         res["status"] = "infeasible"
         res["error"] = str(e)
+        if e.minimum_bytes is not None:
+            res["minimum_bytes"] = e.minimum_bytes
         print(f"infeasible: {e}", flush=True)
     except Exception as e:
         res["status"] = "error"
         res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
     res["wall_s"] = time.time() - t0
+    return res
+
+
+def main(spec: ModeSpec) -> int:
+    """Child process entry: runs the mode and writes its result, whatever happened, to ``spec["result_path"]``."""
+    res = run_mode_safely(spec)
     with open(spec["result_path"], "w") as f:
         json.dump(res, f, indent=1, default=str)
     return 0

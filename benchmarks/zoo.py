@@ -1,0 +1,493 @@
+#!/usr/bin/env python3
+"""The shape zoo (issue 20, target 2): the memory budget swept over 1B-8B-class shapes, checked at every budget.
+
+Per shape (``harness/scenarios.py``'s ZOO_SCENARIOS, and M36): the simple plans ``none``, ``ckpt`` and ``ckpt+hfo``;
+then ``plan@1``, whose refusal names the smallest budget that works; then ``memory_budget`` at every 5% of none's peak
+from that minimum to 95%, and at each simple plan's measured peak. Every budget runs 9 steps (2 profiled, the first
+planned one, 3 that the closed loop measures, then 3 timed) and is checked: (a) its median step <= 1.02x the fastest
+simple plan whose peak fits the budget, (b) every step's peak (profiled steps included) <= the budget, (c) not refused
+when a simple plan meets it. ``harness/zoo.py`` holds the sweep's logic and the checks.
+
+Speed: all modes of all shapes run one after the other in one child process (run.py's harness: ``harness.worker``
+builds each mode's model afresh from the same seed; between modes the model is freed, the allocator's cache emptied;
+each step's peak is reset and read, so ``max_memory_allocated`` is exact per step). A process start (~10-15 s) is
+paid once, not per mode. If the child dies (a crash, a CUDA error), the parent records the mode it was running and
+starts another child that goes on with the next mode. The parent stops the sweep at --max-minutes, cleanly.
+
+Outputs, in --out (default /tmp/hfo-zoo): per shape ``<date>-<device>-zoo-<shape>.json`` (run.py's format, rewritten
+after every mode; the zoo's checks in ``meta.zoo``), ``.md`` (run.py's report plus the checks) and ``-pareto.png``
+(``pareto.py``); ``<date>-<device>-zoo.md`` (the summary: one row per shape, then each shape's checks) and ``.log``.
+With $OUT set (the GPU machine), ``$OUT/<stem>.tar.gz`` (all of them, rewritten after every mode), ``<stem>.md`` and
+``<stem>.log``: three files, within what $OUT hands back.
+
+Usage:
+  python benchmarks/zoo.py                                    # the default 8 shapes, ~8 minutes on an H100
+  python benchmarks/zoo.py --shapes M36,mistral-7b-8l         # a subset (--shapes all: every zoo shape)
+  python benchmarks/zoo.py --device cpu --out /tmp/zoo        # CPU smoke run: tiny shapes, hf-offload's CPU test mode
+  python benchmarks/zoo.py --report-only --out DIR            # the summary and charts again, from DIR's JSON files
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `harness` sits next to this file
+from harness import GIB, REPO, child, zoo  # noqa: E402
+from harness.modes import PLAN_MIN_WARMUP, budget_share, parse_mode  # noqa: E402
+from harness.report import ReportFiles, Result, fmt, write_report  # noqa: E402
+from harness.runner import slug  # noqa: E402
+from harness.scenarios import SCENARIOS, ZOO_ALL, ZOO_CPU, ZOO_DEFAULT  # noqa: E402
+
+PROGRESS = "zoo-progress.json"  # in --out: the child's state (environment, stem, the mode it runs), for the parent
+LIVE_LOG = "zoo.log"  # in --out: every line of the run, as it comes; bundled as <stem>.log
+# Kept from --max-minutes for the parent's end (the summary, the charts, the bundle): this, or a tenth of a shorter run.
+FINAL_RESERVE_S = 25.0
+# A shape's first mode, before anything of it is measured (build, first steps), on the GPU and on CPU's tiny shapes.
+FIRST_MODE_ESTIMATE_S = {"cuda": 25.0, "cpu": 3.0}
+# For the tests: "SHAPE:MODE" makes the child die (exit 3) when it is about to run that mode.
+CRASH_ENV = "HFO_ZOO_TEST_CRASH"
+MAX_RESTARTS = 2  # children started again after one died
+PLAN_SLOWDOWN = 1.3  # a plan's step against the slowest simple plan's, for the time estimate
+PROCESSES = (
+    "all modes of all shapes in one process, one after the other (the model freed, the allocator's cache emptied, "
+    "the peak counter reset between modes)"
+)
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """'2+3' -> (2 warm-up, 3 timed)."""
+    try:
+        warmup, steps = (int(x) for x in text.split("+"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want WARMUP+TIMED, e.g. 2+3; got {text!r}") from None
+    if warmup < 1 or steps < 1:
+        raise argparse.ArgumentTypeError(f"want at least 1 warm-up and 1 timed step; got {text!r}")
+    return warmup, steps
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma list, 'default' or 'all' (default: {','.join(ZOO_DEFAULT)}; with --device cpu "
+        f"{','.join(ZOO_CPU)}); all: {','.join(ZOO_ALL)}",
+    )
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the CPU smoke run")
+    ap.add_argument("--max-minutes", type=float, default=8.5, help="the whole run's time; the sweep stops cleanly")
+    ap.add_argument("--out", default="/tmp/hfo-zoo", help="the results' folder")
+    ap.add_argument("--simple-steps", type=parse_steps, default=(2, 3), help="none, ckpt, ckpt+hfo: WARMUP+TIMED")
+    ap.add_argument(
+        "--plan-steps",
+        type=parse_steps,
+        default=(6, 3),
+        help="each budget: WARMUP+TIMED (the library profiles 2 steps, plans at the 3rd, and its closed loop checks "
+        "the plan after 3 more)",
+    )
+    ap.add_argument("--grid-step", type=float, default=zoo.GRID_STEP, help="percent of none's peak between budgets")
+    ap.add_argument("--top", type=float, default=zoo.GRID_TOP, help="the highest budget, percent of none's peak")
+    ap.add_argument(
+        "--cpu-reference-bytes",
+        type=int,
+        default=2_500_000,
+        help="on CPU (no peak counter), what plan@P budgets P%% of, in place of none's peak",
+    )
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--bw-bytes", type=int, default=256 * 2**20, help="size of the bandwidth probe's copies (0: none)")
+    ap.add_argument("--resume", action="store_true", help="go on with the results already in --out")
+    ap.add_argument("--report-only", action="store_true", help="only the summary, charts and bundle from --out")
+    ap.add_argument("--no-charts", action="store_true", help="no Pareto charts (they need matplotlib)")
+    args = ap.parse_args(argv)
+    if args.shapes in (None, "default"):
+        args.shapes = ZOO_CPU if args.device == "cpu" else ZOO_DEFAULT
+    elif args.shapes == "all":
+        args.shapes = ZOO_ALL
+    else:
+        args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+        unknown = [s for s in args.shapes if s not in SCENARIOS]
+        if unknown:
+            ap.error(f"unknown shape(s) {', '.join(unknown)}; the zoo: {', '.join(ZOO_ALL)}; CPU: {', '.join(ZOO_CPU)}")
+        forced = [s for s in args.shapes if SCENARIOS[s].force_ckpt]
+        if forced:
+            ap.error(f"{', '.join(forced)} force checkpointing in every mode: the sweep needs none and plan modes")
+    return args
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ======================================================================================================= parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.time()
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        return finish(out, args.shapes, charts=not args.no_charts)
+    if not args.resume:
+        if not (out / PROGRESS).exists() and any(out.glob("*-zoo-*.json")):
+            print(f"{out} holds zoo results that no run of this script is working on (committed results?): give "
+                  "another --out, or --resume to go on with them", file=sys.stderr)  # fmt: skip
+            return 2
+        _clear(out)
+    (out / LIVE_LOG).touch()
+    deadline = started + 60 * args.max_minutes
+    spec: dict[str, Any] = {
+        "out": str(out),
+        "device": args.device,
+        "seed": args.seed,
+        "bw_bytes": args.bw_bytes,
+        "simple_steps": args.simple_steps,
+        "plan_steps": args.plan_steps,
+        "grid_step": args.grid_step,
+        "top": args.top,
+        "cpu_reference_bytes": args.cpu_reference_bytes if args.device == "cpu" else None,
+        "deadline": deadline - min(FINAL_RESERVE_S, 6 * args.max_minutes),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": " ".join(
+            shlex.quote(a) for a in ["python", os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]
+        ),
+    }
+    for restart in range(MAX_RESTARTS + 1):
+        shapes = [s for s in args.shapes if s not in _progress(out).get("done_shapes", [])]
+        left = spec["deadline"] - time.time()
+        if not shapes or left < 2:
+            break
+        if restart:
+            log(f"starting the sweep again (restart {restart} of {MAX_RESTARTS}): {', '.join(shapes)}")
+        rc, timed_out = child.run_child(
+            Path(__file__).resolve(), ["--_child", json.dumps(spec | {"shapes": shapes})], out / LIVE_LOG, left + 5
+        )
+        progress = _progress(out)
+        if "env" not in progress:  # it died before its sweep began (no CUDA device, an import): another would too
+            break
+        if progress.get("running"):  # the child died in a mode: record it, so that the next child goes on after it
+            why = "timeout" if timed_out else "crashed"
+            seconds = time.time() - progress["running"]["started"]
+            record_interrupted(out, spec, progress, why, f"{why} (exit {rc}) after {seconds:.0f} s")
+        if timed_out or rc == 0:
+            break
+    return finish(out, args.shapes, charts=not args.no_charts)
+
+
+def _clear(out: Path) -> None:
+    """Removes the files of the run that worked in ``out`` before (only the zoo's own)."""
+    for path in out.iterdir():
+        if path.is_file() and ("-zoo" in path.name or path.name in (PROGRESS, LIVE_LOG)):
+            path.unlink()
+
+
+def _progress(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / PROGRESS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record_interrupted(out: Path, spec: dict[str, Any], progress: dict[str, Any], status: str, error: str) -> None:
+    """Adds to a shape's results the mode its child was running when it died or was stopped."""
+    running = progress["running"]
+    shape = running["shape"]
+    files = ReportFiles.at(out, f"{progress['stem']}-{shape}")
+    if files.json.exists():
+        data = json.loads(files.json.read_text())
+    else:  # it died in the shape's first mode
+        data = {"meta": shape_meta(spec, progress["env"], shape), "bandwidth": progress["env"], "results": []}
+    data["results"].append({"scenario": shape, "mode": running["mode"], "status": status, "error": error, "notes": []})
+    data["meta"]["modes"].append(running["mode"])
+    write_shape(files, data["meta"], data["bandwidth"], data["results"], final=False)
+    log(f"{shape} {running['mode']}: {status}: {error}")
+
+
+def write_shape(
+    files: ReportFiles, meta: dict[str, Any], bw: dict[str, Any], results: list[Result], final: bool
+) -> None:
+    """A shape's JSON and markdown (run.py's report, then the zoo's checks), with the checks in ``meta["zoo"]``."""
+    cpu_reference = meta["zoo_settings"]["cpu_reference_bytes"]
+    summary = zoo.shape_summary(results, zoo.reference_bytes(results, cpu_reference))
+    meta["zoo"] = summary
+    meta["zoo_complete"] = final
+    write_report(files, meta, bw, results, final, copy=False, extra_markdown=zoo.shape_markdown(summary))
+
+
+def _device(spec: dict[str, Any]) -> str:
+    return "cpu" if spec["device"] == "cpu" else "cuda:0"
+
+
+def _hfo_opts(spec: dict[str, Any]) -> dict[str, Any]:
+    """hf-offload's options in every mode that uses it: on CPU its test mode (else it would be inactive)."""
+    return {"device_type": "cpu"} if spec["device"] == "cpu" else {}
+
+
+def shape_meta(spec: dict[str, Any], env: dict[str, Any], shape: str) -> dict[str, Any]:
+    """A shape's ``meta``, as run.py's report reads it, with the zoo's settings."""
+    return {
+        "date": spec["date"],
+        "device_name": env.get("device_name") or _device(spec),
+        "host": os.uname().nodename,
+        "scenarios": [shape],
+        "modes": [],
+        "command": spec["command"],
+        "seed": spec["seed"],
+        "span": "step",
+        "deterministic": False,
+        "hfo_opts": _hfo_opts(spec),
+        "steps": {shape: spec["simple_steps"]},
+        "device": _device(spec),
+        "processes": PROCESSES,
+        "describe": SCENARIOS[shape].describe(),
+        "zoo_settings": {k: spec[k] for k in ("simple_steps", "plan_steps", "grid_step", "top", "cpu_reference_bytes")},
+    }
+
+
+def _shape_files(out: Path) -> dict[str, Path]:
+    """The shapes' JSON files in ``out``, by shape."""
+    found = {}
+    for path in sorted(out.glob("*-zoo-*.json")):
+        data = json.loads(path.read_text())
+        found[data["meta"]["scenarios"][0]] = path
+    return found
+
+
+def finish(out: Path, shapes: list[str], charts: bool) -> int:
+    """The summary, a chart per shape, and the bundle in $OUT; returns 0 when every shape that ran passed."""
+    files = _shape_files(out)
+    if not files:
+        log(f"no results in {out}")
+        return 1
+    stem = _progress(out).get("stem") or next(iter(files.values())).name.rsplit("-zoo-", 1)[0] + "-zoo"
+    if charts:
+        for path in files.values():
+            draw_chart(path, path.with_name(path.stem + "-pareto.png"))
+    passed = write_summary(out, stem, shapes)
+    bundle(out, stem)
+    log(f"wrote {out / (stem + '.md')}" + (f"; bundled into {os.environ['OUT']}" if os.environ.get("OUT") else ""))
+    return 0 if passed else 1
+
+
+def draw_chart(json_path: Path, png: Path) -> None:
+    try:
+        import pareto
+    except ImportError as e:  # matplotlib missing: the charts can be drawn later, with --report-only
+        log(f"no chart ({e}); draw it later: python benchmarks/pareto.py {json_path.name} --out {png.name}")
+        return
+    pareto.main([str(json_path), "--out", str(png)])
+
+
+def write_summary(out: Path, stem: str, shapes: list[str]) -> bool:
+    """``<stem>.md``: a row per shape, then each shape's checks. Returns whether every shape that ran passed."""
+    files = _shape_files(out)
+    order = {s: i for i, s in enumerate(list(dict.fromkeys(shapes + ZOO_ALL)))}
+    ran = sorted(files, key=lambda s: order.get(s, len(order)))
+    data = [(s, json.loads(files[s].read_text())) for s in ran]
+    meta, bw = data[0][1]["meta"], data[0][1]["bandwidth"]
+    versions = bw.get("versions", {})
+    settings = meta["zoo_settings"]
+    header = [
+        f"# hf-offload shape zoo (issue 20, target 2) on {meta['device_name']}",
+        "",
+        f"- date (UTC): {meta['date']}; host: {meta['host']}; command: `{meta['command']}`",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
+        f"- method: {PROCESSES}; bf16 weights from a config (seed {meta['seed']}), sdpa, fused AdamW, labels = "
+        f"input_ids. none, ckpt, ckpt+hfo: {settings['simple_steps'][0]} warm-up + {settings['simple_steps'][1]} "
+        f"timed steps; each budget: {settings['plan_steps'][0]} + {settings['plan_steps'][1]}; budgets every "
+        f"{settings['grid_step']:g}% of none's peak (timed steps) from the minimum the library names (refusing "
+        f"{zoo.PROBE_MODE}) to {settings['top']:g}%, and at each simple plan's peak (every step's)"
+        + (f"; CPU: budgets are shares of {settings['cpu_reference_bytes']} bytes" if meta["device"] == "cpu" else ""),
+        "- checks per budget: (a) median step <= "
+        f"{zoo.TIME_TOLERANCE:.2f}x the fastest simple plan whose peak fits; (b) every step's peak <= the budget, the "
+        "library's profiled steps included (the counter is reset before each step and read after it); (c) no "
+        "budget refused that a simple plan's peak fits",
+        "- per shape: `<stem>-<shape>.md` (run.py's report and the checks), `.json`, `-pareto.png`",
+    ]
+    not_run = [s for s in shapes if s not in files]
+    partial = [s for s, d in data if not d["meta"].get("zoo_complete")]
+    if partial:
+        header.append(f"- **partial** (the sweep stopped in them): {', '.join(partial)}")
+    text = zoo.summary_markdown(data, header, not_run)
+    (out / f"{stem}.md").write_text(text)
+    return all(d["meta"].get("zoo", {}).get("passed") for _, d in data)
+
+
+def bundle(out: Path, stem: str) -> None:
+    """Into $OUT (when set): ``<stem>.tar.gz`` with every result file, ``<stem>.md`` and ``<stem>.log``; the
+    archive is replaced at once, so a run killed while writing it keeps the previous one."""
+    dest = os.environ.get("OUT")
+    if not dest:
+        return
+    dest_dir = Path(dest)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    part = dest_dir / f"{stem}.tar.gz.part"
+    with tarfile.open(part, "w:gz") as tar:
+        for path in sorted(out.glob(f"{stem}*")):
+            if path.suffix in (".json", ".md", ".png"):
+                tar.add(path, arcname=f"{stem}/{path.name}")
+        if (out / LIVE_LOG).exists():
+            tar.add(out / LIVE_LOG, arcname=f"{stem}/{stem}.log")
+    os.replace(part, dest_dir / f"{stem}.tar.gz")
+    for source, name in ((out / f"{stem}.md", f"{stem}.md"), (out / LIVE_LOG, f"{stem}.log")):
+        if source.exists() and source.resolve() != (dest_dir / name).resolve():
+            shutil.copyfile(source, dest_dir / name)
+
+
+# ======================================================================================================= child
+
+
+class Sweep:
+    """The child: every shape's modes in turn, in this process, each written as soon as it ends."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import torch
+        from harness.environment import probe
+
+        self.spec = spec
+        self.out = Path(spec["out"])
+        self.cpu = spec["device"] == "cpu"
+        if self.cpu:
+            torch.set_num_threads(1)  # tiny models compute fastest on one thread
+        elif not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run on the GPU machine, or with --device cpu for the CPU smoke run")
+        self.device = _device(spec)
+        self.progress = _progress(self.out)
+        if "env" not in self.progress:  # a restarted child keeps the first one's
+            env = probe(self.device, 0 if self.cpu else spec["bw_bytes"])
+            name = env.get("device_name") or ("cpu" if self.cpu else "cuda")
+            self.progress = {"env": env, "stem": f"{spec['date']}-{slug(name)}-zoo", "done_shapes": []}
+        self.env = self.progress["env"]
+        self.hfo_opts = _hfo_opts(spec)
+        self.step_s = 0.0  # the slowest simple plan's step of the shape running, for the time estimates
+        self._save_progress(running=None)
+
+    def _save_progress(self, running: dict[str, Any] | None) -> None:
+        self.progress["running"] = running
+        tmp = self.out / (PROGRESS + ".tmp")
+        tmp.write_text(json.dumps(self.progress, indent=1, default=str))
+        os.replace(tmp, self.out / PROGRESS)
+
+    def run(self) -> None:
+        for shape in self.spec["shapes"]:
+            if not self.run_shape(shape):
+                log("time budget spent: the sweep stops here")
+                break
+        self._save_progress(running=None)
+
+    def run_shape(self, shape: str) -> bool:
+        """Runs the shape's sweep on from where its results end. Returns False when the time budget stopped it."""
+        files = ReportFiles.at(self.out, f"{self.progress['stem']}-{shape}")
+        data = json.loads(files.json.read_text()) if files.json.exists() else None
+        meta = data["meta"] if data else shape_meta(self.spec, self.env, shape)
+        results: list[Result] = data["results"] if data else []
+        s = self.spec
+        while True:
+            reference = zoo.reference_bytes(results, s["cpu_reference_bytes"])
+            mode = zoo.next_mode(results, reference, s["grid_step"], s["top"])
+            if mode is None:
+                break
+            left = s["deadline"] - time.time()
+            estimate = self._estimate(mode, results)
+            if estimate > left:
+                log(f"{shape} {mode}: not started: estimated {estimate:.0f} s, {left:.0f} s left")
+                write_shape(files, meta, self.env, results, final=False)
+                return False
+            self._save_progress(running={"shape": shape, "mode": mode, "started": time.time()})
+            res = self.run_mode(shape, mode, reference)
+            results.append(res)
+            meta["modes"].append(mode)
+            write_shape(files, meta, self.env, results, final=False)
+            self._save_progress(running=None)
+            self._report(shape, res, meta["zoo"])
+            write_summary(self.out, self.progress["stem"], s["shapes"])
+            bundle(self.out, self.progress["stem"])
+        write_shape(files, meta, self.env, results, final=True)
+        self.progress["done_shapes"].append(shape)
+        self._save_progress(running=None)
+        write_summary(self.out, self.progress["stem"], s["shapes"])
+        bundle(self.out, self.progress["stem"])
+        return True
+
+    def _steps(self, mode: str) -> tuple[int, int]:
+        if mode == zoo.PROBE_MODE:
+            return PLAN_MIN_WARMUP, 1  # refused at the planned step, the third
+        return tuple(self.spec["plan_steps"] if parse_mode(mode).planned else self.spec["simple_steps"])
+
+    def _estimate(self, mode: str, results: list[Result]) -> float:
+        """Seconds the mode is expected to take: its steps at the shape's slowest simple step (a plan's at
+        PLAN_SLOWDOWN times that), plus the most that the last modes of the shape spent outside their steps."""
+        step_times = [r["median_s"] for r in results if r.get("status") == "ok" and r["mode"] in zoo.SIMPLE_MODES]
+        if not step_times:
+            return FIRST_MODE_ESTIMATE_S[self.spec["device"]] if not results else 10.0
+        recent = [r for r in results[1:] if "wall_s" in r][-3:]  # the shape's first mode pays one-off costs
+        overheads = [r["wall_s"] - sum(st["s"] for st in r.get("per_step", [])) for r in recent]
+        warmup, steps = self._steps(mode)
+        step_s = max(step_times) * (PLAN_SLOWDOWN if parse_mode(mode).planned else 1.0)
+        return max(overheads, default=5.0) + (warmup + steps) * step_s
+
+    def run_mode(self, shape: str, mode: str, reference: int | None) -> Result:
+        import gc
+
+        import torch
+        from harness.worker import run_mode_safely
+
+        parsed = parse_mode(mode)
+        budget = None
+        if parsed.planned:
+            what = "--cpu-reference-bytes" if self.cpu else "none's peak (timed steps)"
+            budget = budget_share(reference, parsed.budget_percent, what)
+        warmup, steps = self._steps(mode)
+        if os.environ.get(CRASH_ENV) == f"{shape}:{mode}":
+            log(f"{shape} {mode}: dying, as {CRASH_ENV} asks")
+            os._exit(3)
+        residual = None if self.cpu else torch.cuda.memory_allocated()
+        log(f"{shape} {mode}: {warmup} + {steps} steps" + (f", budget {zoo.size(budget['option'])}" if budget else ""))
+        res = run_mode_safely({
+            "scenario": shape, "mode": mode, "device": self.device, "seed": self.spec["seed"], "span": "step",
+            "warmup": warmup, "steps": steps, "hfo_opts": self.hfo_opts, "memory_budget": budget,
+            "deterministic": False, "result_path": "", "profile_path": None,
+        })  # fmt: skip
+        if budget is not None:
+            res["memory_budget"] = budget
+        if residual is not None:
+            res["allocated_at_start_bytes"] = residual  # what an earlier mode left: 0 when freeing works
+            if residual > 64 * 2**20:
+                res["notes"].append(f"{residual / GIB:.2f} GiB still allocated from earlier modes when it started")
+        gc.collect()
+        if not self.cpu:
+            torch.cuda.empty_cache()
+        return res
+
+    def _report(self, shape: str, res: Result, summary: dict[str, Any]) -> None:
+        row = next((r for r in summary["rows"] if r["mode"] == res["mode"]), None)
+        if res.get("status") == "ok":
+            text = f"ok {res['median_s']:.3f} s/step, peak {fmt(res.get('peak_all_gib'), '{:.2f}')} GiB (every step)"
+            if "plan" in res:
+                text += f", plan {res['plan']['code']}"
+        else:
+            text = f"{res.get('status')}: {(res.get('error') or '; '.join(res.get('notes', [])))[:300]}"
+        if row is not None:
+            text += f"; (a) {zoo.mark(row['a'])} (b) {zoo.mark(row['b'])} (c) {zoo.mark(row['c'])}"
+        log(f"{shape} {res['mode']}: {text} ({res.get('wall_s', 0):.1f} s)")
+
+
+def child_main(spec: dict[str, Any]) -> int:
+    sys.path.insert(0, str(REPO))  # the working tree's hf_offload before any installed one
+    Sweep(spec).run()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--_child":
+        sys.exit(child_main(json.loads(sys.argv[2])))
+    sys.exit(main())
