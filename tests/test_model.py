@@ -369,7 +369,7 @@ def test_liger_modules_found_by_name_and_by_class_module_path():
     assert sorted({name for name, m in model.named_modules() if name and hook_counts(m) == (1, 1)}) == [
         "my_liger_act", "norm_by_class",
     ]  # fmt: skip
-    assert hook_counts(model) == (1, 1)  # the tail region's pair
+    assert hook_counts(model) == (2, 1)  # the tail region's pair, and the pre-hook that reads the step's tokens
     assert hook_counts(model.lm_head) == (1, 2)  # and its prefetch point
     assert hook_counts(model.other_act) == (0, 0)
 
