@@ -17,8 +17,10 @@ from typing import Any
 from torch import nn
 
 from .allocator import LongContextCheck
-from .budget import MemoryBudgetController
 from .engine import OffloadActivations
+from .memory_budget.controller import MemoryBudgetController
+from .memory_budget.simulate import parse_memory_budget
+from .memory_budget.tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 from .model import (
     HEAD_PATHS,
     find_attention_modules,
@@ -31,8 +33,6 @@ from .model import (
 )
 from .model_hooks import install_exempt_hooks, install_prefetch_points, install_tail_hooks, remove_stale_hooks
 from .options import OffloadOptions
-from .planner import parse_memory_budget
-from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
 __all__ = ["get_act_offloading_ctx_manager"]
 

@@ -44,7 +44,7 @@ from .policy import TailPlanner, kept_reason, parameter_storages, storage_span
 from .stats import StatsRecorder
 
 if TYPE_CHECKING:  # `memory_plan`'s annotation only
-    from .planner import Plan
+    from .memory_budget.simulate import Plan
 
 __all__ = ["OffloadActivations", "NoOpManager", "top_saved_tensors_pack_hook"]
 

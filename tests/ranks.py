@@ -9,8 +9,8 @@ import functools
 import torch
 
 from hf_offload import InfeasibleBudgetError
-from hf_offload.budget import _same_on_every_rank
-from hf_offload.planner import LayerProfile, MeasuredStep, StepProfile, plan
+from hf_offload.memory_budget.controller import _same_on_every_rank
+from hf_offload.memory_budget.simulate import LayerProfile, MeasuredStep, StepProfile, plan
 
 
 def plan_on_rank(rank: int, port: int, results) -> None:

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
-from hf_offload.planner import MeasuredStep
+from hf_offload.memory_budget.simulate import MeasuredStep
 
 LAYERS = 4
 VOCAB = 128
@@ -212,7 +212,7 @@ def long_run(budget, tile_mlp="auto", steps: int = 4):
 
 
 def test_tiling_is_planned_when_no_exact_plan_fits_and_is_close():
-    from hf_offload.planner import simulate
+    from hf_offload.memory_budget.simulate import simulate
 
     baseline, roomy, seen, _ = long_run(10 * 2**30)
     assert not set(roomy.budget.plan.code) & set("Tt") and not any(map(any, seen))
@@ -246,7 +246,7 @@ def test_tile_mlp_true_tiles_every_layer_until_the_hooks_are_removed():
 
 
 def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
-    from hf_offload import budget
+    from hf_offload.memory_budget import controller as budget
 
     full = long_run(10 * 2**30, steps=3)[1].budget
     monkeypatch.setattr(budget, "_PROBE_MAX_TOKENS", 64)
@@ -263,7 +263,7 @@ def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
 
 
 def test_the_first_tokens_of_every_sequence_argument():
-    from hf_offload.budget import _first_tokens
+    from hf_offload.memory_budget.controller import _first_tokens
 
     hidden, mask = torch.zeros(2, 10, 10), torch.zeros(2, 1, 10, 10)  # hidden size = length: cut once
     cos = torch.zeros(2, 10, 8)

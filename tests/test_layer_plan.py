@@ -11,8 +11,9 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from hf_offload import OffloadActivations, get_act_offloading_ctx_manager, layer_plan
-from hf_offload.layer_plan import apply_layer_plan, find_decoder_layers, saved_by_selective_checkpoint
+from hf_offload import OffloadActivations, get_act_offloading_ctx_manager
+from hf_offload.memory_budget import layer_actions as layer_plan
+from hf_offload.memory_budget.layer_actions import apply_layer_plan, find_decoder_layers, saved_by_selective_checkpoint
 
 LAYERS = 4
 CODES = {"K": ("keep", False), "O": ("offload", True), "S": ("selective", True), "s": ("selective", False),

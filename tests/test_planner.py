@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_offload import planner
-from hf_offload.planner import (
+from hf_offload.memory_budget import simulate as planner
+from hf_offload.memory_budget.simulate import (
     AUTO_MARGIN_MIN_BYTES,
     GIB,
     InfeasibleBudgetError,

@@ -43,7 +43,7 @@ def test_offloading_a_qlora_model_is_bitwise_exact(saved_model, checkpointing):
 
 
 def test_a_qlora_model_under_a_budget_gets_a_mixed_plan_and_stays_exact(saved_model):
-    from hf_offload.planner import simulate
+    from hf_offload.memory_budget.simulate import simulate
 
     reference = run(qlora(saved_model, checkpointing=False), steps=4)
     roomy_model = qlora(saved_model, checkpointing=False)

@@ -5,7 +5,7 @@ import doctest
 import pytest
 
 from hf_offload import units
-from hf_offload.planner import LayerProfile, StepProfile, plan
+from hf_offload.memory_budget.simulate import LayerProfile, StepProfile, plan
 from hf_offload.stats import format_summary
 
 

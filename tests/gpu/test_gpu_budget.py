@@ -9,7 +9,7 @@ import torch
 from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, run_steps
 
 from hf_offload import OffloadActivations
-from hf_offload.layer_plan import _layer_function, apply_layer_plan
+from hf_offload.memory_budget.layer_actions import _layer_function, apply_layer_plan
 
 CODES = {"K": ("keep", False), "O": ("offload", True), "S": ("selective", True), "s": ("selective", False),
          "X": ("selective_offload", True), "C": ("full", True), "c": ("full", False)}  # fmt: skip
@@ -179,8 +179,8 @@ def long_model():
 
 @pytest.mark.parametrize("probe_tokens", [None, 4096])
 def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, record, monkeypatch, nondeterministic):
-    from hf_offload import budget as budget_module
-    from hf_offload.planner import simulate
+    from hf_offload.memory_budget import controller as budget_module
+    from hf_offload.memory_budget.simulate import simulate
 
     if probe_tokens is not None:  # the probes then run on the first 4096 tokens and scale
         monkeypatch.setattr(budget_module, "_PROBE_MAX_TOKENS", probe_tokens)

@@ -14,8 +14,8 @@ import torch
 from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, move_to, run_steps
 
 from hf_offload import InfeasibleBudgetError
+from hf_offload.memory_budget.simulate import plan
 from hf_offload.model import find_decoder_layers, unwrap_model
-from hf_offload.planner import plan
 
 SIZE = dict(hidden=512, layers=2, vocab=128)
 SEQ = 1024  # the layers' activations (tens of MB) must dwarf what differs between two runs in one process (MBs)

@@ -48,7 +48,7 @@ def test_offloading_a_qlora_model_is_bitwise_exact(saved_model, checkpointing, r
 
 
 def test_a_qlora_budget_is_never_exceeded_and_stays_exact(saved_model, record):
-    from hf_offload.planner import simulate
+    from hf_offload.memory_budget.simulate import simulate
 
     steps = 5  # two profiled, then three planned
     reference = run(qlora(saved_model, checkpointing=False), steps=steps)

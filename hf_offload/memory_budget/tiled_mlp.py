@@ -78,9 +78,9 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .engine import NoOpManager
-from .model import find_decoder_layers, unwrap_model
-from .random_state import random_state, random_state_untouched, set_random_state
+from ..engine import NoOpManager
+from ..model import find_decoder_layers, unwrap_model
+from ..random_state import random_state, random_state_untouched, set_random_state
 
 __all__ = ["tiled_mlp", "apply_tiled_mlp", "TiledMLPHandle"]
 

@@ -52,10 +52,10 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from .engine import OffloadActivations
-from .model import find_decoder_layers
-from .planner import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD
-from .random_state import RandomState, random_state, set_random_state
+from ..engine import OffloadActivations
+from ..model import find_decoder_layers
+from ..random_state import RandomState, random_state, set_random_state
+from .simulate import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD
 from .tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 
 __all__ = [

@@ -65,7 +65,7 @@ from fractions import Fraction
 from numbers import Real
 from typing import Any, NamedTuple
 
-from .units import GIB, format_bytes
+from ..units import GIB, format_bytes
 
 __all__ = [
     "MemoryBudget",

@@ -57,17 +57,18 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .allocator import release_unusable_cache
-from .engine import OffloadActivations
-from .layer_plan import (
+from ..allocator import release_unusable_cache
+from ..engine import OffloadActivations
+from ..model import find_decoder_layers, find_output_head, first_tensor
+from ..random_state import random_state_untouched
+from .layer_actions import (
     AppliedPlan,
     apply_layer_plan,
     checkpointing_as,
     saved_by_selective_checkpoint,
     selective_checkpoint_function,
 )
-from .model import find_decoder_layers, find_output_head, first_tensor
-from .planner import (
+from .simulate import (
     FULL,
     FULL_TILED,
     InfeasibleBudgetError,
@@ -81,7 +82,6 @@ from .planner import (
     simulate,
     tiling_available,
 )
-from .random_state import random_state_untouched
 from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
 __all__ = ["MemoryBudgetController", "measure_link_bandwidth"]
