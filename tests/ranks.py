@@ -1,4 +1,5 @@
-"""What one rank of a gloo process group runs in the tests of planning across ranks (`tests/test_budget.py`).
+"""What one rank of a gloo process group runs in the tests of planning across ranks
+(`tests/memory_budget/test_controller.py`).
 
 Spawned processes import the module of their target: this one imports torch and hf_offload only, not transformers,
 so that starting each rank takes a second, not ten.

@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from _gpu_models import (  # noqa: E402
     ENCODER_DECODER,
     HYBRIDS,
