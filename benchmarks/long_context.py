@@ -591,7 +591,7 @@ class ModeRun:
         if mode.planned:
             # On CPU there is no device memory for "auto" to take a share of: the budget is what --margin-gib leaves
             # of the pretend device. With --device-gib on a GPU, "auto" is resolved for that size, not the device's.
-            from hf_offload.memory_budget.simulate import parse_memory_budget
+            from hf_offload.memory_budget.spec import parse_memory_budget
 
             hfo_options["memory_budget"] = (self.gpu_limit if s["tiny"] else "auto" if not s["device_gib"] else
                                             parse_memory_budget("auto").resolve(self.device_total))  # fmt: skip
@@ -914,7 +914,7 @@ class ModeRun:
         force was made from, against the budget it plans for; its predicted step time gets the attention's quadratic
         share added when its profile scales attention linearly (the probes do not separate it)."""
         import hf_offload.memory_budget.controller as library_budget
-        from hf_offload.memory_budget.simulate import plan as make_plan
+        from hf_offload.memory_budget.search import plan as make_plan
 
         s = self.settings
         controller = self.offload.context.budget

@@ -34,7 +34,7 @@ from harness.model import apply_liger, apply_lora, build_model, make_optimizer  
 from harness.scenarios import Scenario  # noqa: E402
 
 import hf_offload  # noqa: E402
-from hf_offload.memory_budget.simulate import plan  # noqa: E402
+from hf_offload.memory_budget.search import plan  # noqa: E402
 
 GIB = 2**30
 ROUND = 8192

@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from .engine import NoOpManager, OffloadActivations
-from .memory_budget.simulate import InfeasibleBudgetError
+from .memory_budget.search import InfeasibleBudgetError
 from .options import OffloadOptions
 from .stats import format_summary
 

@@ -19,7 +19,7 @@ from torch import nn
 from .allocator import LongContextCheck
 from .engine import OffloadActivations
 from .memory_budget.controller import MemoryBudgetController
-from .memory_budget.simulate import parse_memory_budget
+from .memory_budget.spec import parse_memory_budget
 from .memory_budget.tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 from .model import (
     HEAD_PATHS,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .memory_budget.simulate import parse_memory_budget
+from .memory_budget.spec import parse_memory_budget
 from .units import MIB
 
 __all__ = [

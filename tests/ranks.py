@@ -11,7 +11,9 @@ import torch
 
 from hf_offload import InfeasibleBudgetError
 from hf_offload.memory_budget.controller import _same_on_every_rank
-from hf_offload.memory_budget.simulate import LayerProfile, MeasuredStep, StepProfile, plan
+from hf_offload.memory_budget.profile import LayerProfile, StepProfile
+from hf_offload.memory_budget.search import plan
+from hf_offload.memory_budget.simulate import MeasuredStep
 
 
 def plan_on_rank(rank: int, port: int, results) -> None:

@@ -5,7 +5,8 @@ import doctest
 import pytest
 
 from hf_offload import units
-from hf_offload.memory_budget.simulate import LayerProfile, StepProfile, plan
+from hf_offload.memory_budget.profile import LayerProfile, StepProfile
+from hf_offload.memory_budget.search import plan
 from hf_offload.stats import format_summary
 
 

@@ -68,20 +68,10 @@ from .layer_actions import (
     saved_by_selective_checkpoint,
     selective_checkpoint_function,
 )
-from .simulate import (
-    FULL,
-    FULL_TILED,
-    InfeasibleBudgetError,
-    LayerProfile,
-    MeasuredStep,
-    MemoryBudget,
-    Plan,
-    StepProfile,
-    in_proportion,
-    plan,
-    simulate,
-    tiling_available,
-)
+from .profile import LayerProfile, StepProfile, in_proportion, tiling_available
+from .search import InfeasibleBudgetError, plan
+from .simulate import FULL, FULL_TILED, MeasuredStep, Plan, simulate
+from .spec import MemoryBudget
 from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
 __all__ = ["MemoryBudgetController", "measure_link_bandwidth"]

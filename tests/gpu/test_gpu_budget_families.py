@@ -14,7 +14,7 @@ import torch
 from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, move_to, run_steps
 
 from hf_offload import InfeasibleBudgetError
-from hf_offload.memory_budget.simulate import plan
+from hf_offload.memory_budget.search import plan
 from hf_offload.model import find_decoder_layers, unwrap_model
 
 SIZE = dict(hidden=512, layers=2, vocab=128)

@@ -37,7 +37,7 @@ from _gpu_models import (  # noqa: E402
 
 from hf_offload import InfeasibleBudgetError  # noqa: E402
 from hf_offload.memory_budget.layer_actions import _run_as_is  # noqa: E402
-from hf_offload.memory_budget.simulate import plan  # noqa: E402
+from hf_offload.memory_budget.search import plan  # noqa: E402
 from hf_offload.model import find_decoder_layers, unwrap_model  # noqa: E402
 
 transformers.logging.set_verbosity_error()
