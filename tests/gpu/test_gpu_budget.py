@@ -179,11 +179,11 @@ def long_model():
 
 @pytest.mark.parametrize("probe_tokens", [None, 4096])
 def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, record, monkeypatch, nondeterministic):
-    from hf_offload.memory_budget import controller as budget_module
+    from hf_offload.memory_budget import probes
     from hf_offload.memory_budget.simulate import simulate
 
     if probe_tokens is not None:  # the probes then run on the first 4096 tokens and scale
-        monkeypatch.setattr(budget_module, "_PROBE_MAX_TOKENS", probe_tokens)
+        monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", probe_tokens)
     batch = make_batch("llama", batch=1, seq=LONG["seq"], vocab=LONG["vocab"])
     steps = 5
     _, reference = step_peaks(long_model(), batch, None, steps)

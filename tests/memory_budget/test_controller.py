@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
+from hf_offload.memory_budget import probes
 from hf_offload.memory_budget.simulate import MeasuredStep
 
 LAYERS = 4
@@ -246,10 +247,8 @@ def test_tile_mlp_true_tiles_every_layer_until_the_hooks_are_removed():
 
 
 def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
-    from hf_offload.memory_budget import controller as budget
-
     full = long_run(10 * 2**30, steps=3)[1].budget
-    monkeypatch.setattr(budget, "_PROBE_MAX_TOKENS", 64)
+    monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", 64)
     cut = long_run(10 * 2**30, steps=3)[1].budget
     [cut_probe], [full_probe] = cut._measured.probes.values(), full._measured.probes.values()  # one kind of layer
     assert (cut_probe.tokens, cut_probe.step_tokens, cut._measured.step_tokens) == (64, 128, 128)
@@ -260,23 +259,6 @@ def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
     assert cut_layer.input_bytes == full_layer.input_bytes
     scores = 2 * 4 * (64 * 64 - 2 * 32 * 32) * 4  # batch x heads x (what the square adds) x fp32, softmax's output
     assert 0 < full_layer.saved_bytes - cut_layer.saved_bytes <= 2 * scores
-
-
-def test_the_first_tokens_of_every_sequence_argument():
-    from hf_offload.memory_budget.controller import _first_tokens
-
-    hidden, mask = torch.zeros(2, 10, 10), torch.zeros(2, 1, 10, 10)  # hidden size = length: cut once
-    cos = torch.zeros(2, 10, 8)
-    args, kwargs = _first_tokens((hidden,), {"attention_mask": mask, "position_embeddings": (cos, cos),
-                                             "cache_position": torch.arange(10), "use_cache": False}, 8)  # fmt: skip
-    assert args[0].shape == (2, 4, 10) and kwargs["attention_mask"].shape == (2, 1, 4, 4)
-    assert kwargs["position_embeddings"][0].shape == (2, 4, 8) and kwargs["cache_position"].tolist() == [0, 1, 2, 3]
-    assert kwargs["use_cache"] is False
-    assert _first_tokens((hidden,), {}, 20)[0][0] is hidden  # short enough: unchanged
-    # Packed sequences (a vision tower's 2-d hidden states, their bounds in `cu_seqlens`) are never cut.
-    packed, bounds = torch.zeros(100, 8), torch.tensor([0, 50, 100])
-    args, kwargs = _first_tokens((packed,), {"cu_seqlens": bounds}, 8)
-    assert args[0] is packed and kwargs["cu_seqlens"] is bounds
 
 
 def test_a_longer_step_scales_the_profiled_head_once():

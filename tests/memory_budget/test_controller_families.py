@@ -12,7 +12,6 @@ crashed that step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -128,26 +127,6 @@ def test_the_plan_follows_the_order_the_layers_are_called_in():
     ]
     kept = [getattr(layer._gradient_checkpointing_func, "function", None) is _run_as_is for layer in in_call_order]
     assert kept == [letter == "K" for letter in code]
-
-
-@pytest.mark.parametrize("arch", ["mixtral", "jamba"])
-def test_the_probes_leave_no_trace_in_the_first_step(arch):
-    """The first step, whose layers are probed, returns what it returns without a budget: as many router logits as
-    the model has routers, the same losses, and no keys or values in the cache (its layers are checkpointed, where
-    transformers passes none; the probes run them kept, twice). The random streams: T5's and BART's dropout in the
-    bitwise test above."""
-    batch = make_batch(arch, device="cpu", seq=SEQ, vocab=SIZE["vocab"])
-
-    def first_step(budget=None):
-        model = build_model(arch, device="cpu", seq=SEQ, **SIZE)
-        context = make_ctx(model, device_type="cpu", memory_budget=budget) if budget else contextlib.nullcontext()
-        with context:
-            return model(**batch, use_cache=True)
-
-    plain, probed = first_step(), first_step(ROOMY)
-    assert len(probed.router_logits) == len(plain.router_logits) > 0
-    assert plain.past_key_values.get_seq_length() == SEQ and probed.past_key_values.get_seq_length() == 0
-    assert torch.equal(probed.loss, plain.loss) and torch.equal(probed.aux_loss, plain.aux_loss)
 
 
 def test_a_stack_the_first_step_does_not_call_is_planned_as_costing_nothing(caplog):
