@@ -172,7 +172,9 @@ def get_act_offloading_ctx_manager(
     if engine.options.tile_mlp is True:
         engine.track_hook(apply_tiled_mlp(unwrapped, default_tokens_per_chunk(unwrapped)))
     if engine.options.memory_budget is not None and engine.active:
-        engine.budget = MemoryBudgetController(unwrapped, engine, parse_memory_budget(engine.options.memory_budget))
+        engine.budget_controller = MemoryBudgetController(
+            unwrapped, engine, parse_memory_budget(engine.options.memory_budget)
+        )
     unwrapped.__dict__[_INSTALLATION_ATTR] = _Installation(weakref.ref(engine), weakref.ref(unwrapped))
     logger.info(
         "hf_offload: tail of the forward kept from %s; Liger modules exempt: %s",

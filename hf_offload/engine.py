@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -296,9 +297,9 @@ class OffloadActivations(saved_tensors_hooks):
         # while none ran was compiled as a whole, and the engine then stands aside (see `_begin_backward`).
         self.model_hooks_ran = False
         self._whole_model_compiled = False
-        # The memory budget's controller (`hf_offload.budget`), attached by `get_act_offloading_ctx_manager` when
-        # `memory_budget` is set: its `plan` is the per-layer plan in force.
-        self.budget: Any = None
+        # The memory budget's controller (`hf_offload.memory_budget.controller`), attached by
+        # `get_act_offloading_ctx_manager` when `memory_budget` is set: its `plan` is the per-layer plan in force.
+        self.budget_controller: Any = None
         self._set_aside = 0  # depth of `set_aside()` regions
         # The windows in force: the options', until a memory plan sizes them for its layers (`use_windows`).
         self.forward_window_bytes = options.forward_window_bytes
@@ -341,9 +342,16 @@ class OffloadActivations(saved_tensors_hooks):
 
     @property
     def memory_plan(self) -> Plan | None:
-        """The memory budget's plan in force (`hf_offload.planner.Plan`); None without a budget or before the
-        profiled steps are over."""
-        return None if self.budget is None else self.budget.plan
+        """The memory budget's plan in force (`hf_offload.memory_budget.simulate.Plan`); None without a budget or
+        before the profiled steps are over."""
+        return None if self.budget_controller is None else self.budget_controller.plan
+
+    @property
+    def budget(self) -> Any:
+        """Deprecated: the memory budget's controller is `budget_controller`, and the plan in force `memory_plan`."""
+        warnings.warn("OffloadActivations.budget is deprecated: the memory budget's controller is budget_controller, "
+                      "and the plan in force memory_plan", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return self.budget_controller
 
     @property
     def active(self) -> bool:

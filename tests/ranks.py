@@ -12,7 +12,7 @@ import torch
 from hf_offload import InfeasibleBudgetError
 from hf_offload.memory_budget.controller import _same_on_every_rank
 from hf_offload.memory_budget.profile import LayerProfile, StepProfile
-from hf_offload.memory_budget.search import plan
+from hf_offload.memory_budget.search import choose_plan
 from hf_offload.memory_budget.simulate import MeasuredStep
 
 
@@ -31,7 +31,7 @@ def plan_on_rank(rank: int, port: int, results) -> None:
         measured = [MeasuredStep("CC", step_s=0.01, peak_bytes=10_001)] if rank == 0 else []
         for budget_bytes, steps in ((10**6, []), (10_001, []), (10_001, measured)):
             try:
-                chosen = _same_on_every_rank(functools.partial(plan, profile, budget_bytes, 0, steps))
+                chosen = _same_on_every_rank(functools.partial(choose_plan, profile, budget_bytes, 0, steps))
                 outcomes.append(("plan", chosen.code, chosen.measured))
             except InfeasibleBudgetError as error:
                 outcomes.append(("refused", error.minimum_bytes, error.lowest_plan.code, str(error)))

@@ -142,7 +142,7 @@ def _record_offload(offload: Offload, rec: dict[str, Any], res: dict[str, Any]) 
         rec["pinned_bytes"] = st.get("pinned_bytes")
         rec["compute_wait_s"] = st.get("compute_wait_s")
         res["hfo_stats_last"] = st
-        budget = offload.context.budget  # the memory budget's controller; None without a budget
+        budget = offload.context.budget_controller  # the memory budget's controller; None without a budget
         if budget is not None:
             rec["plan"] = budget.plan.code if budget.plan is not None else None  # None while profiling
 

@@ -64,7 +64,7 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
         res["hfo_active"] = bool(getattr(offload.context, "active", True))
         if not res["hfo_active"]:
             notes.append("hf_offload inactive on this device (identity hooks)")
-    if mode.planned and offload.context.budget is None:
+    if mode.planned and offload.context.budget_controller is None:
         raise SkipMode(
             "no memory budget: hf_offload is inactive on this device (on CPU, its test mode plans: "
             "--hfo-opt device_type=cpu)"
@@ -79,7 +79,7 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
             raise Infeasible(str(e)) from e
         raise
     if mode.planned:
-        res["plan"] = _plan_summary(offload.context.budget.plan, offload.context.budget.profile)
+        res["plan"] = _plan_summary(offload.context.budget_controller.plan, offload.context.budget_controller.profile)
         print(res["plan"]["table"], flush=True)
     if spec.get("profile_path"):
         res["profile_streams"] = trace_step(train_step, device, spec["profile_path"])
@@ -112,8 +112,9 @@ def _raised_by_planner(error: ValueError) -> bool:
 
 
 def _plan_summary(plan: Any, profile: Any) -> dict[str, Any]:
-    """The plan in force at the end (an ``hf_offload.planner.Plan``): its code, what it predicts, and the measured
-    profile it was planned from (an ``hf_offload.planner.StepProfile``, for replaying the planner offline)."""
+    """The plan in force at the end (an ``hf_offload.memory_budget.simulate.Plan``): its code, what it predicts, and
+    the measured profile it was planned from (an ``hf_offload.memory_budget.profile.StepProfile``, for replaying the
+    planner offline)."""
     predicted = plan.predicted
     return {
         "code": plan.code,

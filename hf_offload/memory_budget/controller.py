@@ -5,19 +5,17 @@ training forwards of the model (grad enabled, model in training mode) and:
 
 1. First forward: applies the safe plan (every decoder layer fully checkpointed, its input offloaded: the lowest
    memory that works without a plan) and, when the first layer of each kind is called, probes it on the very
-   arguments it receives (`probe_layer`; on the first `PROBE_MAX_TOKENS` of them at long context): the bytes it
-   saves, the bytes a selective checkpoint would keep, the times of its forward, backward and selective recompute,
-   and with `tile_mlp="auto"` the same with its MLP tiled. Every stack of layers is probed so, each kind in its own
-   call: a vision tower's blocks on theirs, a language model's or a decoder's layers on theirs (with the encoder's
-   states). Probes leave no trace in the step: their saved tensors stay out of the engine, the random streams are
-   restored, the cache is not passed, and transformers' output recorders (router logits, for the auxiliary loss)
-   do not see them. Once every kind is probed it measures the link's bandwidth; if the safe plan is predicted not
-   to fit the budget and tiling would, the safe plan tiles every layer's MLP.
+   arguments it receives (`probes.probe_layer`, which leaves no trace in the step): the bytes it saves, the bytes a
+   selective checkpoint would keep, the times of its forward, backward and selective recompute, and with
+   `tile_mlp="auto"` the same with its MLP tiled. Every stack of layers is probed so, each kind in its own call: a
+   vision tower's blocks on theirs, a language model's or a decoder's layers on theirs (with the encoder's states).
+   Once every kind is probed it measures the link's bandwidth; if the safe plan is predicted not to fit the budget
+   and tiling would, the safe plan tiles every layer's MLP.
 2. Second forward, still safe: measures the step: memory held before it starts, the head and loss's peak over what
    the forward leaves, the head's time, and the whole step's time (the rest of the step, embedding and optimizer,
    is what the model of the safe step does not explain).
-3. Third forward: plans (`planner.plan`) for the budget, applies the plan (`layer_plan.apply_layer_plan`) and sizes
-   the engine's windows; a budget no plan fits is an `InfeasibleBudgetError` here. On every later forward it
+3. Third forward: plans (`search.choose_plan`) for the budget, applies the plan (`layer_actions.apply_layer_actions`)
+   and sizes the engine's windows; a budget no plan fits is an `InfeasibleBudgetError` here. On every later forward it
    re-plans if the step has more tokens than it planned for (checked as each stack starts, before its layers run;
    each stack's tokens scale the whole step from the first step's) or the memory held between steps has grown
    (optimizer state created after a gradient accumulation cycle). Such a step that no plan fits runs on the
@@ -25,7 +23,7 @@ training forwards of the model (grad enabled, model in training mode) and:
 4. The closed loop: the steps a plan runs are measurements (their time; on a device, their peak: exactly in the
    profiled steps, later an upper bound, as the counter is not reset after them). After the `_MEASURED_STEPS` steps
    that follow the first one on a new plan, the controller plans again with what every plan run so far measured
-   (`planner.plan`'s `measured`: the profiled steps measured the safe plan), and switches plans when the one in force
+   (`choose_plan`'s `measured`: the profiled steps measured the safe plan), and switches plans when the one in force
    ran `_SLOWER_TOLERANCE` slower than the answer, at most `_MAX_CORRECTIONS` times (the last among measured plans
    only), saying so in the log. Measurements at other lengths are scaled by the model (`MeasuredStep.scaled`). Once
    a plan has passed its check, steps are no longer timed (timing a device step waits for it).
@@ -56,10 +54,10 @@ from ..allocator import release_unusable_cache
 from ..engine import OffloadActivations
 from ..model import find_decoder_layers, find_output_head, first_tensor
 from ..random_state import random_state_untouched
-from .layer_actions import AppliedPlan, apply_layer_plan
+from .layer_actions import AppliedActions, apply_layer_actions
 from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_bandwidth, probe_layer
 from .profile import StepProfile, in_proportion, tiling_available
-from .search import InfeasibleBudgetError, plan
+from .search import InfeasibleBudgetError, choose_plan
 from .simulate import FULL, FULL_TILED, MeasuredStep, Plan, simulate
 from .spec import MemoryBudget
 from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
@@ -120,7 +118,7 @@ class _Sample:
 
 
 class MemoryBudgetController:
-    """Profiles, plans and applies a per-layer plan so that the step's peak stays under `budget`.
+    """Profiles, plans and applies a per-layer plan so that the step's peak stays under `memory_budget`.
 
     The plan has one action per checkpointable layer of every stack (a vision-language model's vision tower and
     language model, an encoder-decoder's encoder and decoder), in the order the first step called them: the
@@ -131,13 +129,13 @@ class MemoryBudgetController:
     Args:
         model: the unwrapped model (its decoder layers are found with `find_decoder_layers`).
         engine: the offloading context; its device type decides what is measured.
-        budget: the parsed budget.
+        memory_budget: the user's budget, parsed.
 
     Raises:
         ValueError: the model has no decoder layers a plan could act on.
     """
 
-    def __init__(self, model: nn.Module, engine: OffloadActivations, budget: MemoryBudget) -> None:
+    def __init__(self, model: nn.Module, engine: OffloadActivations, memory_budget: MemoryBudget) -> None:
         named = find_decoder_layers(model)
         if not named:
             raise ValueError(f"memory_budget needs a transformers model with decoder layers (GradientCheckpointingLayer"
@@ -154,12 +152,12 @@ class MemoryBudgetController:
         self._stack_starts: set[int] = set()  # each stack's first layer called
         self._model = weakref.ref(model)
         self._engine = weakref.ref(engine)
-        self.budget = budget
+        self.memory_budget = memory_budget
         self._meter = Meter(engine.device_type)
-        budget.resolve(self._meter.total())  # a share of the device, or "auto", without a device fails here
+        self._budget_bytes()  # a share of the device, or "auto", without a device fails here
         self.plan: Plan | None = None
         self._profile: StepProfile | None = None
-        self._applied: AppliedPlan | None = None
+        self._applied: AppliedActions | None = None
         self._measured = _StepMeasurements()
         self._forwards = 0
         self._probing = False
@@ -181,21 +179,24 @@ class MemoryBudgetController:
             except ValueError as error:
                 logger.info("hf_offload: the planner cannot tile the MLPs: %s", error)
                 self._tile_tokens = 0
-        tail = find_output_head(model)
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
             engine.track_hook(layer.register_forward_pre_hook(hook, with_kwargs=True))
-        for _, module in tail[-1:]:  # the final norm (or the head): where the head's phase begins
+        for _, module in find_output_head(model)[-1:]:  # the final norm (or the head): where the head's phase begins
             engine.track_hook(module.register_forward_pre_hook(self._head_starts))
-        engine.warn_once("budget", f"hf_offload: memory_budget={budget} is set, so hf-offload decides per decoder "
-                         "layer whether to checkpoint it (whatever activation_checkpointing says): the first two "
-                         "steps are profiled under full checkpointing, then the plan is applied")  # fmt: skip
+        engine.warn_once("budget", f"hf_offload: memory_budget={memory_budget} is set, so hf-offload decides per "
+                         "decoder layer whether to checkpoint it (whatever activation_checkpointing says): the first "
+                         "two steps are profiled under full checkpointing, then the plan is applied")  # fmt: skip
 
     @property
     def profile(self) -> StepProfile | None:
         """The measured step the plan in force was made from (scaled to its tokens); None before the first plan."""
         return self._profile
+
+    def _budget_bytes(self) -> int:
+        """The user's budget in bytes, on this device."""
+        return self.memory_budget.resolve(self._meter.total())
 
     # ------------------------------------------------------------------ hooks
 
@@ -236,7 +237,7 @@ class MemoryBudgetController:
         the two phases' counters (reset at the head), plus the tail the later steps keep through the head's peak."""
         peak = self._meter.peak()
         if peak is not None:
-            peak = max(peak, self._measured.forward_peak or 0) + self._tail_allowance()
+            peak = max(peak, self._measured.forward_peak or 0) + self._learned_tail_bytes()
         self._samples.setdefault(self._code, []).append(_Sample(self._measured.step_tokens, self._measured.step_s,
                                                                 peak, profiled=True))  # fmt: skip
 
@@ -258,7 +259,7 @@ class MemoryBudgetController:
             # them over the run, as the benchmarks do): it holds the largest peak since the second step's head, an
             # upper bound of this step's. Within the budget it proves the step was; above, it says nothing of it.
             peak = self._meter.peak()
-            if peak is not None and peak > self.budget.resolve(self._meter.total()):
+            if peak is not None and peak > self._budget_bytes():
                 peak = None
             self._samples.setdefault(self._code, []).append(_Sample(self._previous_step_tokens, seconds, peak))
             if ended == self._applied_at + _MEASURED_STEPS:
@@ -338,7 +339,7 @@ class MemoryBudgetController:
         recompute alone can exceed the device). The layers that ran before the last kind was probed keep the
         untiled safe plan in the first step."""
         profile = self._profile_now(tokens)
-        budget_bytes = self.budget.resolve(self._meter.total())
+        budget_bytes = self._budget_bytes()
         untiled = simulate(profile, "C" * len(self._layers))
         if untiled.peak_bytes > budget_bytes and tiling_available(profile):
             logger.info("hf_offload: the profiled steps tile every MLP: untiled, full checkpointing is predicted to "
@@ -396,7 +397,7 @@ class MemoryBudgetController:
         head_bytes = measured.head_bytes
         if head_bytes is None:  # CPU test mode: what the head and loss saved (nothing known before the second step)
             head_bytes = measured.head_saved_bytes or 0
-        head_bytes += self._tail_allowance()
+        head_bytes += self._learned_tail_bytes()
         static_bytes, gradient_bytes = self._static_bytes()
         profile = StepProfile(
             layers=tuple(probe.profile.scaled(probe.tokens, probe.step_tokens) for probe in probes),
@@ -421,10 +422,10 @@ class MemoryBudgetController:
             profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
         return profile if tokens == profile.tokens else profile.scaled(tokens)
 
-    def _tail_allowance(self) -> int:
-        """What the steps after the profiled ones keep through the head's peak that those did not: they had no
-        learned tail yet, later ones keep up to a forward window of it (in the CPU test mode copies finish at once,
-        and nothing is ever left to keep)."""
+    def _learned_tail_bytes(self) -> int:
+        """The engine's learned tail, which the steps after the profiled ones keep through the head's peak and those
+        did not: they had no learned tail yet, later ones keep up to a forward window of it (in the CPU test mode
+        copies finish at once, and nothing is ever left to keep)."""
         engine = self._engine()
         if engine is not None and engine.options.keep_tail and self._measured.head_bytes is not None:
             return engine.options.forward_window_bytes
@@ -447,13 +448,13 @@ class MemoryBudgetController:
                 smallest peak any plan reaches (naming it and what dominates it).
         """
         profile = self._profile_now(tokens)
-        budget_bytes = self.budget.resolve(self._meter.total())
+        budget_bytes = self._budget_bytes()
         margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
         first = self.plan is None
 
         def make_plan() -> Plan:
             try:
-                return plan(profile, budget_bytes, margin_bytes, self._measured_plans(profile))
+                return choose_plan(profile, budget_bytes, margin_bytes, self._measured_plans(profile))
             except InfeasibleBudgetError as error:
                 if first:
                     raise
@@ -466,7 +467,7 @@ class MemoryBudgetController:
         the same tokens, with every plan's measurements, and switches (a correction, logged with its figures) when
         the plan in force ran `_SLOWER_TOLERANCE` slower than the answer is expected to run. Rank 0 decides."""
         profile = self._profile_now(self.plan.tokens)
-        budget_bytes = self.budget.resolve(self._meter.total())
+        budget_bytes = self._budget_bytes()
         margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
         in_force = self.plan
 
@@ -477,7 +478,7 @@ class MemoryBudgetController:
                 return in_force
             try:
                 last = self._corrections + 1 == _MAX_CORRECTIONS  # then keep the best measured plan
-                better = plan(profile, budget_bytes, margin_bytes, measured, measured_only=last)
+                better = choose_plan(profile, budget_bytes, margin_bytes, measured, measured_only=last)
             except InfeasibleBudgetError:  # not even the plan in force fits now: the re-plans of growth handle it
                 return in_force
             expected_s = better.expected_step_s
@@ -535,7 +536,7 @@ class MemoryBudgetController:
                                                      new_plan.head_prefetch_window_bytes or None),
                     new_plan.tile_tokens)  # fmt: skip
         release_unusable_cache(new_plan.predicted.peak_bytes)
-        logger.info("hf_offload: memory budget %s\n%s", self.budget, new_plan.format_table())
+        logger.info("hf_offload: memory budget %s\n%s", self.memory_budget, new_plan.format_table())
         if new_plan.inputs_kept_for_host:
             engine.warn_once("host_cap", f"hf_offload: {len(new_plan.inputs_kept_for_host)} checkpointed layers "
                              "keep their input on the GPU: the pinned host memory cap "
@@ -546,12 +547,12 @@ class MemoryBudgetController:
     def _over_budget(self, lowest: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
         """Says that this step runs on the lowest-memory plan, over the budget: a warning once, then in the log."""
         peak = lowest.predicted.peak_bytes
-        message = (f"hf_offload: no plan fits memory_budget={self.budget} ({budget_bytes} bytes) at training forward "
-                   f"{self._forwards}: {lowest.tokens} tokens (in the profiled step's terms), {profile.static_bytes} "
-                   f"bytes held between steps. It runs on the lowest-memory plan {lowest.code!r}, predicted to peak "
-                   f"at {peak / 2**30:.2f} GiB ({peak} bytes; a budget of {peak + margin_bytes} bytes would fit it), "
-                   "and so do the later steps up to that length. Raise the budget or cap the sequence length to stay "
-                   "within it.")  # fmt: skip
+        message = (f"hf_offload: no plan fits memory_budget={self.memory_budget} ({budget_bytes} bytes) at training "
+                   f"forward {self._forwards}: {lowest.tokens} tokens (in the profiled step's terms), "
+                   f"{profile.static_bytes} bytes held between steps. It runs on the lowest-memory plan "
+                   f"{lowest.code!r}, predicted to peak at {peak / 2**30:.2f} GiB ({peak} bytes; a budget of "
+                   f"{peak + margin_bytes} bytes would fit it), and so do the later steps up to that length. Raise the "
+                   "budget or cap the sequence length to stay within it.")  # fmt: skip
         if self._warned_over_budget:
             logger.info(message)
         else:
@@ -570,7 +571,7 @@ class MemoryBudgetController:
             in_registration_order[index] = actions[position]
         if self._applied is not None:
             self._applied.remove()
-        self._applied = apply_layer_plan(model, engine, in_registration_order, tile_tokens)
+        self._applied = apply_layer_actions(model, engine, in_registration_order, tile_tokens)
         if windows is not None:
             engine.use_windows(*windows)
 

@@ -61,8 +61,8 @@ from .tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 __all__ = [
     "ACTIONS",
     "LayerAction",
-    "AppliedPlan",
-    "apply_layer_plan",
+    "AppliedActions",
+    "apply_layer_actions",
     "checkpointing_as",
     "saved_by_selective_checkpoint",
     "selective_checkpoint_function",
@@ -82,7 +82,7 @@ _SAVED_BY_SELECTIVE_CHECKPOINT = frozenset(
 
 
 class LayerAction(Protocol):
-    """What a plan says about one layer (the planner's `LayerPlan` is one)."""
+    """What a plan says about one layer (the planner's `PlannedLayer` is one)."""
 
     action: str
     offload_input: bool
@@ -341,12 +341,12 @@ class _SelectiveOffload:
 
 
 _ABSENT = object()
-_PLAN_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func")
+_CHECKPOINT_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func")
 
 
 def _layer_attributes(layer: nn.Module) -> dict[str, Any]:
     """The layer's own checkpointing attributes (absent ones too: the class default then applies)."""
-    return {name: layer.__dict__.get(name, _ABSENT) for name in _PLAN_ATTRIBUTES}
+    return {name: layer.__dict__.get(name, _ABSENT) for name in _CHECKPOINT_ATTRIBUTES}
 
 
 def _restore_layer(layer: nn.Module, attributes: dict[str, Any]) -> None:
@@ -375,8 +375,8 @@ def checkpointing_as(layer: nn.Module, function: Callable[..., Any] | None) -> I
         _restore_layer(layer, saved)
 
 
-class AppliedPlan:
-    """What `apply_layer_plan` changed, so that `remove()` can restore the layers exactly."""
+class AppliedActions:
+    """What `apply_layer_actions` changed, so that `remove()` can restore the layers exactly."""
 
     def __init__(self) -> None:
         self._restore: list[tuple[nn.Module, dict[str, Any]]] = []
@@ -392,8 +392,8 @@ class AppliedPlan:
             self._tiled.remove()
 
 
-def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction],
-                     tile_tokens: int = 0) -> AppliedPlan:  # fmt: skip
+def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction],
+                        tile_tokens: int = 0) -> AppliedActions:  # fmt: skip
     """Set each decoder layer of `model` to its action in `actions` (one per layer, in forward order).
 
     Args:
@@ -404,7 +404,7 @@ def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequ
         tile_tokens: tokens per chunk of the MLPs of the `FULL_TILED` layers (the plan's `tile_tokens`).
 
     Returns:
-        An `AppliedPlan` whose `remove()` restores the layers' checkpointing and MLPs.
+        An `AppliedActions` whose `remove()` restores the layers' checkpointing and MLPs.
 
     Raises:
         ValueError: the number of actions differs from the number of decoder layers, an action is unknown, or a
@@ -417,7 +417,7 @@ def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequ
     unknown = sorted({entry.action for entry in actions} - set(ACTIONS))
     if unknown:
         raise ValueError(f"unknown layer actions {unknown}: a layer's action is one of {list(ACTIONS)}")
-    applied = AppliedPlan()
+    applied = AppliedActions()
     tiled = [i for i, entry in enumerate(actions) if entry.action == FULL_TILED]
     if tiled:  # first: it checks every layer before it changes any
         applied._tiled = apply_tiled_mlp(model, tile_tokens, layers=tiled)

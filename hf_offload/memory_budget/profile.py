@@ -158,7 +158,7 @@ class StepProfile:
             A new profile measured "as if" at `tokens`.
 
         Example:
-            With `profile` as in `plan`'s example:
+            With `profile` as in `choose_plan`'s example:
 
             >>> profile.scaled(2 * profile.tokens).layers[0].saved_bytes == 2 * profile.layers[0].saved_bytes
             True

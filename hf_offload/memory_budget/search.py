@@ -1,10 +1,10 @@
 """Choosing a plan: the per-layer actions with the shortest predicted step whose predicted peak fits the budget.
 
-The controller measures a `StepProfile` during the first steps, calls `plan(profile, budget.resolve(device_total))`
-and applies the plan's layers with the windows it names. The search is greedy, then polished, and judges every
-candidate by the step model (`simulate`); plans that ran (`MeasuredStep`) count by what they measured. A budget that
-no plan fits is an `InfeasibleBudgetError`, which names the smallest budget that works and what dominates it. Pure
-Python, like the rest of the planning (`spec`, `profile`, `simulate`).
+The controller measures a `StepProfile` during the first steps, calls `choose_plan(profile, budget_bytes)` and
+applies the plan's layers with the windows it names. The search is greedy, then polished, and judges every candidate
+by the step model (`simulate`); plans that ran (`MeasuredStep`) count by what they measured. A budget that no plan
+fits is an `InfeasibleBudgetError`, which names the smallest budget that works and what dominates it. Pure Python,
+like the rest of the planning (`spec`, `profile`, `simulate`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .simulate import (
     simulate_step,
 )
 
-__all__ = ["InfeasibleBudgetError", "plan"]
+__all__ = ["InfeasibleBudgetError", "choose_plan"]
 
 
 # The actions the planner chooses among: all but the selective offload (`X`). On S1 and S2 (H100) its layers cost
@@ -224,7 +224,7 @@ def _polish(letters: list[str], run: SimulatedStep, seconds: list[dict[str, floa
     return letters, run
 
 
-def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measured: Sequence[MeasuredStep] = (),
+def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measured: Sequence[MeasuredStep] = (),
          measured_only: bool = False) -> Plan:  # fmt: skip
     """The per-layer actions with the shortest predicted step whose predicted peak fits the budget.
 
@@ -278,9 +278,9 @@ def plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measure
         ...                       h2d_bytes_per_s=55e9, host_cap_bytes=64 * GIB, tokens=16384)
         >>> simulate(profile, "KKKK").peak_bytes / GIB
         18.0
-        >>> plan(profile, 16 * GIB).code
+        >>> choose_plan(profile, 16 * GIB).code
         'SSSK'
-        >>> round(plan(profile, 16 * GIB).predicted.step_s, 3)
+        >>> round(choose_plan(profile, 16 * GIB).predicted.step_s, 3)
         0.136
     """
     if not is_int(budget_bytes) or budget_bytes <= 0:

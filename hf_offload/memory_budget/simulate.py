@@ -2,7 +2,7 @@
 
 Pure Python, standard library only, like the rest of the planning (`spec`, `profile`, `search`): plans are computed,
 tested and compared anywhere. A plan is data: a `Plan` holds its actions and what the model predicts of them (a
-`Prediction`, per layer a `LayerPlan`), and is printed as a table, logged, sent to other ranks as plain data and
+`Prediction`, per layer a `PlannedLayer`), and is printed as a table, logged, sent to other ranks as plain data and
 compared; a `MeasuredStep` is a plan that ran. `simulate` predicts any plan, hand-written or chosen by `search`, from
 a measured `StepProfile`.
 
@@ -73,7 +73,7 @@ __all__ = [
     "FULL",
     "FULL_TILED",
     "ACTION_CODES",
-    "LayerPlan",
+    "PlannedLayer",
     "Prediction",
     "MeasuredStep",
     "Plan",
@@ -99,7 +99,7 @@ _CODE_OF_ACTION = {action: code for code, action in ACTION_CODES.items()}
 
 
 @dataclass(frozen=True)
-class LayerPlan:
+class PlannedLayer:
     """One layer's action and what the model predicts of it.
 
     Args:
@@ -149,7 +149,7 @@ class Prediction:
         prefetch_window_bytes: the reloads issued ahead of need, at most (0 when nothing is offloaded).
     """
 
-    layers: tuple[LayerPlan, ...]
+    layers: tuple[PlannedLayer, ...]
     peak_bytes: int
     peak_at: str
     step_s: float
@@ -350,7 +350,7 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
         ValueError: if `code` does not have one valid letter per layer, or tiles MLPs where the profile cannot.
 
     Example:
-        With `profile` as in `plan`'s example:
+        With `profile` as in `choose_plan`'s example:
 
         >>> simulate(profile, "CCCC").peak_at
         'backward layer 3'
@@ -364,7 +364,7 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
 
 def prediction_of(code: str, options: Sequence[LayerOption], run: SimulatedStep) -> Prediction:
     layers = tuple(
-        LayerPlan(
+        PlannedLayer(
             *ACTION_CODES[letter],
             held_bytes=option.held,
             offloaded_bytes=option.offloaded,
@@ -387,7 +387,7 @@ def prediction_of(code: str, options: Sequence[LayerOption], run: SimulatedStep)
 
 @dataclass(frozen=True)
 class MeasuredStep:
-    """A plan that ran: what its steps measured, at the tokens of the profile it is given to `plan` with.
+    """A plan that ran: what its steps measured, at the tokens of the profile it is given to `choose_plan` with.
 
     Args:
         code: the plan's code (see `ACTION_CODES`).
@@ -439,8 +439,8 @@ class Plan:
         tile_tokens: tokens per chunk of the layers whose MLP the plan tiles (`T`, `t`).
         host_cap_bytes: the pinned host bytes the plan had (`StepProfile.host_cap_bytes`).
         measured: what this plan measured when it ran before (scaled to `tokens`); None if it never ran. Where
-            the measurement and the prediction disagree, the measurement is what `plan` chose by.
-        time_scale: the measured plans' median ratio of measured to predicted step time, by which `plan` scaled
+            the measurement and the prediction disagree, the measurement is what `choose_plan` chose by.
+        time_scale: the measured plans' median ratio of measured to predicted step time, by which `choose_plan` scaled
             the predictions of the plans that never ran, to compare them with measured ones (1 without any).
     """
 
@@ -454,11 +454,11 @@ class Plan:
 
     @property
     def expected_step_s(self) -> float:
-        """The step time `plan` chose this plan by: measured, or else predicted in the measurements' terms."""
+        """The step time `choose_plan` chose this plan by: measured, or else predicted in the measurements' terms."""
         return self.predicted.step_s * self.time_scale if self.measured is None else self.measured.step_s
 
     @property
-    def layers(self) -> tuple[LayerPlan, ...]:
+    def layers(self) -> tuple[PlannedLayer, ...]:
         """Per layer, in forward order, its action and what is predicted of it."""
         return self.predicted.layers
 
@@ -547,7 +547,7 @@ class Plan:
             A plan equal to the one `data` was made from.
         """
         predicted = dict(data["predicted"])
-        predicted["layers"] = tuple(LayerPlan(**layer) for layer in predicted["layers"])
+        predicted["layers"] = tuple(PlannedLayer(**layer) for layer in predicted["layers"])
         measured = data.get("measured")
         return cls(
             **{

@@ -23,7 +23,7 @@ from hf_offload.memory_budget import checks, search, spec
 from hf_offload.memory_budget import profile as step_profile
 from hf_offload.memory_budget import simulate as step_model
 from hf_offload.memory_budget.profile import LayerProfile, StepProfile
-from hf_offload.memory_budget.search import InfeasibleBudgetError, plan
+from hf_offload.memory_budget.search import InfeasibleBudgetError, choose_plan
 from hf_offload.memory_budget.simulate import MeasuredStep, Plan, simulate
 from hf_offload.units import GIB, MIB
 
@@ -72,7 +72,7 @@ def test_budget_of_everything_changes_nothing() -> None:
     profile = s1_profile()
     keep_all = simulate(profile, "K" * 16)
     for budget in (keep_all.peak_bytes, 80 * GIB):
-        result = plan(profile, budget)
+        result = choose_plan(profile, budget)
         assert result.code == "K" * 16
         assert result.predicted == keep_all
         assert result.forward_window_bytes == result.prefetch_window_bytes == 0
@@ -84,7 +84,7 @@ def test_sweep_of_budgets_never_exceeds_and_never_gets_faster() -> None:
     previous = None
     for percent in range(100, 34, -1):
         budget = keep_all.peak_bytes * percent // 100
-        result = plan(profile, budget)
+        result = choose_plan(profile, budget)
         assert result.predicted.peak_bytes <= budget
         assert result.predicted == simulate(profile, result.code, result.prefetch_window_bytes)
         if previous is not None:
@@ -109,7 +109,7 @@ def test_sweep_of_budgets_never_exceeds_and_never_gets_faster() -> None:
 def test_plan_beats_or_equals_the_issues_hand_plans(hand_plan) -> None:
     profile = s1_profile()
     hand = simulate(profile, hand_plan)
-    result = plan(profile, hand.peak_bytes)
+    result = choose_plan(profile, hand.peak_bytes)
     assert result.predicted.peak_bytes <= hand.peak_bytes
     assert result.predicted.step_s <= hand.step_s
 
@@ -122,15 +122,16 @@ def test_plan_is_the_exhaustive_optimum_on_uniform_layers(layers) -> None:
     for step in range(41):
         budget = low + (high - low) * step // 40
         fastest = min(p.step_s for p in predictions if p.peak_bytes <= budget)
-        assert plan(profile, budget).predicted.step_s == pytest.approx(fastest, rel=1e-12)
+        assert choose_plan(profile, budget).predicted.step_s == pytest.approx(fastest, rel=1e-12)
 
 
 def test_budget_below_the_minimum_names_it() -> None:
     profile = s1_profile()
     minimum = simulate(profile, "C" * 16).peak_bytes
-    assert plan(profile, minimum).code == "C" * 15 + "K"  # the last layer's activations count at its backward anyway
+    # The last layer's activations count at its backward anyway.
+    assert choose_plan(profile, minimum).code == "C" * 15 + "K"
     with pytest.raises(ValueError) as error:
-        plan(profile, minimum - 1)
+        choose_plan(profile, minimum - 1)
     message = str(error.value)
     assert f"{minimum / GIB:.2f} GiB ({minimum} bytes" in message
     assert f"({minimum - 1} bytes)" in message
@@ -138,14 +139,14 @@ def test_budget_below_the_minimum_names_it() -> None:
     assert "layer 15's working set" in message
 
     with pytest.raises(ValueError, match="dominated by the head and loss 30.00 GiB"):
-        plan(s1_profile(head_bytes=30 * GIB), 20 * GIB)
+        choose_plan(s1_profile(head_bytes=30 * GIB), 20 * GIB)
 
 
 def test_no_host_room_means_no_offloading() -> None:
     profile = s1_profile(host_cap_bytes=0)
     assert search._lowest_memory_code(profile) == "c" * 16
     for percent in (40, 60, 80):
-        result = plan(profile, simulate(profile, "K" * 16).peak_bytes * percent // 100)
+        result = choose_plan(profile, simulate(profile, "K" * 16).peak_bytes * percent // 100)
         assert result.predicted.host_bytes == 0
         assert set(result.code) <= set("Ksc")
     # Room for 4 inputs: the lowest-memory plan offloads the first 4.
@@ -160,14 +161,14 @@ def test_random_profiles_never_exceed_and_never_lose_to_full_checkpointing() -> 
         low, high = lowest_peak(profile), simulate(profile, "K" * layers).peak_bytes
         full = simulate(profile, "C" * layers)
         for budget in (low, rng.randint(low, high), high, high + GIB):
-            result = plan(profile, budget)
+            result = choose_plan(profile, budget)
             assert result.predicted.peak_bytes <= budget
             assert result.predicted.host_bytes <= profile.host_cap_bytes
             assert result.predicted == simulate(profile, result.code, result.prefetch_window_bytes)
             if full.peak_bytes <= budget and full.host_bytes <= profile.host_cap_bytes:
                 assert result.predicted.step_s <= full.step_s
         with pytest.raises(ValueError, match="below the smallest peak"):
-            plan(profile, low - 1)
+            choose_plan(profile, low - 1)
 
 
 def test_planning_128_layers_is_fast(monkeypatch) -> None:
@@ -185,7 +186,7 @@ def test_planning_128_layers_is_fast(monkeypatch) -> None:
         for fraction in (0.0, 0.05, 0.3, 0.7, 0.99):
             calls.clear()
             start = time.perf_counter()
-            result = plan(profile, int(low + (high - low) * fraction))
+            result = choose_plan(profile, int(low + (high - low) * fraction))
             assert time.perf_counter() - start < 5.0
             assert len(calls) <= 12 * 128, len(calls)  # a few simulations per layer, each linear in the layers
             assert len(result.layers) == 128
@@ -193,7 +194,7 @@ def test_planning_128_layers_is_fast(monkeypatch) -> None:
 
 def test_plan_layers_and_windows() -> None:
     profile = s1_profile()
-    result = plan(profile, 20 * GIB)
+    result = choose_plan(profile, 20 * GIB)
     assert result.code == "CCCCCCSSSSSSSSSK"
     assert [layer.action for layer in result.layers[5:7]] == ["full", "selective"]
     assert all(layer.offload_input for layer in result.layers[:15]) and not result.layers[15].offload_input
@@ -210,18 +211,18 @@ def test_a_margin_keeps_the_predicted_peak_below_the_budget():
     profile = s1_profile()
     budget = int(0.66 * simulate(profile, "K" * 16).peak_bytes)
     margin = GIB
-    assert plan(profile, budget, margin).predicted.peak_bytes + margin <= budget
-    assert plan(profile, budget, margin).predicted.step_s >= plan(profile, budget).predicted.step_s
+    assert choose_plan(profile, budget, margin).predicted.peak_bytes + margin <= budget
+    assert choose_plan(profile, budget, margin).predicted.step_s >= choose_plan(profile, budget).predicted.step_s
     lowest = simulate(profile, "C" * 16).peak_bytes
     with pytest.raises(InfeasibleBudgetError, match="smallest budget that works is") as error:
-        plan(profile, lowest + margin // 2, margin)
+        choose_plan(profile, lowest + margin // 2, margin)
     # The error carries its figures and the lowest-memory plan, for a caller that must run the step anyway.
     assert isinstance(error.value, ValueError)
     refused = error.value
     assert (refused.budget_bytes, refused.minimum_bytes) == (lowest + margin // 2, lowest + margin)
     assert refused.lowest_plan.code == "C" * 16
     assert refused.lowest_plan.predicted == simulate(profile, "C" * 16, refused.lowest_plan.prefetch_window_bytes)
-    assert plan(profile, refused.minimum_bytes, margin).predicted.peak_bytes + margin <= refused.minimum_bytes
+    assert choose_plan(profile, refused.minimum_bytes, margin).predicted.peak_bytes + margin <= refused.minimum_bytes
 
 
 def test_the_selective_offload_is_for_hand_written_plans_only():
@@ -229,7 +230,7 @@ def test_the_selective_offload_is_for_hand_written_plans_only():
     profile = s1_profile()
     keep_all = simulate(profile, "K" * 16)
     for percent in range(35, 100, 5):
-        assert "X" not in plan(profile, keep_all.peak_bytes * percent // 100).code
+        assert "X" not in choose_plan(profile, keep_all.peak_bytes * percent // 100).code
     assert simulate(profile, "X" * 16).layers[0].code == "X"
 
 
@@ -238,9 +239,9 @@ def test_the_selective_offload_is_for_hand_written_plans_only():
 
 def test_tiling_is_chosen_only_when_no_plan_without_it_fits() -> None:
     profile = long_profile()
-    untiled = plan(profile, 80 * GIB)
+    untiled = choose_plan(profile, 80 * GIB)
     assert not set(untiled.code) & set("Tt") and untiled.tile_tokens == 0 and untiled.tiled_layers == []
-    tiled = plan(profile, 60 * GIB)
+    tiled = choose_plan(profile, 60 * GIB)
     # The last layer's input is needed first in backward: kept, it costs no copy and the peak has room for it.
     assert tiled.code == "T" * 31 + "t" and tiled.tile_tokens == 4096 and tiled.tiled_layers == list(range(32))
     assert tiled.predicted.peak_bytes <= 60 * GIB
@@ -248,11 +249,11 @@ def test_tiling_is_chosen_only_when_no_plan_without_it_fits() -> None:
     assert Plan.from_dict(json.loads(json.dumps(tiled.to_dict()))) == tiled
     # A measured tiled plan, however fast, does not replace an exact plan that fits...
     fast_tiled = MeasuredStep("T" * 32, step_s=0.001)
-    assert plan(profile, 80 * GIB, measured=[fast_tiled]).code == untiled.code
-    assert plan(profile, 80 * GIB, measured=[fast_tiled], measured_only=True).code == untiled.code
+    assert choose_plan(profile, 80 * GIB, measured=[fast_tiled]).code == untiled.code
+    assert choose_plan(profile, 80 * GIB, measured=[fast_tiled], measured_only=True).code == untiled.code
     # ... and where none fits, an exact plan that fit by measurement beats the tiled ones.
     exact = MeasuredStep("C" * 32, step_s=10.0, peak_bytes=60 * GIB)
-    assert plan(profile, 60 * GIB, measured=[fast_tiled, exact]).measured == exact
+    assert choose_plan(profile, 60 * GIB, measured=[fast_tiled, exact]).measured == exact
 
 
 def test_polishing_takes_back_the_tiling_the_peak_does_not_need() -> None:
@@ -260,7 +261,7 @@ def test_polishing_takes_back_the_tiling_the_peak_does_not_need() -> None:
     # later layers' inputs are gone: with gradients of 16 GiB that frees enough for the first layers to go untiled.
     layers = [dataclasses.replace(long_profile().layers[0], parameter_gradient_bytes=GIB // 2)] * 32
     profile = long_profile(layers=layers, gradient_bytes=16 * GIB, static_bytes=10 * GIB)
-    result = plan(profile, 78 * GIB)
+    result = choose_plan(profile, 78 * GIB)
     assert "C" in result.code and "T" in result.code, result.code
     assert result.predicted.peak_bytes <= 78 * GIB
     assert result.predicted.step_s < simulate(profile, "T" * 32).step_s
@@ -268,23 +269,23 @@ def test_polishing_takes_back_the_tiling_the_peak_does_not_need() -> None:
 
 def test_tiling_is_not_enough_names_what_dominates() -> None:
     with pytest.raises(ValueError, match="with every layer's MLP tiled") as error:
-        plan(long_profile(), 30 * GIB)
+        choose_plan(long_profile(), 30 * GIB)
     assert "plan 'TTTT" in str(error.value)
     with pytest.raises(ValueError) as error:  # tiling not measured: the error is about the untiled plan
-        plan(long_profile(tile_tokens=0), 60 * GIB)
+        choose_plan(long_profile(tile_tokens=0), 60 * GIB)
     assert "plan 'CCCC" in str(error.value) and "tiled" not in str(error.value)
 
 
 def test_a_full_host_is_said() -> None:
     profile = long_profile(host_cap_bytes=40 * GIB)  # room for 20 of the 32 inputs
-    result = plan(profile, 70 * GIB)
+    result = choose_plan(profile, 70 * GIB)
     assert result.code == "T" * 20 + "t" * 12
     assert result.inputs_kept_for_host == list(range(20, 32))
     assert (
         "12 checkpointed layers keep their input on the GPU: the host's pinned cap of 40.00 GiB is full"
         in result.format_table()
     )
-    assert plan(long_profile(), 60 * GIB).inputs_kept_for_host == []
+    assert choose_plan(long_profile(), 60 * GIB).inputs_kept_for_host == []
 
 
 # Dominance: measured plans beat the model
@@ -297,13 +298,13 @@ def test_a_budget_a_measured_plan_met_is_not_refused() -> None:
     predicted = simulate(profile, "C" * 16)
     budget = predicted.peak_bytes - GIB // 2
     with pytest.raises(InfeasibleBudgetError):
-        plan(profile, budget)
+        choose_plan(profile, budget)
     safe = MeasuredStep("C" * 16, step_s=predicted.step_s, peak_bytes=predicted.peak_bytes - GIB)
-    result = plan(profile, budget, margin_bytes=budget // 200, measured=[safe])
+    result = choose_plan(profile, budget, margin_bytes=budget // 200, measured=[safe])
     assert (result.code, result.measured) == ("C" * 16, safe)
     assert result.fits(budget // 200) and result.predicted.peak_bytes > budget  # by its measured peak
     with pytest.raises(InfeasibleBudgetError) as error:  # a measured peak over the budget is no way out...
-        plan(profile, budget, measured=[dataclasses.replace(safe, peak_bytes=budget + 1)])
+        choose_plan(profile, budget, measured=[dataclasses.replace(safe, peak_bytes=budget + 1)])
     # ... but it is the smallest budget known to work, below the predicted one.
     assert error.value.minimum_bytes == budget + 1
     assert f"Measured, plan {'C' * 16!r} peaked at " in str(error.value)
@@ -313,32 +314,32 @@ def test_a_budget_a_measured_plan_met_is_not_refused() -> None:
 def test_the_plan_is_never_slower_than_a_measured_plan_that_fits() -> None:
     profile = s1_profile()
     budget = 20 * GIB
-    chosen = plan(profile, budget)
+    chosen = choose_plan(profile, budget)
     assert chosen.code != "C" * 16 and chosen.measured is None
     # The model's choice ran slower than predicted, and nothing else was measured: the model is as wrong about the
     # other plans, whose predictions are scaled by its error, and the plan stays.
     slow = MeasuredStep(chosen.code, step_s=0.5)
-    again = plan(profile, budget, measured=[slow])
+    again = choose_plan(profile, budget, measured=[slow])
     assert (again.code, again.measured) == (chosen.code, slow)
     assert math.isclose(again.time_scale, slow.step_s / chosen.predicted.step_s)
     # The safe plan, measured as predicted, puts the model's error between the two (the median of their ratios):
     # the plans that never ran are expected slower than the safe plan measured, which wins.
     as_predicted = MeasuredStep("C" * 16, step_s=simulate(profile, "C" * 16).step_s)
-    switched = plan(profile, budget, measured=[slow, as_predicted])
+    switched = choose_plan(profile, budget, measured=[slow, as_predicted])
     assert switched.measured == as_predicted
     assert math.isclose(switched.time_scale, (1 + slow.step_s / chosen.predicted.step_s) / 2)
     # A closed loop's last correction keeps to what was measured.
     slower_safe = MeasuredStep("C" * 16, step_s=0.45)
-    assert plan(profile, budget, measured=[slow, slower_safe], measured_only=True).measured == slower_safe
+    assert choose_plan(profile, budget, measured=[slow, slower_safe], measured_only=True).measured == slower_safe
     # ... unless a measured plan ran faster than any prediction: it wins, by its measurement.
     safe = MeasuredStep("C" * 16, step_s=0.2)
-    assert plan(profile, budget, measured=[slow, safe]).measured == safe
+    assert choose_plan(profile, budget, measured=[slow, safe]).measured == safe
     # Keeping everything fits a roomy budget, unless it measured slower than a measured plan.
-    assert plan(profile, 64 * GIB).code == "K" * 16
-    assert plan(profile, 64 * GIB, measured=[MeasuredStep("K" * 16, 0.5), safe]).measured == safe
+    assert choose_plan(profile, 64 * GIB).code == "K" * 16
+    assert choose_plan(profile, 64 * GIB, measured=[MeasuredStep("K" * 16, 0.5), safe]).measured == safe
     # A plan whose measured peak exceeds the budget is not chosen, however fast it ran.
     over = MeasuredStep(chosen.code, step_s=0.01, peak_bytes=budget + 1)
-    assert plan(profile, budget, measured=[over]).code != chosen.code
+    assert choose_plan(profile, budget, measured=[over]).code != chosen.code
 
 
 # The pure modules themselves (spec, profile, simulate, search)

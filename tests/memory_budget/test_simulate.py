@@ -13,7 +13,7 @@ import pytest
 from step_profiles import long_profile, s1_profile, tiny_profile
 
 from hf_offload.memory_budget import simulate as step_model
-from hf_offload.memory_budget.search import plan
+from hf_offload.memory_budget.search import choose_plan
 from hf_offload.memory_budget.simulate import MeasuredStep, Plan, simulate
 from hf_offload.units import GIB
 
@@ -113,7 +113,7 @@ def test_simulate_rejects_bad_codes() -> None:
 def test_every_offloaded_byte_is_counted_on_the_host() -> None:
     predicted = simulate(tiny_profile(), "OC")
     assert predicted.host_bytes == 110
-    assert plan(tiny_profile(host_cap_bytes=0), 1200).predicted.host_bytes == 0
+    assert choose_plan(tiny_profile(host_cap_bytes=0), 1200).predicted.host_bytes == 0
 
 
 def test_gradients_count_in_backward_only():
@@ -203,13 +203,13 @@ def test_a_tiled_layer_holds_one_chunk_of_its_mlp() -> None:
 
 
 def test_plan_round_trips_through_plain_data() -> None:
-    result = plan(s1_profile(), 20 * GIB)
+    result = choose_plan(s1_profile(), 20 * GIB)
     assert Plan.from_dict(result.to_dict()) == result
     assert Plan.from_dict(json.loads(json.dumps(result.to_dict()))) == result  # what a broadcast carries
 
 
 def test_format_table() -> None:
-    result = plan(s1_profile(), 20 * GIB)
+    result = choose_plan(s1_profile(), 20 * GIB)
     lines = result.format_table().splitlines()
     assert lines[0].startswith("Memory plan for 16384 tokens per step, budget 20.00 GiB: predicted peak ")
     assert "(backward layer 15)" in lines[0] and f"step {result.predicted.step_s * 1000:.1f} ms" in lines[0]
@@ -233,7 +233,7 @@ def test_a_measurement_scales_with_the_model() -> None:
 def test_a_measured_plan_round_trips_through_plain_data() -> None:
     profile = s1_profile()
     budget = simulate(profile, "C" * 16).peak_bytes - 1  # met by the measurement only
-    result = plan(profile, budget, measured=[MeasuredStep("C" * 16, 0.001, GIB)])
+    result = choose_plan(profile, budget, measured=[MeasuredStep("C" * 16, 0.001, GIB)])
     assert result.measured is not None
     assert Plan.from_dict(json.loads(json.dumps(result.to_dict()))) == result
     assert "Chosen by measurement: its steps ran in 1.0 ms at a peak of 1.00 GiB" in result.format_table()
