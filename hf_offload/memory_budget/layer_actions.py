@@ -15,7 +15,7 @@ model's code. For each layer, with the engine's offloading context around the mo
   and backward, and backward reloads the outputs and recomputes only the cheap ops (`_SelectiveOffload`);
 * full: a non-reentrant checkpoint, which saves only the layer's input;
 * full with the MLP tiled: the same checkpoint, and the layer's MLP runs over chunks of tokens
-  (`hf_offload.tiled_mlp`), so that its intermediates exist one chunk at a time in the recompute and backward.
+  (`tiled_mlp`), so that its intermediates exist one chunk at a time in the recompute and backward.
 
 A checkpointed layer's input is saved by the checkpoint itself, before its own hooks take over, so the engine sees
 it: it is offloaded unless the plan keeps it (`offload_input=False`), in which case the checkpoint call runs inside
@@ -23,7 +23,7 @@ a region that keeps it.
 
 Every action is set through the two attributes alone, never through module hooks: a kept layer gets a "checkpoint
 function" that runs it unchanged inside the keeping region. A plan may then be replaced at any point, even from a
-hook of the first layer while its call is being dispatched (the budget re-plans there), since the attributes are
+hook of the first layer while its call is being dispatched (the controller re-plans there), since the attributes are
 read only inside the layer's forward.
 
 Every action but the tiled MLP only decides where bytes live and what is recomputed: the arithmetic is the same, so
