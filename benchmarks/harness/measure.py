@@ -142,9 +142,9 @@ def _record_offload(offload: Offload, rec: dict[str, Any], res: dict[str, Any]) 
         rec["pinned_bytes"] = st.get("pinned_bytes")
         rec["compute_wait_s"] = st.get("compute_wait_s")
         res["hfo_stats_last"] = st
-        budget = offload.context.budget_controller  # the memory budget's controller; None without a budget
-        if budget is not None:
-            rec["plan"] = budget.plan.code if budget.plan is not None else None  # None while profiling
+        if offload.context.budget_controller is not None:  # with a memory budget
+            plan = offload.context.memory_plan
+            rec["plan"] = plan.code if plan is not None else None  # None while profiling
 
 
 def _summarise(per_step: list[dict[str, Any]], warmup: int, offloader: str, res: dict[str, Any]) -> None:
