@@ -560,7 +560,7 @@ class ModeRun:
         if mode.planned:
             # On CPU there is no device memory for "auto" to take a share of: the budget is what --margin-gib leaves
             # of the pretend device. With --device-gib on a GPU, "auto" is resolved for that size, not the device's.
-            from hf_offload.planner import parse_memory_budget
+            from hf_offload.memory_budget.spec import parse_memory_budget
 
             hfo_options["memory_budget"] = (self.gpu_limit if s["tiny"] else "auto" if not s["device_gib"] else
                                             parse_memory_budget("auto").resolve(self.device_total))  # fmt: skip
@@ -575,7 +575,7 @@ class ModeRun:
             self.counter = None
             self.offload = start_offload(mode.offloader, factory, model, hfo_options)
         assert isinstance(self.offload, Offload)
-        if mode.planned and self.offload.context.budget is None:
+        if mode.planned and self.offload.context.budget_controller is None:
             raise SkipMode("no memory budget: hf_offload is inactive on this device")
         self.model = model
         setup["build_s"] = time.perf_counter() - started
@@ -729,7 +729,7 @@ class ModeRun:
                 pinned_bytes=int(stats.get("pinned_bytes", 0)),
                 compute_wait_s=stats.get("compute_wait_s"),
             )
-            controller = self.offload.context.budget
+            controller = self.offload.context.budget_controller
             if controller is not None and controller.plan is not None:
                 plan = controller.plan
                 rec.update(plan=plan.code, plan_tokens=plan.tokens, plan_predicted_peak_bytes=plan.predicted.peak_bytes,
@@ -882,15 +882,15 @@ class ModeRun:
         """plan@auto: bisection over the lengths the library's planner finds a plan for, from the profile its plan in
         force was made from, against the budget it plans for; its predicted step time gets the attention's quadratic
         share added when its profile scales attention linearly (the probes do not separate it)."""
-        import hf_offload.budget as library_budget
-        from hf_offload.planner import plan as make_plan
+        import hf_offload.memory_budget.controller as library_budget
+        from hf_offload.memory_budget.search import choose_plan
 
         s = self.settings
-        controller = self.offload.context.budget
+        controller = self.offload.context.budget_controller
         profile = controller.profile
         if profile is None:
             return {"skipped": "the library made no plan during the profiled steps"}
-        budget_bytes = controller.budget.resolve(self.device_total)
+        budget_bytes = controller.memory_budget.resolve(self.device_total)
         margin = int(budget_bytes * getattr(library_budget, "_PREDICTION_MARGIN", 0.005))
         attempts: dict[int, Any] = {}
 
@@ -905,7 +905,7 @@ class ModeRun:
         def attempt(n: int) -> Any:  # a Plan, or the planner's ValueError
             if n not in attempts:
                 try:
-                    attempts[n] = make_plan(at(n), budget_bytes, margin)
+                    attempts[n] = choose_plan(at(n), budget_bytes, margin)
                 except ValueError as e:
                     attempts[n] = e
             return attempts[n]
@@ -915,7 +915,7 @@ class ModeRun:
 
         quadratic_missing = all(layer.attention_forward_s == 0 and layer.attention_backward_s == 0
                                 for layer in profile.layers)  # fmt: skip
-        # The library's probes ran on the first step's tokens (at most its _PROBE_MAX_TOKENS), per kind of layer: the
+        # The library's probes ran on the first step's tokens (at most its PROBE_MAX_TOKENS), per kind of layer: the
         # first layer's is the decoder's.
         probes = getattr(getattr(controller, "_measured", None), "probes", None)
         probe_tokens = next(iter(probes.values())).tokens if probes else s["profile_tokens"][0]
@@ -961,10 +961,11 @@ class ModeRun:
                                # to replay the search offline: StepProfile(**profile) with LayerProfile layers
                                "profile": dataclasses.asdict(profile)}  # fmt: skip
         how = [f"The library's planner: the longest multiple of {round_to} tokens for which "
-               f"hf_offload.planner.plan(ctx.budget.profile.scaled(N), {budget_bytes} (its 'auto' budget), "
-               f"{margin}) finds a plan (bisection; the profile is the one its plan at {profile.tokens} tokens was "
-               f"made from, its static bytes grown by {static_per_token:.0f} bytes/token, the line through the "
-               "profiled lengths' plans: the step's per-token tensors held when the first layer starts)."]  # fmt: skip
+               f"hf_offload.memory_budget.search.choose_plan(ctx.budget_controller.profile.scaled(N), {budget_bytes} "
+               f"(its 'auto' budget), {margin}) finds a plan (bisection; the profile is the one its plan at "
+               f"{profile.tokens} tokens was made from, its static bytes grown by {static_per_token:.0f} bytes/token, "
+               "the line through the profiled lengths' plans: the step's per-token tensors held when the first layer "
+               "starts)."]  # fmt: skip
         if longest:
             found = attempt(longest)
             out.update(plan_code=found.code, predicted_peak_bytes=found.predicted.peak_bytes,

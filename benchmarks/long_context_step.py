@@ -5,12 +5,12 @@ a few short profiling steps: does a sequence of `--tokens` fit, how fast, at wha
 
 Modes: `plan@auto` (hf-offload with `memory_budget="auto"`, the model's own checkpointing off: the library plans per
 layer, tiling MLPs where nothing else fits) and `ckpt+hfo` (non-reentrant checkpointing + hf-offload, no plan).
-The first `--profile-steps` steps run at `--profile-tokens` (the planner profiles its first two and plans at the
-third); then, for `plan@auto`, the library's own model predicts the longest sequence that fits (`--predict`, by
-bisection over `planner.plan(profile.scaled(n), budget)`), and `--long-steps` steps run at `--tokens` (0: that
-prediction, rounded down to a multiple of 8192). Every measurement is written to `<out>/long_context_<mode>.json` as it
-comes, so a run cut short by its time limit keeps what it measured. A step that runs out of memory is recorded
-with the allocator's figures at the failure.
+The first `--profile-steps` steps run at `--profile-tokens` (the planner profiles its first two and plans at the third);
+then, for `plan@auto`, the library's own model predicts the longest sequence that fits (`--predict`, by bisection over
+`search.choose_plan(profile.scaled(n), budget)`), and `--long-steps` steps run at `--tokens` (0: that prediction,
+rounded down to a multiple of 8192). Every measurement is written to `<out>/long_context_<mode>.json` as it comes, so a
+run cut short by its time limit keeps what it measured. A step that runs out of memory is recorded with the allocator's
+figures at the failure.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from harness.model import apply_liger, apply_lora, build_model, make_optimizer  
 from harness.scenarios import Scenario  # noqa: E402
 
 import hf_offload  # noqa: E402
-from hf_offload.planner import plan  # noqa: E402
+from hf_offload.memory_budget.search import choose_plan  # noqa: E402
 
 GIB = 2**30
 ROUND = 8192
@@ -52,15 +52,15 @@ def eight_b(layers: int, tokens: int) -> Scenario:
 
 def predict_longest(ctx: hf_offload.OffloadActivations, limit: int = 2**21) -> dict:
     """The longest multiple of `ROUND` tokens the library's planner finds a plan for, with that plan."""
-    controller = ctx.budget
+    controller = ctx.budget_controller
     profile = controller.profile
-    budget_bytes = controller.budget.resolve(torch.cuda.get_device_properties(0).total_memory)
+    budget_bytes = controller.memory_budget.resolve(torch.cuda.get_device_properties(0).total_memory)
     margin = int(budget_bytes * 0.005)
     low, high, best = 1, limit // ROUND, None
     while low <= high:
         middle = (low + high) // 2
         try:
-            found = plan(profile.scaled(middle * ROUND), budget_bytes, margin)
+            found = choose_plan(profile.scaled(middle * ROUND), budget_bytes, margin)
             best, low = found, middle + 1
         except ValueError:
             high = middle - 1
@@ -139,10 +139,10 @@ def main() -> int:
                       reserved_gib=torch.cuda.max_memory_reserved() / GIB,
                       host_rss_gib=psutil.Process().memory_info().rss / GIB,
                       offloaded_gib=ctx.get_stats()["bytes_offloaded"] / GIB)  # fmt: skip
-        if ctx.budget is not None and ctx.budget.plan is not None:
-            record["plan"] = ctx.budget.plan.code
-            record["predicted_peak_gib"] = ctx.budget.plan.predicted.peak_bytes / GIB
-            record["predicted_step_s"] = ctx.budget.plan.predicted.step_s
+        if ctx.memory_plan is not None:
+            record["plan"] = ctx.memory_plan.code
+            record["predicted_peak_gib"] = ctx.memory_plan.predicted.peak_bytes / GIB
+            record["predicted_step_s"] = ctx.memory_plan.predicted.step_s
         return record
 
     for _ in range(args.profile_steps):
@@ -150,9 +150,10 @@ def main() -> int:
         log(f"step {result['steps'][-1]}")
         save()
     tokens = args.tokens
-    if ctx.budget is not None:
-        result["profile"] = {"tokens": ctx.budget.profile.tokens, "tile_tokens": ctx.budget.profile.tile_tokens,
-                             "tile_chunk_gib": ctx.budget.profile.tile_chunk_bytes / GIB}  # fmt: skip
+    controller = ctx.budget_controller
+    if controller is not None:
+        result["profile"] = {"tokens": controller.profile.tokens, "tile_tokens": controller.profile.tile_tokens,
+                             "tile_chunk_gib": controller.profile.tile_chunk_bytes / GIB}  # fmt: skip
         result["predicted_longest"] = predict_longest(ctx)
         log(
             f"predicted longest: {result['predicted_longest'].get('tokens')} tokens, plan "
@@ -161,9 +162,9 @@ def main() -> int:
         save()
         tokens = tokens or result["predicted_longest"]["tokens"]
         if tokens:
-            predicted = plan(
-                ctx.budget.profile.scaled(tokens),
-                ctx.budget.budget.resolve(torch.cuda.get_device_properties(0).total_memory),
+            predicted = choose_plan(
+                controller.profile.scaled(tokens),
+                controller.memory_budget.resolve(torch.cuda.get_device_properties(0).total_memory),
             )
             result["predicted_at_tokens"] = {"tokens": tokens, "code": predicted.code,
                                              "peak_gib": predicted.predicted.peak_bytes / GIB,

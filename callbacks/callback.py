@@ -219,9 +219,9 @@ class ActivationOffloadingCallback(TrainerCallback):
             callbacks.insert(console, _ConsoleHeadlines())
 
     def _memory_plan(self) -> Any:
-        """The memory budget's plan in force (`hf_offload.planner.Plan`), or None without a budget or before it."""
-        budget = self._context.budget if self._context is not None else None
-        return budget.plan if budget is not None else None
+        """The memory budget's plan in force (`hf_offload.memory_budget.simulate.Plan`), or None without a budget or
+        before it."""
+        return self._context.memory_plan if self._context is not None else None
 
     def _get_trainer(self) -> transformers.Trainer:
         trainer = self._trainer()

@@ -11,8 +11,8 @@ import importlib
 from typing import Any
 
 from .engine import NoOpManager, OffloadActivations
+from .memory_budget.search import InfeasibleBudgetError
 from .options import OffloadOptions
-from .planner import InfeasibleBudgetError
 from .stats import format_summary
 
 __version__ = "0.1.0"
@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 # Names served lazily from submodules that import transformers.
 _LAZY = {
     "get_act_offloading_ctx_manager": "hf_offload.context",
-    "apply_tiled_mlp": "hf_offload.tiled_mlp",
+    "apply_tiled_mlp": "hf_offload.memory_budget.tiled_mlp",
     "TrainingArguments": "hf_offload.callbacks",
     "ActivationOffloadingArguments": "hf_offload.callbacks",
     "ActivationOffloadingCallback": "hf_offload.callbacks",

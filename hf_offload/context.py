@@ -17,8 +17,10 @@ from typing import Any
 from torch import nn
 
 from .allocator import LongContextCheck
-from .budget import MemoryBudgetController
 from .engine import OffloadActivations
+from .memory_budget.controller import MemoryBudgetController
+from .memory_budget.spec import parse_memory_budget
+from .memory_budget.tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 from .model import (
     HEAD_PATHS,
     find_attention_modules,
@@ -37,8 +39,6 @@ from .model_hooks import (
     remove_stale_hooks,
 )
 from .options import OffloadOptions
-from .planner import parse_memory_budget
-from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
 __all__ = ["get_act_offloading_ctx_manager"]
 
@@ -179,7 +179,9 @@ def get_act_offloading_ctx_manager(
     if engine.options.tile_mlp is True:
         engine.track_hook(apply_tiled_mlp(unwrapped, default_tokens_per_chunk(unwrapped)))
     if engine.options.memory_budget is not None and engine.active:
-        engine.budget = MemoryBudgetController(unwrapped, engine, parse_memory_budget(engine.options.memory_budget))
+        engine.budget_controller = MemoryBudgetController(
+            unwrapped, engine, parse_memory_budget(engine.options.memory_budget)
+        )
     unwrapped.__dict__[_INSTALLATION_ATTR] = _Installation(weakref.ref(engine), weakref.ref(unwrapped))
     logger.info(
         "hf_offload: tail of the forward kept from %s; Liger modules exempt: %s",

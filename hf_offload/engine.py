@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -45,7 +46,7 @@ from .policy import TailPlanner, kept_reason, parameter_storages, storage_span
 from .stats import StatsRecorder
 
 if TYPE_CHECKING:  # `memory_plan`'s annotation only
-    from .planner import Plan
+    from .memory_budget.simulate import Plan
 
 __all__ = ["OffloadActivations", "NoOpManager", "top_saved_tensors_pack_hook"]
 
@@ -306,9 +307,9 @@ class OffloadActivations(saved_tensors_hooks):
         # The second step's phases, measured on the device's peak counter (`hf_offload.peak`); not under a memory
         # budget, whose controller resets that counter in its own profiled steps.
         self._peak_watch = StepPeakWatch(DevicePeakCounter(self.device_type).read_and_reset)
-        # The memory budget's controller (`hf_offload.budget`), attached by `get_act_offloading_ctx_manager` when
-        # `memory_budget` is set: its `plan` is the per-layer plan in force.
-        self.budget: Any = None
+        # The memory budget's controller (`hf_offload.memory_budget.controller`), attached by
+        # `get_act_offloading_ctx_manager` when `memory_budget` is set: its `plan` is the per-layer plan in force.
+        self.budget_controller: Any = None
         self._set_aside = 0  # depth of `set_aside()` regions
         # The windows in force: the options', until a memory plan sizes them for its layers (`use_windows`).
         self.forward_window_bytes = options.forward_window_bytes
@@ -355,9 +356,16 @@ class OffloadActivations(saved_tensors_hooks):
 
     @property
     def memory_plan(self) -> Plan | None:
-        """The memory budget's plan in force (`hf_offload.planner.Plan`); None without a budget or before the
-        profiled steps are over."""
-        return None if self.budget is None else self.budget.plan
+        """The memory budget's plan in force (`hf_offload.memory_budget.simulate.Plan`); None without a budget or
+        before the profiled steps are over."""
+        return None if self.budget_controller is None else self.budget_controller.plan
+
+    @property
+    def budget(self) -> Any:
+        """Deprecated: the memory budget's controller is `budget_controller`, and the plan in force `memory_plan`."""
+        warnings.warn("OffloadActivations.budget is deprecated: the memory budget's controller is budget_controller, "
+                      "and the plan in force memory_plan", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return self.budget_controller
 
     @property
     def peak_report(self) -> PeakReport | None:
@@ -648,7 +656,7 @@ class OffloadActivations(saved_tensors_hooks):
         own graph)."""
         if self._step.end_of_forward is not None:  # a forward that never reached its end teaches nothing
             self._planner.end_forward(_first_unfinished(self._step.end_of_forward))
-        if self.budget is None:
+        if self.budget_controller is None:
             report = self._peak_watch.step_begins()
             if report is not None:
                 self._peak_measured(report)

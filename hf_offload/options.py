@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .planner import parse_memory_budget
+from .memory_budget.spec import parse_memory_budget
 from .units import MIB
 
 __all__ = [
@@ -47,7 +47,7 @@ class Rule:
     Args:
         kind: `"flag"` (True or False), `"bytes"` (a size), `"count"` (a whole number), `"fraction"` (a number in
             `(0, maximum]`), `"device"` (a device type string) or `"budget"` (a memory budget, as
-            `planner.parse_memory_budget` reads it) or `"auto_flag"` (`"auto"`, True or False; from the command line
+            `spec.parse_memory_budget` reads it) or `"auto_flag"` (`"auto"`, True or False; from the command line
             also `true` and `false`).
         minimum: the smallest size or count allowed (bytes for sizes).
         maximum: the largest fraction allowed.

@@ -4,18 +4,23 @@
 importing transformers and datasets.
 
 Where a new test goes: next to the module it tests, in the file named after it.
-- `hf_offload/<module>.py`: `test_<module>.py` (engine, options, units, planner, budget, layer_plan, tiled_mlp,
-  allocator); `policy.py`, `host_memory.py` and `stats.py` share `test_policy.py`; `model.py`, `model_hooks.py` and
-  `context.py` share `test_model.py`; `compile_guard.py` is `test_compile.py`.
+- `hf_offload/<module>.py`: `test_<module>.py` (engine, options, units, allocator); `policy.py`, `host_memory.py` and
+  `stats.py` share `test_policy.py`; `model.py`, `model_hooks.py` and `context.py` share `test_model.py`;
+  `compile_guard.py` is `test_compile.py`.
+- `hf_offload/memory_budget/<module>.py`: `memory_budget/test_<module>.py` (spec, profile, simulate, search, probes,
+  controller, layer_actions, tiled_mlp; `checks.py` through the modules that use it); the controller across families
+  of models is `memory_budget/test_controller_families.py`, and what holds for the pure modules together (their
+  imports, their doctests) is at the end of `memory_budget/test_search.py`.
 - `callbacks/`: `test_integration.py` (the Trainer), `test_trl.py` (TRL's trainers), `test_output.py` (logs, summary).
-- Across families of models: `test_architectures.py` (offloading), `test_budget_families.py` (the budget);
-  `test_qlora.py` for 4-bit models; `test_reliability.py` for faults and leaks over many steps.
+- Across families of models: `test_architectures.py` (offloading), `memory_budget/test_controller_families.py` (the
+  budget); `test_qlora.py` for 4-bit models; `test_reliability.py` for faults and leaks over many steps.
 - The user's view: `test_readme.py`, `test_main_job.py`, `test_notebook.py`, `test_packaging.py`; the benchmarks'
   own logic: `test_long_context_bench.py`, `test_soak_script.py`,
   `test_zoo_bench.py`, `test_dynamic_padding_bench.py`.
 - GPU-only behaviour: `tests/gpu/test_gpu_<topic>.py`, run by `bash tests/gpu/run_all.sh` on a GPU machine.
 Shared helpers live in one place per use: `helpers.py` (the tiny model and its data, Trainer runs), `compile_runs.py`,
-`qlora_models.py`, `ranks.py`, and `gpu/_gpu_models.py` (the model families, shared with the CPU family tests).
+`qlora_models.py`, `ranks.py`, `memory_budget/step_profiles.py` (the step profiles of the pure modules' tests), and
+`gpu/_gpu_models.py` (the model families, shared with the CPU family tests).
 """
 
 import os

@@ -1,4 +1,5 @@
-"""What one rank of a gloo process group runs in the tests of planning across ranks (`tests/test_budget.py`).
+"""What one rank of a gloo process group runs in the tests of planning across ranks
+(`tests/memory_budget/test_controller.py`).
 
 Spawned processes import the module of their target: this one imports torch and hf_offload only, not transformers,
 so that starting each rank takes a second, not ten.
@@ -9,8 +10,10 @@ import functools
 import torch
 
 from hf_offload import InfeasibleBudgetError
-from hf_offload.budget import _same_on_every_rank
-from hf_offload.planner import LayerProfile, MeasuredStep, StepProfile, plan
+from hf_offload.memory_budget.controller import _same_on_every_rank
+from hf_offload.memory_budget.profile import LayerProfile, StepProfile
+from hf_offload.memory_budget.search import choose_plan
+from hf_offload.memory_budget.simulate import MeasuredStep
 
 
 def plan_on_rank(rank: int, port: int, results) -> None:
@@ -28,7 +31,7 @@ def plan_on_rank(rank: int, port: int, results) -> None:
         measured = [MeasuredStep("CC", step_s=0.01, peak_bytes=10_001)] if rank == 0 else []
         for budget_bytes, steps in ((10**6, []), (10_001, []), (10_001, measured)):
             try:
-                chosen = _same_on_every_rank(functools.partial(plan, profile, budget_bytes, 0, steps))
+                chosen = _same_on_every_rank(functools.partial(choose_plan, profile, budget_bytes, 0, steps))
                 outcomes.append(("plan", chosen.code, chosen.measured))
             except InfeasibleBudgetError as error:
                 outcomes.append(("refused", error.minimum_bytes, error.lowest_plan.code, str(error)))

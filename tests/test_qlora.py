@@ -43,19 +43,19 @@ def test_offloading_a_qlora_model_is_bitwise_exact(saved_model, checkpointing):
 
 
 def test_a_qlora_model_under_a_budget_gets_a_mixed_plan_and_stays_exact(saved_model):
-    from hf_offload.planner import simulate
+    from hf_offload.memory_budget.simulate import simulate
 
     reference = run(qlora(saved_model, checkpointing=False), steps=4)
     roomy_model = qlora(saved_model, checkpointing=False)
     roomy = get_act_offloading_ctx_manager(roomy_model, device_type="cpu", memory_budget=2**40)
     run(roomy_model, roomy, steps=4)
-    keep_all = roomy.budget.plan.predicted.peak_bytes
-    lowest = simulate(roomy.budget.profile, "C" * LAYERS).peak_bytes
+    keep_all = roomy.memory_plan.predicted.peak_bytes
+    lowest = simulate(roomy.budget_controller.profile, "C" * LAYERS).peak_bytes
     budget = (keep_all + lowest) // 2
     model = qlora(saved_model, checkpointing=False)
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
     results = run(model, context, steps=4)
-    plan = context.budget.plan
+    plan = context.memory_plan
     assert plan.predicted.peak_bytes <= budget and set(plan.code) - {"K"} and not set(plan.code) & set("Tt")
     assert_bitwise_equal(results, reference)
 

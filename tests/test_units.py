@@ -5,7 +5,8 @@ import doctest
 import pytest
 
 from hf_offload import units
-from hf_offload.planner import LayerProfile, StepProfile, plan
+from hf_offload.memory_budget.profile import LayerProfile, StepProfile
+from hf_offload.memory_budget.search import choose_plan
 from hf_offload.stats import format_summary
 
 
@@ -29,7 +30,7 @@ def test_a_tiny_budget_too_small_for_any_plan_is_written_in_bytes():
                           head_s=1.0, other_s=0.5, d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0,
                           host_cap_bytes=10**6, tokens=1)  # fmt: skip
     with pytest.raises(ValueError) as error:
-        plan(profile, 1000)
+        choose_plan(profile, 1000)
     assert "0.00 GiB" not in str(error.value)
     assert str(error.value).startswith("the memory budget of 1000 B (1000 bytes) is below the smallest peak")
 

@@ -16,8 +16,8 @@ GIB = 2**30
 # docs/DESIGN.md (the measured facts): allocating pinned memory costs about 0.4 s per GB. A step longer than the
 # profiled ones pins new host memory once, so its first step (the confirmation) pays this on top of its predicted time.
 PIN_SECONDS_PER_BYTE = 0.4 / 1e9
-# The layer letters of a memory plan (hf_offload.planner.ACTION_CODES) that recompute the whole layer, attention
-# included, in backward; a selective checkpoint keeps the attention's output, so it does not run it again.
+# The layer letters of a memory plan (hf_offload.memory_budget.simulate.ACTION_CODES) that recompute the whole layer,
+# attention included, in backward; a selective checkpoint keeps the attention's output, so it does not run it again.
 RECOMPUTING_CODES = "CcTt"
 
 LIMIT_GPU = "GPU memory"

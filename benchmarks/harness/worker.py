@@ -141,7 +141,7 @@ def _plan_summary(context: Any) -> dict[str, Any]:
         "prefetch_window_bytes": plan.prefetch_window_bytes,
         "table": plan.format_table(),
     }
-    profile = getattr(getattr(context, "budget", None), "profile", None)
+    profile = getattr(getattr(context, "budget_controller", None), "profile", None)
     if dataclasses.is_dataclass(profile):
         summary["profile"] = dataclasses.asdict(profile)
     return summary

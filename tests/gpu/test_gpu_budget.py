@@ -9,7 +9,7 @@ import torch
 from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, run_steps
 
 from hf_offload import OffloadActivations
-from hf_offload.layer_plan import _layer_function, apply_layer_plan
+from hf_offload.memory_budget.layer_actions import _layer_function, apply_layer_actions
 
 CODES = {"K": ("keep", False), "O": ("offload", True), "S": ("selective", True), "s": ("selective", False),
          "X": ("selective_offload", True), "C": ("full", True), "c": ("full", False)}  # fmt: skip
@@ -32,7 +32,7 @@ def test_every_layer_action_is_bitwise_equal_to_no_offloading(code, lora):
     assert_bitwise_equal(reference, run_steps(build_model("llama", dtype="bf16", lora=lora, **size), batch, steps=3))
     model = build_model("llama", dtype="bf16", lora=lora, **size)
     ctx = make_ctx(model)
-    applied = apply_layer_plan(model, ctx, actions(code))
+    applied = apply_layer_actions(model, ctx, actions(code))
     got = run_steps(model, batch, steps=3, ctx=ctx)
     assert_bitwise_equal(reference, got, code)
     if set(code) & set("OCSX"):
@@ -87,7 +87,7 @@ def test_offloaded_layers_reload_ahead_within_the_planned_windows(record):
     reference = run_steps(reference_model, batch, steps=3)
     model = build_model("llama", dtype="bf16", **size)
     ctx = make_ctx(model, keep_tail=False)
-    applied = apply_layer_plan(model, ctx, actions(code))
+    applied = apply_layer_actions(model, ctx, actions(code))
     first = run_steps(model, batch, steps=1, ctx=ctx, keep=False).stats[0]  # measures what the windows are for
     layer_bytes = first["bytes_offloaded"] // 3  # about one X layer's worth (O sends more, C less)
     ctx.use_windows(2**31, first["bytes_offloaded"], head_prefetch_window_bytes=layer_bytes)
@@ -155,7 +155,7 @@ def test_a_budget_is_never_exceeded_and_changes_no_arithmetic(share, record):
         record(f"budget_{share}", {"budget": budget, "none_peak": max(none_peaks), "infeasible": str(error)[:300]})
         dispose(ctx)
         return
-    plan = ctx.budget.plan
+    plan = ctx.memory_plan
     record(f"budget_{share}", {
         "budget": budget, "none_peak": max(none_peaks), "step_peaks": peaks, "plan": plan.code,
         "predicted_peak": plan.predicted.peak_bytes, "predicted_step_s": plan.predicted.step_s,
@@ -179,18 +179,18 @@ def long_model():
 
 @pytest.mark.parametrize("probe_tokens", [None, 4096])
 def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, record, monkeypatch, nondeterministic):
-    from hf_offload import budget as budget_module
-    from hf_offload.planner import simulate
+    from hf_offload.memory_budget import probes
+    from hf_offload.memory_budget.simulate import simulate
 
     if probe_tokens is not None:  # the probes then run on the first 4096 tokens and scale
-        monkeypatch.setattr(budget_module, "_PROBE_MAX_TOKENS", probe_tokens)
+        monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", probe_tokens)
     batch = make_batch("llama", batch=1, seq=LONG["seq"], vocab=LONG["vocab"])
     steps = 5
     _, reference = step_peaks(long_model(), batch, None, steps)
     model = long_model()
     roomy = make_ctx(model, memory_budget=10**12)
     step_peaks(model, batch, roomy, 3)
-    profile = roomy.budget.profile
+    profile = roomy.budget_controller.profile
     dispose(roomy)
     del model
     untiled, tiled = (simulate(profile, letter * LONG["layers"]).peak_bytes for letter in "CT")
@@ -198,7 +198,7 @@ def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, reco
     model = long_model()
     ctx = make_ctx(model, memory_budget=budget)
     peaks, losses = step_peaks(model, batch, ctx, steps)
-    plan = ctx.budget.plan
+    plan = ctx.memory_plan
     difference = ((torch.stack(losses) - torch.stack(reference)).abs() / torch.stack(reference).abs()).max().item()
     record(f"tiled_plan_probe_{probe_tokens}", {
         "budget": budget, "untiled_lowest_predicted": untiled, "tiled_lowest_predicted": tiled, "plan": plan.code,

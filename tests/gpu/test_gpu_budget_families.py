@@ -1,8 +1,8 @@
 """The memory budget on the GPU for a vision-language model, mixtures of experts with the router's auxiliary loss,
 a hybrid and the encoder-decoders (issue 20): a budget halfway between the lowest plan's predicted peak and keeping
 everything trains under a plan that acts on some layers, with losses, gradients and weights bitwise equal to training
-without offloading. The CPU test mode runs every family (tests/test_budget_families.py); here the probes, the
-measured profile and the plans run on CUDA."""
+without offloading. The CPU test mode runs every family (tests/memory_budget/test_controller_families.py); here the
+probes, the measured profile and the plans run on CUDA."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, move_to, run_steps
 
 from hf_offload import InfeasibleBudgetError
+from hf_offload.memory_budget.search import choose_plan
 from hf_offload.model import find_decoder_layers, unwrap_model
-from hf_offload.planner import plan
 
 SIZE = dict(hidden=512, layers=2, vocab=128)
 SEQ = 1024  # the layers' activations (tens of MB) must dwarf what differs between two runs in one process (MBs)
@@ -55,16 +55,16 @@ def test_a_budget_between_the_lowest_plan_and_keeping_everything_is_met_exactly(
     baseline = on_host(train(arch)[0])
     assert_bitwise_equal(baseline, on_host(train(arch)[0]), f"{arch}: baseline against itself")
     roomy, model = train(arch, ROOMY)[1:]
-    keep_all = roomy.budget.plan
+    keep_all = roomy.memory_plan
     assert keep_all.code == "K" * len(find_decoder_layers(unwrap_model(model)))
     with pytest.raises(InfeasibleBudgetError) as refused:
-        plan(roomy.budget.profile, 1)
+        choose_plan(roomy.budget_controller.profile, 1)
     lowest = refused.value.lowest_plan.predicted.peak_bytes
     budget = (lowest + keep_all.predicted.peak_bytes) // 2
     del roomy, model, refused  # the budgeted run starts from the memory the roomy one started from
     planned, context, _ = train(arch, budget)
     planned = on_host(planned)
-    chosen = context.budget.plan
+    chosen = context.memory_plan
     record("", {"plan": chosen.code, "budget": budget, "predicted_peak": chosen.predicted.peak_bytes,
                 "keep_all_peak": keep_all.predicted.peak_bytes, "lowest_peak": lowest}, show=True)  # fmt: skip
     assert chosen.predicted.peak_bytes <= budget and chosen.code != keep_all.code

@@ -48,15 +48,15 @@ def test_offloading_a_qlora_model_is_bitwise_exact(saved_model, checkpointing, r
 
 
 def test_a_qlora_budget_is_never_exceeded_and_stays_exact(saved_model, record):
-    from hf_offload.planner import simulate
+    from hf_offload.memory_budget.simulate import simulate
 
     steps = 5  # two profiled, then three planned
     reference = run(qlora(saved_model, checkpointing=False), steps=steps)
     roomy_model = qlora(saved_model, checkpointing=False)
     roomy = get_act_offloading_ctx_manager(roomy_model, memory_budget=2**40)
     run(roomy_model, roomy, steps=3)
-    keep_all = roomy.budget.plan.predicted.peak_bytes
-    lowest = simulate(roomy.budget.profile, "C" * LAYERS).peak_bytes
+    keep_all = roomy.memory_plan.predicted.peak_bytes
+    lowest = simulate(roomy.budget_controller.profile, "C" * LAYERS).peak_bytes
     dispose(roomy)
     del roomy_model
     budget = (keep_all + lowest) // 2
@@ -64,7 +64,7 @@ def test_a_qlora_budget_is_never_exceeded_and_stays_exact(saved_model, record):
     context = get_act_offloading_ctx_manager(model, memory_budget=budget)
     peaks: list[int] = []
     results = run(model, context, steps=steps, peaks=peaks)
-    plan = context.budget.plan
+    plan = context.memory_plan
     record("budget", {"budget": budget, "keep_all_predicted": keep_all, "lowest_predicted": lowest,
                       "plan": plan.code, "predicted_peak": plan.predicted.peak_bytes, "step_peaks": peaks},
            show=True)  # fmt: skip

@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
-from hf_offload.planner import MeasuredStep
+from hf_offload.memory_budget import probes
+from hf_offload.memory_budget.simulate import MeasuredStep
 
 LAYERS = 4
 VOCAB = 128
@@ -70,17 +71,17 @@ def planned(budget) -> tuple[list[torch.Tensor], object]:
 
 def test_a_generous_budget_keeps_everything_and_is_exact(baseline):
     results, context = planned(10 * 2**30)
-    assert context.budget.plan.code == "K" * LAYERS
+    assert context.memory_plan.code == "K" * LAYERS
     assert_bitwise_equal(results, baseline)
 
 
 def test_a_tight_budget_gets_a_mixed_plan_that_fits_and_is_exact(baseline):
     _, roomy = planned(10 * 2**30)
-    keep_all = roomy.budget.plan.predicted.peak_bytes
+    keep_all = roomy.memory_plan.predicted.peak_bytes
     lowest = planned_minimum()
     budget = (keep_all + lowest) // 2
     results, context = planned(budget)
-    plan = context.budget.plan
+    plan = context.memory_plan
     assert plan.predicted.peak_bytes <= budget and plan.code != "K" * LAYERS
     assert_bitwise_equal(results, baseline)
 
@@ -122,7 +123,7 @@ def test_a_later_longer_step_that_no_plan_fits_runs_on_the_lowest_plan_with_one_
     assert [record.levelno for record in over] == [logging.WARNING, logging.INFO]  # the second is only logged
     message = over[0].getMessage()
     assert f"memory_budget={budget} ({budget} bytes) at training forward 5: 48 tokens" in message
-    plan = context.budget.plan
+    plan = context.memory_plan
     assert (plan.code, plan.tokens) == ("C" * LAYERS, 2 * 32)
     assert plan.predicted.peak_bytes > budget
 
@@ -137,7 +138,7 @@ def test_a_longer_step_is_planned_for_before_its_layers_run():
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
     train(model, context, steps=5, lengths=(16, 16, 16, 16, 32))
-    assert context.budget.plan.tokens == 2 * 32
+    assert context.memory_plan.tokens == 2 * 32
 
 
 def trainer_run(output_dir, tokenizer, lm_dataset, **offloading) -> transformers.Trainer:
@@ -212,24 +213,24 @@ def long_run(budget, tile_mlp="auto", steps: int = 4):
 
 
 def test_tiling_is_planned_when_no_exact_plan_fits_and_is_close():
-    from hf_offload.planner import simulate
+    from hf_offload.memory_budget.simulate import simulate
 
     baseline, roomy, seen, _ = long_run(10 * 2**30)
-    assert not set(roomy.budget.plan.code) & set("Tt") and not any(map(any, seen))
-    profile = roomy.budget.profile
+    assert not set(roomy.memory_plan.code) & set("Tt") and not any(map(any, seen))
+    profile = roomy.budget_controller.profile
     assert profile.tile_tokens == 64 and profile.tokens == 128
     untiled, tiled = (simulate(profile, letter * LAYERS).peak_bytes for letter in "CT")
     assert tiled < untiled
     budget = (tiled + untiled) // 2
     results, context, seen, model = long_run(budget)
-    plan = context.budget.plan
+    plan = context.memory_plan
     assert "T" in plan.code and plan.tile_tokens == 64 and plan.predicted.peak_bytes <= budget
     # The profiled steps are predicted not to fit untiled either: they tile too (the probe runs before the layers).
     # The planned ones tile the layers the plan says, no more.
     assert seen == [[True] * LAYERS] * 2 + [[letter in "Tt" for letter in plan.code]] * 2
     for a, b in zip(results, baseline):  # summed chunk by chunk: close, not bitwise
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    context.budget._applied.remove()
+    context.budget_controller._applied.remove()
     assert tiled_forwards(model) == [False] * LAYERS
 
     with pytest.raises(ValueError, match="below the smallest peak"):  # the same budget, tiling switched off
@@ -246,11 +247,9 @@ def test_tile_mlp_true_tiles_every_layer_until_the_hooks_are_removed():
 
 
 def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
-    from hf_offload import budget
-
-    full = long_run(10 * 2**30, steps=3)[1].budget
-    monkeypatch.setattr(budget, "_PROBE_MAX_TOKENS", 64)
-    cut = long_run(10 * 2**30, steps=3)[1].budget
+    full = long_run(10 * 2**30, steps=3)[1].budget_controller
+    monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", 64)
+    cut = long_run(10 * 2**30, steps=3)[1].budget_controller
     [cut_probe], [full_probe] = cut._measured.probes.values(), full._measured.probes.values()  # one kind of layer
     assert (cut_probe.tokens, cut_probe.step_tokens, cut._measured.step_tokens) == (64, 128, 128)
     assert (full_probe.tokens, full_probe.step_tokens, full._measured.step_tokens) == (128, 128, 128)
@@ -262,36 +261,20 @@ def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
     assert 0 < full_layer.saved_bytes - cut_layer.saved_bytes <= 2 * scores
 
 
-def test_the_first_tokens_of_every_sequence_argument():
-    from hf_offload.budget import _first_tokens
-
-    hidden, mask = torch.zeros(2, 10, 10), torch.zeros(2, 1, 10, 10)  # hidden size = length: cut once
-    cos = torch.zeros(2, 10, 8)
-    args, kwargs = _first_tokens((hidden,), {"attention_mask": mask, "position_embeddings": (cos, cos),
-                                             "cache_position": torch.arange(10), "use_cache": False}, 8)  # fmt: skip
-    assert args[0].shape == (2, 4, 10) and kwargs["attention_mask"].shape == (2, 1, 4, 4)
-    assert kwargs["position_embeddings"][0].shape == (2, 4, 8) and kwargs["cache_position"].tolist() == [0, 1, 2, 3]
-    assert kwargs["use_cache"] is False
-    assert _first_tokens((hidden,), {}, 20)[0][0] is hidden  # short enough: unchanged
-    # Packed sequences (a vision tower's 2-d hidden states, their bounds in `cu_seqlens`) are never cut.
-    packed, bounds = torch.zeros(100, 8), torch.tensor([0, 50, 100])
-    args, kwargs = _first_tokens((packed,), {"cu_seqlens": bounds}, 8)
-    assert args[0] is packed and kwargs["cu_seqlens"] is bounds
-
-
 def test_a_longer_step_scales_the_profiled_head_once():
     """The head's bytes were measured in the second profiled step; a longer step scales them from that step's tokens
     (in the CPU test mode they come from its statistics, which later steps overwrite)."""
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
     train(model, context, steps=4, lengths=(16, 16, 16, 16))
-    head = context.budget.profile.head_bytes
+    controller = context.budget_controller
+    head = controller.profile.head_bytes
     assert head > 0
     train(model, context, steps=1, lengths=(64,))
-    assert context.budget.profile.tokens == 2 * 64
-    assert context.budget.profile.head_bytes == 4 * head  # four times the tokens: four times the head
+    assert controller.profile.tokens == 2 * 64
+    assert controller.profile.head_bytes == 4 * head  # four times the tokens: four times the head
     train(model, context, steps=1, lengths=(128,))
-    assert context.budget.profile.head_bytes == 8 * head  # scaled from the profiled step, not from the last one
+    assert controller.profile.head_bytes == 8 * head  # scaled from the profiled step, not from the last one
 
 
 def test_every_rank_gets_rank_zeros_plan_or_its_refusal():
@@ -355,7 +338,9 @@ def test_a_plan_slower_than_the_measured_safe_plan_is_replaced_by_it_and_stays_e
     assert re.fullmatch(r"hf_offload: closed loop, correction 1 of at most 3: plan 'KKKK' ran in [\d.]+ ms a step "
                         rf"\(median of \d steps at {2 * max(lengths)} tokens, predicted [\d.]+ ms\); plan 'CCCC' "
                         r"replaces it, measured at [\d.]+ ms", corrections[0])  # fmt: skip
-    assert context.memory_plan is context.budget.plan
+    assert context.memory_plan is context.memory_plan
+    with pytest.warns(DeprecationWarning, match="budget_controller"):  # the attribute's old name
+        assert context.budget is context.budget_controller
     assert context.memory_plan.code == "CCCC" and context.memory_plan.measured is not None
 
 
@@ -364,7 +349,7 @@ def test_corrections_are_bounded_and_then_steps_are_no_longer_timed(monkeypatch,
     it, so the controller switches at every check, three times, and then stops timing the steps."""
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
-    meter = context.budget._meter
+    meter = context.budget_controller._meter
     real_mark, marks = meter.mark, []
 
     def slower_and_slower():  # once a plan is in force, the k-th mark reads k squared seconds
@@ -393,7 +378,7 @@ def test_a_budget_the_measured_safe_plan_meets_is_not_refused(monkeypatch):
     model = tiny_llama()
     budget = predicted // 2
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
-    controller = context.budget
+    controller = context.budget_controller
     monkeypatch.setattr(controller._meter, "peak", lambda: predicted // 10 if controller._forwards == 3 else None)
     train(model, context, steps=4)
     plan = context.memory_plan

@@ -15,7 +15,7 @@ model's code. For each layer, with the engine's offloading context around the mo
   and backward, and backward reloads the outputs and recomputes only the cheap ops (`_SelectiveOffload`);
 * full: a non-reentrant checkpoint, which saves only the layer's input;
 * full with the MLP tiled: the same checkpoint, and the layer's MLP runs over chunks of tokens
-  (`hf_offload.tiled_mlp`), so that its intermediates exist one chunk at a time in the recompute and backward.
+  (`tiled_mlp`), so that its intermediates exist one chunk at a time in the recompute and backward.
 
 A checkpointed layer's input is saved by the checkpoint itself, before its own hooks take over, so the engine sees
 it: it is offloaded unless the plan keeps it (`offload_input=False`), in which case the checkpoint call runs inside
@@ -23,7 +23,7 @@ a region that keeps it.
 
 Every action is set through the two attributes alone, never through module hooks: a kept layer gets a "checkpoint
 function" that runs it unchanged inside the keeping region. A plan may then be replaced at any point, even from a
-hook of the first layer while its call is being dispatched (the budget re-plans there), since the attributes are
+hook of the first layer while its call is being dispatched (the controller re-plans there), since the attributes are
 read only inside the layer's forward.
 
 Every action but the tiled MLP only decides where bytes live and what is recomputed: the arithmetic is the same, so
@@ -52,17 +52,17 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from .engine import OffloadActivations
-from .model import find_decoder_layers
-from .planner import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD
-from .random_state import RandomState, random_state, set_random_state
+from ..engine import OffloadActivations
+from ..model import find_decoder_layers
+from ..random_state import RandomState, random_state, set_random_state
+from .simulate import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD
 from .tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 
 __all__ = [
     "ACTIONS",
     "LayerAction",
-    "AppliedPlan",
-    "apply_layer_plan",
+    "AppliedActions",
+    "apply_layer_actions",
     "checkpointing_as",
     "saved_by_selective_checkpoint",
     "selective_checkpoint_function",
@@ -82,7 +82,7 @@ _SAVED_BY_SELECTIVE_CHECKPOINT = frozenset(
 
 
 class LayerAction(Protocol):
-    """What a plan says about one layer (the planner's `LayerPlan` is one)."""
+    """What a plan says about one layer (the planner's `PlannedLayer` is one)."""
 
     action: str
     offload_input: bool
@@ -341,12 +341,12 @@ class _SelectiveOffload:
 
 
 _ABSENT = object()
-_PLAN_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func")
+_CHECKPOINT_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func")
 
 
 def _layer_attributes(layer: nn.Module) -> dict[str, Any]:
     """The layer's own checkpointing attributes (absent ones too: the class default then applies)."""
-    return {name: layer.__dict__.get(name, _ABSENT) for name in _PLAN_ATTRIBUTES}
+    return {name: layer.__dict__.get(name, _ABSENT) for name in _CHECKPOINT_ATTRIBUTES}
 
 
 def _restore_layer(layer: nn.Module, attributes: dict[str, Any]) -> None:
@@ -375,8 +375,8 @@ def checkpointing_as(layer: nn.Module, function: Callable[..., Any] | None) -> I
         _restore_layer(layer, saved)
 
 
-class AppliedPlan:
-    """What `apply_layer_plan` changed, so that `remove()` can restore the layers exactly."""
+class AppliedActions:
+    """What `apply_layer_actions` changed, so that `remove()` can restore the layers exactly."""
 
     def __init__(self) -> None:
         self._restore: list[tuple[nn.Module, dict[str, Any]]] = []
@@ -392,8 +392,8 @@ class AppliedPlan:
             self._tiled.remove()
 
 
-def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction],
-                     tile_tokens: int = 0) -> AppliedPlan:  # fmt: skip
+def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction],
+                        tile_tokens: int = 0) -> AppliedActions:  # fmt: skip
     """Set each decoder layer of `model` to its action in `actions` (one per layer, in forward order).
 
     Args:
@@ -404,7 +404,7 @@ def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequ
         tile_tokens: tokens per chunk of the MLPs of the `FULL_TILED` layers (the plan's `tile_tokens`).
 
     Returns:
-        An `AppliedPlan` whose `remove()` restores the layers' checkpointing and MLPs.
+        An `AppliedActions` whose `remove()` restores the layers' checkpointing and MLPs.
 
     Raises:
         ValueError: the number of actions differs from the number of decoder layers, an action is unknown, or a
@@ -417,7 +417,7 @@ def apply_layer_plan(model: nn.Module, engine: OffloadActivations, actions: Sequ
     unknown = sorted({entry.action for entry in actions} - set(ACTIONS))
     if unknown:
         raise ValueError(f"unknown layer actions {unknown}: a layer's action is one of {list(ACTIONS)}")
-    applied = AppliedPlan()
+    applied = AppliedActions()
     tiled = [i for i, entry in enumerate(actions) if entry.action == FULL_TILED]
     if tiled:  # first: it checks every layer before it changes any
         applied._tiled = apply_tiled_mlp(model, tile_tokens, layers=tiled)

@@ -5,19 +5,17 @@ training forwards of the model (grad enabled, model in training mode) and:
 
 1. First forward: applies the safe plan (every decoder layer fully checkpointed, its input offloaded: the lowest
    memory that works without a plan) and, when the first layer of each kind is called, probes it on the very
-   arguments it receives (`_probe_layer`; on the first `_PROBE_MAX_TOKENS` of them at long context): the bytes it
-   saves, the bytes a selective checkpoint would keep, the times of its forward, backward and selective recompute,
-   and with `tile_mlp="auto"` the same with its MLP tiled. Every stack of layers is probed so, each kind in its own
-   call: a vision tower's blocks on theirs, a language model's or a decoder's layers on theirs (with the encoder's
-   states). Probes leave no trace in the step: their saved tensors stay out of the engine, the random streams are
-   restored, the cache is not passed, and transformers' output recorders (router logits, for the auxiliary loss)
-   do not see them. Once every kind is probed it measures the link's bandwidth; if the safe plan is predicted not
-   to fit the budget and tiling would, the safe plan tiles every layer's MLP.
+   arguments it receives (`probes.probe_layer`, which leaves no trace in the step): the bytes it saves, the bytes a
+   selective checkpoint would keep, the times of its forward, backward and selective recompute, and with
+   `tile_mlp="auto"` the same with its MLP tiled. Every stack of layers is probed so, each kind in its own call: a
+   vision tower's blocks on theirs, a language model's or a decoder's layers on theirs (with the encoder's states).
+   Once every kind is probed it measures the link's bandwidth; if the safe plan is predicted not to fit the budget
+   and tiling would, the safe plan tiles every layer's MLP.
 2. Second forward, still safe: measures the step: memory held before it starts, the head and loss's peak over what
    the forward leaves, the head's time, and the whole step's time (the rest of the step, embedding and optimizer,
    is what the model of the safe step does not explain).
-3. Third forward: plans (`planner.plan`) for the budget, applies the plan (`layer_plan.apply_layer_plan`) and sizes
-   the engine's windows; a budget no plan fits is an `InfeasibleBudgetError` here. On every later forward it
+3. Third forward: plans (`search.choose_plan`) for the budget, applies the plan (`layer_actions.apply_layer_actions`)
+   and sizes the engine's windows; a budget no plan fits is an `InfeasibleBudgetError` here. On every later forward it
    re-plans if the step has more tokens than it planned for (checked as each stack starts, before its layers run;
    each stack's tokens scale the whole step from the first step's) or the memory held between steps has grown
    (optimizer state created after a gradient accumulation cycle). Such a step that no plan fits runs on the
@@ -25,7 +23,7 @@ training forwards of the model (grad enabled, model in training mode) and:
 4. The closed loop: the steps a plan runs are measurements (their time; on a device, their peak: exactly in the
    profiled steps, later an upper bound, as the counter is not reset after them). After the `_MEASURED_STEPS` steps
    that follow the first one on a new plan, the controller plans again with what every plan run so far measured
-   (`planner.plan`'s `measured`: the profiled steps measured the safe plan), and switches plans when the one in force
+   (`choose_plan`'s `measured`: the profiled steps measured the safe plan), and switches plans when the one in force
    ran `_SLOWER_TOLERANCE` slower than the answer, at most `_MAX_CORRECTIONS` times (the last among measured plans
    only), saying so in the log. Measurements at other lengths are scaled by the model (`MeasuredStep.scaled`). Once
    a plan has passed its check, steps are no longer timed (timing a device step waits for it).
@@ -39,13 +37,11 @@ plan is computed and applied the same way, so its bookkeeping is tested without 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import logging
 import math
 import statistics
-import time
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -53,48 +49,25 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
-from .allocator import release_unusable_cache
-from .engine import OffloadActivations
-from .layer_plan import (
-    AppliedPlan,
-    apply_layer_plan,
-    checkpointing_as,
-    saved_by_selective_checkpoint,
-    selective_checkpoint_function,
-)
-from .model import find_decoder_layers, find_output_head, first_tensor
-from .planner import (
-    FULL,
-    FULL_TILED,
-    InfeasibleBudgetError,
-    LayerProfile,
-    MeasuredStep,
-    MemoryBudget,
-    Plan,
-    StepProfile,
-    in_proportion,
-    plan,
-    simulate,
-    tiling_available,
-)
-from .random_state import random_state_untouched
+from ..allocator import release_unusable_cache
+from ..engine import OffloadActivations
+from ..model import find_decoder_layers, find_output_head, first_tensor
+from ..random_state import random_state_untouched
+from .layer_actions import AppliedActions, apply_layer_actions
+from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_bandwidth, probe_layer
+from .profile import StepProfile, in_proportion, tiling_available
+from .search import InfeasibleBudgetError, choose_plan
+from .simulate import FULL, FULL_TILED, MeasuredStep, Plan, simulate
+from .spec import MemoryBudget
 from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
-__all__ = ["MemoryBudgetController", "measure_link_bandwidth"]
+__all__ = ["MemoryBudgetController"]
 
 logger = logging.getLogger(__name__)
 
 _SAFE_ACTION = SimpleNamespace(action=FULL, offload_input=True)
 _SAFE_TILED_ACTION = SimpleNamespace(action=FULL_TILED, offload_input=True)
-# The probes run on at most this many tokens, the first ones of the step's sequences: a layer run without a
-# checkpoint at 256K tokens would not fit where the step itself does. Memory scales with the tokens from there.
-_PROBE_MAX_TOKENS = 32768
-_BANDWIDTH_PROBE_BYTES = 64 * 2**20
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 # Re-plan when the memory held between steps grows by more than this (optimizer state appearing); smaller changes
 # are the allocator's noise and within the planner's margin.
 _STATIC_GROWTH_TOLERANCE = 0.02
@@ -110,237 +83,11 @@ _SLOWER_TOLERANCE = 0.02
 _MAX_CORRECTIONS = 3
 
 
-class _Meter:
-    """Time and memory on the engine's device, or on the host clock in the CPU test mode (no memory counters)."""
-
-    def __init__(self, device_type: str) -> None:
-        self.device = None if device_type == "cpu" else torch.get_device_module(device_type)
-
-    def mark(self) -> Any:
-        if self.device is None:
-            return time.perf_counter()
-        event = self.device.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start: Any, end: Any) -> float:
-        if self.device is None:
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1000.0
-
-    def allocated(self) -> int | None:
-        return None if self.device is None else self.device.memory_allocated()
-
-    def peak(self) -> int | None:
-        return None if self.device is None else self.device.max_memory_allocated()
-
-    def reset_peak(self) -> None:
-        if self.device is not None:
-            self.device.reset_peak_memory_stats()
-
-    def total(self) -> int | None:
-        return None if self.device is None else self.device.get_device_properties().total_memory
-
-
-class _CountSavedBytes(saved_tensors_hooks):
-    """Keeps saved tensors in place and counts the bytes of the distinct storages they occupy (parameters aside)."""
-
-    def __init__(self, parameter_pointers: set[int]) -> None:
-        self.nbytes = 0
-        seen: set[int] = set()
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in seen and storage.data_ptr() not in parameter_pointers:
-                seen.add(storage.data_ptr())
-                self.nbytes += storage.nbytes()
-            return tensor
-
-        super().__init__(pack, lambda tensor: tensor)
-
-
-class _CountSelectiveOutputs(TorchDispatchMode):
-    """Counts the bytes of the outputs a selective checkpoint would save (matmuls, attention)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if saved_by_selective_checkpoint(func):
-            self.nbytes += sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-        return out
-
-
-@dataclasses.dataclass
-class _Kept:
-    """One decoder layer run without a checkpoint, forward and backward, as `_run_kept` measured it."""
-
-    saved_bytes: int
-    selective_bytes: int
-    forward_s: float
-    backward_s: float
-    working_bytes: int  # the backward's peak over what was allocated when it began
-
-
-@dataclasses.dataclass
-class _LayerProbe:
-    """What `_probe_layer` measured of one decoder layer, at `tokens` tokens of a call that had `step_tokens`."""
-
-    profile: LayerProfile
-    working_bytes: int  # its backward's transient bytes on top of its saved tensors
-    tokens: int
-    step_tokens: int
-    # With its MLP tiled (None when not measured): the same less one chunk's share, and that share per chunk token.
-    tiled_working_bytes: int | None = None
-    chunk_bytes_per_token: float = 0.0
-
-    def at_step(self, nbytes: int) -> int:
-        """`nbytes` measured by this probe, grown to the call it was cut from."""
-        return in_proportion(nbytes, self.tokens, self.step_tokens)
-
-
-# A kind of layer that did not run in the first step: it held and cost nothing there.
-_NOT_CALLED = _LayerProbe(LayerProfile(saved_bytes=0, selective_bytes=0, input_bytes=0, forward_s=0.0, backward_s=0.0,
-                                       selective_recompute_s=0.0),
-                          working_bytes=0, tokens=1, step_tokens=1, tiled_working_bytes=0)  # fmt: skip
-
-
-def _gradients(out: torch.Tensor, x: torch.Tensor, parameters: list[nn.Parameter]) -> list[torch.Tensor]:
-    """The gradients a layer's backward creates, taken with `torch.autograd.grad` so that nothing accumulates into
-    the parameters' `.grad`. A trainable parameter this call does not use (an adapter on a branch it skips, a
-    decoder's cross-attention in a call without encoder states) gets none."""
-    grads = torch.autograd.grad(out, [x, *parameters], torch.ones_like(out), allow_unused=True)
-    return [grad for grad in grads if grad is not None]
-
-
-def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], pointers: set[int],
-              meter: _Meter) -> _Kept:  # fmt: skip
-    """Runs the layer once without a checkpoint and measures it."""
-    counter, selective = _CountSavedBytes(pointers), _CountSelectiveOutputs()
-    with checkpointing_as(layer, None):
-        start = meter.mark()
-        with counter, selective:
-            x, out = forward()
-        forward_end = meter.mark()
-    before_backward = meter.allocated()
-    meter.reset_peak()
-    backward_start = meter.mark()
-    grads = _gradients(out, x, parameters)
-    backward_end = meter.mark()
-    peak = meter.peak()
-    if peak is None:  # no peak counter: the gradients of its input and parameters
-        working = sum(grad.numel() * grad.element_size() for grad in grads)
-    else:
-        working = peak - before_backward
-    return _Kept(saved_bytes=counter.nbytes, selective_bytes=selective.nbytes,
-                 forward_s=meter.seconds(start, forward_end), backward_s=meter.seconds(backward_start, backward_end),
-                 working_bytes=working)  # fmt: skip
-
-
-def _probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter,
-                 tile: Callable[[int], Any] | None = None) -> _LayerProbe:  # fmt: skip
-    """Measures one decoder layer on the arguments it was called with (their first `_PROBE_MAX_TOKENS` tokens):
-    kept, then selectively checkpointed, then (with `tile`, which tiles this layer's MLP in chunks of the tokens it
-    is given, as a context manager) kept with its MLP tiled in chunks of a half and a quarter of the tokens.
-
-    Each measurement runs twice and keeps the second (the first pays for kernel selection and allocator growth).
-    The two tiled runs separate what a tiled layer's backward needs into a part that grows with the tokens and one
-    that grows with the chunk (the chunk's intermediates and their gradients): their difference is the chunk's.
-
-    The probe runs in an empty `contextvars` context. transformers (5.x) records router logits, attentions and
-    hidden states with forward hooks that append to a collector held in a context variable while the model's
-    forward runs; the probe's layer calls would be collected too, and an auxiliary loss built from them would
-    backpropagate into graphs the probe has already freed. Outside that context the hooks see no collector.
-    """
-    return contextvars.Context().run(_probe_outside_the_step, layer, args, kwargs, meter, tile)
-
-
-def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: _Meter,
-                            tile: Callable[[int], Any] | None) -> _LayerProbe:  # fmt: skip
-    step_tokens = args[0].shape[:-1].numel()
-    args, kwargs = _first_tokens(args, kwargs, _PROBE_MAX_TOKENS)
-    parameters = [p for p in layer.parameters() if p.requires_grad]
-    pointers = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    hidden, rest = args[0], args[1:]
-    # The step's KV cache (transformers makes one even in training) must not grow by the probes' keys and values.
-    kwargs = {**kwargs, **{name: None for name in _CACHE_ARGUMENTS if name in kwargs}, "use_cache": False}
-
-    def forward() -> tuple[torch.Tensor, torch.Tensor]:
-        x = hidden.detach().clone().requires_grad_(True)
-        return x, first_tensor(layer(x, *rest, **kwargs))
-
-    for _ in range(2):
-        kept = _run_kept(layer, forward, parameters, pointers, meter)
-        with checkpointing_as(layer, selective_checkpoint_function()):
-            x, out = forward()
-        checkpointed_start = meter.mark()
-        _gradients(out, x, parameters)
-        checkpointed_end = meter.mark()
-        del x, out
-    profile = LayerProfile(
-        saved_bytes=kept.saved_bytes,
-        selective_bytes=kept.selective_bytes,
-        input_bytes=hidden.numel() * hidden.element_size(),
-        forward_s=kept.forward_s,
-        backward_s=kept.backward_s,
-        selective_recompute_s=max(0.0, meter.seconds(checkpointed_start, checkpointed_end) - kept.backward_s),
-        parameter_gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
-    )
-    tokens = hidden.shape[:-1].numel()
-    if tile is None or tokens < 4:
-        return _LayerProbe(profile, kept.working_bytes, tokens, step_tokens)
-    tiled = {}
-    for chunk in (tokens // 2, tokens // 4):
-        with tile(chunk):
-            for _ in range(2):
-                tiled[chunk] = _run_kept(layer, forward, parameters, pointers, meter)
-    half, quarter = tiled[tokens // 2], tiled[tokens // 4]
-    per_token = max(0.0, (half.working_bytes - quarter.working_bytes) / (tokens // 2 - tokens // 4))
-    profile = dataclasses.replace(profile, tiled_saved_bytes=quarter.saved_bytes,
-                                  tiled_extra_s=max(0.0, quarter.backward_s - kept.backward_s))  # fmt: skip
-    return _LayerProbe(profile, kept.working_bytes, tokens, step_tokens,
-                       tiled_working_bytes=max(0, round(quarter.working_bytes - per_token * (tokens // 4))),
-                       chunk_bytes_per_token=per_token)  # fmt: skip
-
-
-def _layer_kind(layer: nn.Module) -> tuple:
-    """Layers of one kind (class, parameter shapes, attention type) have one profile: probing each is enough."""
-    shapes = tuple((name, tuple(p.shape), p.requires_grad) for name, p in layer.named_parameters())
-    return type(layer), shapes, getattr(layer, "attention_type", None)
-
-
-def measure_link_bandwidth(meter: _Meter, device: torch.device, pin_memory: bool) -> tuple[float, float]:
-    """Measure the bandwidth between the device and the host, each way.
-
-    Each direction is timed on one 64 MiB copy, after a warm-up copy of the same size.
-
-    Args:
-        meter: the clock: timing events on the engine's device, or the host clock in the CPU test mode.
-        device: the device to copy from and to.
-        pin_memory: whether the host buffer is pinned, as the engine's pool is.
-
-    Returns:
-        `(device_to_host, host_to_device)`, in bytes per second.
-    """
-    on_device = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, device=device)
-    host = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
-    rates = []
-    for destination, origin in ((host, on_device), (on_device, host)):
-        destination.copy_(origin, non_blocking=True)
-        start = meter.mark()
-        destination.copy_(origin, non_blocking=True)
-        rates.append(_BANDWIDTH_PROBE_BYTES / max(meter.seconds(start, meter.mark()), 1e-9))
-    return rates[0], rates[1]
-
-
 @dataclasses.dataclass
 class _StepMeasurements:
     """What the controller measured of the first steps, to build the profile from."""
 
-    probes: dict[tuple, _LayerProbe] = dataclasses.field(default_factory=dict)  # per stack and `_layer_kind`
+    probes: dict[tuple, LayerProbe] = dataclasses.field(default_factory=dict)  # per stack and `layer_kind`
     # The tokens of the first layer called in the first step: the profile's tokens, which the step's own
     # measurements (head, step time) are at; and each stack's own tokens in that step, which later steps scale from.
     step_tokens: int = 0
@@ -371,7 +118,7 @@ class _Sample:
 
 
 class MemoryBudgetController:
-    """Profiles, plans and applies a per-layer plan so that the step's peak stays under `budget`.
+    """Profiles, plans and applies a per-layer plan so that the step's peak stays under `memory_budget`.
 
     The plan has one action per checkpointable layer of every stack (a vision-language model's vision tower and
     language model, an encoder-decoder's encoder and decoder), in the order the first step called them: the
@@ -382,13 +129,13 @@ class MemoryBudgetController:
     Args:
         model: the unwrapped model (its decoder layers are found with `find_decoder_layers`).
         engine: the offloading context; its device type decides what is measured.
-        budget: the parsed budget.
+        memory_budget: the user's budget, parsed.
 
     Raises:
         ValueError: the model has no decoder layers a plan could act on.
     """
 
-    def __init__(self, model: nn.Module, engine: OffloadActivations, budget: MemoryBudget) -> None:
+    def __init__(self, model: nn.Module, engine: OffloadActivations, memory_budget: MemoryBudget) -> None:
         named = find_decoder_layers(model)
         if not named:
             raise ValueError(f"memory_budget needs a transformers model with decoder layers (GradientCheckpointingLayer"
@@ -397,7 +144,7 @@ class MemoryBudgetController:
         self._layers = [layer for _, layer in named]
         self._stacks = [name.rpartition(".")[0] for name in self._names]
         # Probed once per kind and stack: layers of one class in two stacks see different tokens and arguments.
-        self._kinds = [(stack, *_layer_kind(layer)) for stack, layer in zip(self._stacks, self._layers)]
+        self._kinds = [(stack, *layer_kind(layer)) for stack, layer in zip(self._stacks, self._layers)]
         # The plan's and the profile's layer i is `self._layers[self._order[i]]`: the first step's call order, the
         # layers it did not call last. Until that step is over, the registration order.
         self._order = list(range(len(self._layers)))
@@ -405,12 +152,12 @@ class MemoryBudgetController:
         self._stack_starts: set[int] = set()  # each stack's first layer called
         self._model = weakref.ref(model)
         self._engine = weakref.ref(engine)
-        self.budget = budget
-        self._meter = _Meter(engine.device_type)
-        budget.resolve(self._meter.total())  # a share of the device, or "auto", without a device fails here
+        self.memory_budget = memory_budget
+        self._meter = Meter(engine.device_type)
+        self._budget_bytes()  # a share of the device, or "auto", without a device fails here
         self.plan: Plan | None = None
         self._profile: StepProfile | None = None
-        self._applied: AppliedPlan | None = None
+        self._applied: AppliedActions | None = None
         self._measured = _StepMeasurements()
         self._forwards = 0
         self._probing = False
@@ -432,21 +179,24 @@ class MemoryBudgetController:
             except ValueError as error:
                 logger.info("hf_offload: the planner cannot tile the MLPs: %s", error)
                 self._tile_tokens = 0
-        tail = find_output_head(model)
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
             engine.track_hook(layer.register_forward_pre_hook(hook, with_kwargs=True))
-        for _, module in tail[-1:]:  # the final norm (or the head): where the head's phase begins
+        for _, module in find_output_head(model)[-1:]:  # the final norm (or the head): where the head's phase begins
             engine.track_hook(module.register_forward_pre_hook(self._head_starts))
-        engine.warn_once("budget", f"hf_offload: memory_budget={budget} is set, so hf-offload decides per decoder "
-                         "layer whether to checkpoint it (whatever activation_checkpointing says): the first two "
-                         "steps are profiled under full checkpointing, then the plan is applied")  # fmt: skip
+        engine.warn_once("budget", f"hf_offload: memory_budget={memory_budget} is set, so hf-offload decides per "
+                         "decoder layer whether to checkpoint it (whatever activation_checkpointing says): the first "
+                         "two steps are profiled under full checkpointing, then the plan is applied")  # fmt: skip
 
     @property
     def profile(self) -> StepProfile | None:
         """The measured step the plan in force was made from (scaled to its tokens); None before the first plan."""
         return self._profile
+
+    def _budget_bytes(self) -> int:
+        """The user's budget in bytes, on this device."""
+        return self.memory_budget.resolve(self._meter.total())
 
     # ------------------------------------------------------------------ hooks
 
@@ -487,7 +237,7 @@ class MemoryBudgetController:
         the two phases' counters (reset at the head), plus the tail the later steps keep through the head's peak."""
         peak = self._meter.peak()
         if peak is not None:
-            peak = max(peak, self._measured.forward_peak or 0) + self._tail_allowance()
+            peak = max(peak, self._measured.forward_peak or 0) + self._learned_tail_bytes()
         self._samples.setdefault(self._code, []).append(_Sample(self._measured.step_tokens, self._measured.step_s,
                                                                 peak, profiled=True))  # fmt: skip
 
@@ -509,7 +259,7 @@ class MemoryBudgetController:
             # them over the run, as the benchmarks do): it holds the largest peak since the second step's head, an
             # upper bound of this step's. Within the budget it proves the step was; above, it says nothing of it.
             peak = self._meter.peak()
-            if peak is not None and peak > self.budget.resolve(self._meter.total()):
+            if peak is not None and peak > self._budget_bytes():
                 peak = None
             self._samples.setdefault(self._code, []).append(_Sample(self._previous_step_tokens, seconds, peak))
             if ended == self._applied_at + _MEASURED_STEPS:
@@ -547,7 +297,7 @@ class MemoryBudgetController:
         self._probing = True
         try:
             with random_state_untouched(args[0].device), engine.set_aside() if engine else contextlib.nullcontext():
-                self._measured.probes[self._kinds[index]] = _probe_layer(layer, args, kwargs, self._meter, tile)
+                self._measured.probes[self._kinds[index]] = probe_layer(layer, args, kwargs, self._meter, tile)
         finally:
             self._probing = False
         if self._measured.probes.keys() >= set(self._kinds):
@@ -564,7 +314,7 @@ class MemoryBudgetController:
                 "hf_offload: %s did not run in the first step: the plan counts nothing for them",
                 ", ".join(self._names[index] for index in idle),
             )
-            measured.probes.update({self._kinds[index]: _NOT_CALLED for index in idle})
+            measured.probes.update({self._kinds[index]: NOT_CALLED for index in idle})
         pin_memory = engine is not None and engine.use_pin_memory
         with engine.set_aside() if engine is not None else contextlib.nullcontext():
             measured.d2h_bytes_per_s, measured.h2d_bytes_per_s = measure_link_bandwidth(self._meter, measured.device,
@@ -589,7 +339,7 @@ class MemoryBudgetController:
         recompute alone can exceed the device). The layers that ran before the last kind was probed keep the
         untiled safe plan in the first step."""
         profile = self._profile_now(tokens)
-        budget_bytes = self.budget.resolve(self._meter.total())
+        budget_bytes = self._budget_bytes()
         untiled = simulate(profile, "C" * len(self._layers))
         if untiled.peak_bytes > budget_bytes and tiling_available(profile):
             logger.info("hf_offload: the profiled steps tile every MLP: untiled, full checkpointing is predicted to "
@@ -647,7 +397,7 @@ class MemoryBudgetController:
         head_bytes = measured.head_bytes
         if head_bytes is None:  # CPU test mode: what the head and loss saved (nothing known before the second step)
             head_bytes = measured.head_saved_bytes or 0
-        head_bytes += self._tail_allowance()
+        head_bytes += self._learned_tail_bytes()
         static_bytes, gradient_bytes = self._static_bytes()
         profile = StepProfile(
             layers=tuple(probe.profile.scaled(probe.tokens, probe.step_tokens) for probe in probes),
@@ -672,10 +422,10 @@ class MemoryBudgetController:
             profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
         return profile if tokens == profile.tokens else profile.scaled(tokens)
 
-    def _tail_allowance(self) -> int:
-        """What the steps after the profiled ones keep through the head's peak that those did not: they had no
-        learned tail yet, later ones keep up to a forward window of it (in the CPU test mode copies finish at once,
-        and nothing is ever left to keep)."""
+    def _learned_tail_bytes(self) -> int:
+        """The engine's learned tail, which the steps after the profiled ones keep through the head's peak and those
+        did not: they had no learned tail yet, later ones keep up to a forward window of it (in the CPU test mode
+        copies finish at once, and nothing is ever left to keep)."""
         engine = self._engine()
         if engine is not None and engine.options.keep_tail and self._measured.head_bytes is not None:
             return engine.options.forward_window_bytes
@@ -698,13 +448,13 @@ class MemoryBudgetController:
                 smallest peak any plan reaches (naming it and what dominates it).
         """
         profile = self._profile_now(tokens)
-        budget_bytes = self.budget.resolve(self._meter.total())
+        budget_bytes = self._budget_bytes()
         margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
         first = self.plan is None
 
         def make_plan() -> Plan:
             try:
-                return plan(profile, budget_bytes, margin_bytes, self._measured_plans(profile))
+                return choose_plan(profile, budget_bytes, margin_bytes, self._measured_plans(profile))
             except InfeasibleBudgetError as error:
                 if first:
                     raise
@@ -717,7 +467,7 @@ class MemoryBudgetController:
         the same tokens, with every plan's measurements, and switches (a correction, logged with its figures) when
         the plan in force ran `_SLOWER_TOLERANCE` slower than the answer is expected to run. Rank 0 decides."""
         profile = self._profile_now(self.plan.tokens)
-        budget_bytes = self.budget.resolve(self._meter.total())
+        budget_bytes = self._budget_bytes()
         margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
         in_force = self.plan
 
@@ -728,7 +478,7 @@ class MemoryBudgetController:
                 return in_force
             try:
                 last = self._corrections + 1 == _MAX_CORRECTIONS  # then keep the best measured plan
-                better = plan(profile, budget_bytes, margin_bytes, measured, measured_only=last)
+                better = choose_plan(profile, budget_bytes, margin_bytes, measured, measured_only=last)
             except InfeasibleBudgetError:  # not even the plan in force fits now: the re-plans of growth handle it
                 return in_force
             expected_s = better.expected_step_s
@@ -786,7 +536,7 @@ class MemoryBudgetController:
                                                      new_plan.head_prefetch_window_bytes or None),
                     new_plan.tile_tokens)  # fmt: skip
         release_unusable_cache(new_plan.predicted.peak_bytes)
-        logger.info("hf_offload: memory budget %s\n%s", self.budget, new_plan.format_table())
+        logger.info("hf_offload: memory budget %s\n%s", self.memory_budget, new_plan.format_table())
         if new_plan.inputs_kept_for_host:
             engine.warn_once("host_cap", f"hf_offload: {len(new_plan.inputs_kept_for_host)} checkpointed layers "
                              "keep their input on the GPU: the pinned host memory cap "
@@ -797,12 +547,12 @@ class MemoryBudgetController:
     def _over_budget(self, lowest: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
         """Says that this step runs on the lowest-memory plan, over the budget: a warning once, then in the log."""
         peak = lowest.predicted.peak_bytes
-        message = (f"hf_offload: no plan fits memory_budget={self.budget} ({budget_bytes} bytes) at training forward "
-                   f"{self._forwards}: {lowest.tokens} tokens (in the profiled step's terms), {profile.static_bytes} "
-                   f"bytes held between steps. It runs on the lowest-memory plan {lowest.code!r}, predicted to peak "
-                   f"at {peak / 2**30:.2f} GiB ({peak} bytes; a budget of {peak + margin_bytes} bytes would fit it), "
-                   "and so do the later steps up to that length. Raise the budget or cap the sequence length to stay "
-                   "within it.")  # fmt: skip
+        message = (f"hf_offload: no plan fits memory_budget={self.memory_budget} ({budget_bytes} bytes) at training "
+                   f"forward {self._forwards}: {lowest.tokens} tokens (in the profiled step's terms), "
+                   f"{profile.static_bytes} bytes held between steps. It runs on the lowest-memory plan "
+                   f"{lowest.code!r}, predicted to peak at {peak / 2**30:.2f} GiB ({peak} bytes; a budget of "
+                   f"{peak + margin_bytes} bytes would fit it), and so do the later steps up to that length. Raise the "
+                   "budget or cap the sequence length to stay within it.")  # fmt: skip
         if self._warned_over_budget:
             logger.info(message)
         else:
@@ -821,35 +571,9 @@ class MemoryBudgetController:
             in_registration_order[index] = actions[position]
         if self._applied is not None:
             self._applied.remove()
-        self._applied = apply_layer_plan(model, engine, in_registration_order, tile_tokens)
+        self._applied = apply_layer_actions(model, engine, in_registration_order, tile_tokens)
         if windows is not None:
             engine.use_windows(*windows)
-
-
-def _first_tokens(args: tuple, kwargs: dict, max_tokens: int) -> tuple[tuple, dict]:
-    """A decoder layer's arguments cut to the first tokens of each sequence, at most `max_tokens` in all.
-
-    The first tokens of a causal sequence are a sequence of their own: the hidden states are cut along their
-    sequence dimension, every other tensor argument along each dimension as long as the sequence (position ids and
-    embeddings, cache positions, both sequence dimensions of a 4-d attention mask). Short calls are returned
-    unchanged, and so are packed ones (a vision tower's 2-d hidden states, whose sequences' bounds other arguments
-    such as `cu_seqlens` give: cutting would break them).
-    """
-    hidden = args[0]
-    batch, length = hidden.shape[:-2].numel(), hidden.shape[-2]
-    if batch * length <= max_tokens or hidden.dim() < 3:  # 2-d: packed sequences, their bounds in other arguments
-        return args, kwargs
-    keep = max(1, max_tokens // batch)
-
-    def cut(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        for dim, size in enumerate(value.shape):
-            if size == length:
-                value = value.narrow(dim, 0, keep)
-        return value.contiguous()
-
-    return (hidden[..., :keep, :].contiguous(), *tree_map(cut, args[1:])), tree_map(cut, kwargs)
 
 
 def _same_on_every_rank(make_plan: Callable[[], Plan]) -> Plan:

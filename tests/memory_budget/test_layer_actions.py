@@ -11,8 +11,13 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from hf_offload import OffloadActivations, get_act_offloading_ctx_manager, layer_plan
-from hf_offload.layer_plan import apply_layer_plan, find_decoder_layers, saved_by_selective_checkpoint
+from hf_offload import OffloadActivations, get_act_offloading_ctx_manager
+from hf_offload.memory_budget import layer_actions
+from hf_offload.memory_budget.layer_actions import (
+    apply_layer_actions,
+    find_decoder_layers,
+    saved_by_selective_checkpoint,
+)
 
 LAYERS = 4
 CODES = {"K": ("keep", False), "O": ("offload", True), "S": ("selective", True), "s": ("selective", False),
@@ -58,7 +63,7 @@ def test_every_plan_is_bitwise_equal_to_no_offloading(code, attention):
     baseline = step(model)
     assert torch.equal(step(model)[0], baseline[0])  # the baseline repeats itself: the comparison means something
     context = get_act_offloading_ctx_manager(model, device_type="cpu")
-    applied = apply_layer_plan(model, context, actions(code))
+    applied = apply_layer_actions(model, context, actions(code))
     for _ in range(2):  # the first step teaches the tail; the second runs with it
         loss, grads = step(model, context)
         assert torch.equal(loss, baseline[0])
@@ -72,7 +77,7 @@ def offloaded_and_planned(code: str) -> tuple[int, int, int]:
     """(tensors offloaded, bytes offloaded, bytes kept by the plan) in one step of a plan."""
     model = tiny_llama("eager")
     context = get_act_offloading_ctx_manager(model, device_type="cpu", keep_tail=False)
-    apply_layer_plan(model, context, actions(code))
+    apply_layer_actions(model, context, actions(code))
     step(model, context)
     stats = context.get_stats()
     return stats["tensors_offloaded"], stats["bytes_offloaded"], stats["bytes_kept_planned"]
@@ -126,14 +131,14 @@ def test_a_selective_offload_sends_what_a_selective_checkpoint_saves_through_the
 def stashes(monkeypatch) -> list[weakref.ref]:
     """Weak references to every stash the selective offloads make from now on."""
     made = []
-    contexts = layer_plan._stash_contexts
+    contexts = layer_actions._stash_contexts
 
     def recording(*args):
         modes = contexts(*args)
         made.append(weakref.ref(modes[0]._stash))
         return modes
 
-    monkeypatch.setattr(layer_plan, "_stash_contexts", recording)
+    monkeypatch.setattr(layer_actions, "_stash_contexts", recording)
     return made
 
 
@@ -146,7 +151,7 @@ def test_a_selective_offload_leaves_nothing_behind(monkeypatch, early_stop):
     made = stashes(monkeypatch)
     model = tiny_llama("eager")
     context = get_act_offloading_ctx_manager(model, device_type="cpu", keep_tail=False)
-    apply_layer_plan(model, context, actions("XXXX"))
+    apply_layer_actions(model, context, actions("XXXX"))
     ids = torch.randint(128, (2, 16))
     for steps in (1, 2):
         # Forcing early stop overrides the checkpoint's own setting: the recomputation then stops before the
@@ -179,7 +184,7 @@ class MatmulCounter(TorchDispatchMode):
 def backward_matmuls(code: str) -> int:
     model = tiny_llama("eager")
     context = get_act_offloading_ctx_manager(model, device_type="cpu")
-    apply_layer_plan(model, context, actions(code))
+    apply_layer_actions(model, context, actions(code))
     ids = torch.randint(128, (2, 16))
     with context:
         loss = model(input_ids=ids, labels=ids).loss
@@ -201,7 +206,7 @@ def test_selective_checkpoints_recompute_no_matmul_and_full_ones_recompute_them_
 def test_unpacks_prefetch_unless_every_layer_hands_the_engine_only_its_input(code, on_unpack):
     model = tiny_llama("eager")
     context = get_act_offloading_ctx_manager(model, device_type="cpu")
-    apply_layer_plan(model, context, actions(code))
+    apply_layer_actions(model, context, actions(code))
     context.prefetch_on_unpack = not on_unpack
     with context:
         model(input_ids=torch.randint(128, (2, 16)))
@@ -212,7 +217,7 @@ def test_a_selective_offload_outside_the_engine_is_a_selective_checkpoint():
     model = tiny_llama("eager")
     baseline = step(model)
     context = get_act_offloading_ctx_manager(model, device_type="cpu")
-    apply_layer_plan(model, context, actions("XXXX"))
+    apply_layer_actions(model, context, actions("XXXX"))
     for region in (contextlib.nullcontext, context.set_aside):  # no hooks at all; hooks that keep tensors
         loss, grads = step(model, region())
         assert torch.equal(loss, baseline[0]) and all(torch.equal(grads[n], baseline[1][n]) for n in grads)
@@ -249,7 +254,7 @@ def test_a_second_backward_recomputes_what_the_first_took():
 
     plain_matmuls, baseline = twice(contextlib.nullcontext())
     context = get_act_offloading_ctx_manager(model, device_type="cpu")
-    apply_layer_plan(model, context, actions("XXXX"))
+    apply_layer_actions(model, context, actions("XXXX"))
     matmuls, grads = twice(context)
     assert matmuls == plain_matmuls + LAYERS * 9  # the stash was emptied by the first backward
     assert all(torch.equal(grads[name], baseline[name]) for name in grads)
@@ -264,7 +269,7 @@ def run_region(function, region_input, engine=None):
         out = function(x)
     else:
         with engine:
-            out = layer_plan._layer_function("selective_offload", True, engine)(function, x)
+            out = layer_actions._layer_function("selective_offload", True, engine)(function, x)
     out.sum().backward()
     return out.detach(), x.grad
 
@@ -272,8 +277,8 @@ def run_region(function, region_input, engine=None):
 def test_random_numbers_drawn_after_a_stashed_op_are_drawn_again(monkeypatch):
     # On a GPU, attention with dropout is a stashed op that draws random numbers. On the CPU no stashed op draws any,
     # so dropout stands in for it: the uniform numbers drawn after it must be those of the forward.
-    monkeypatch.setattr(layer_plan, "_SAVED_BY_SELECTIVE_CHECKPOINT",
-                        layer_plan._SAVED_BY_SELECTIVE_CHECKPOINT | {torch.ops.aten.native_dropout})  # fmt: skip
+    monkeypatch.setattr(layer_actions, "_SAVED_BY_SELECTIVE_CHECKPOINT",
+                        layer_actions._SAVED_BY_SELECTIVE_CHECKPOINT | {torch.ops.aten.native_dropout})  # fmt: skip
     weight, region_input = torch.randn(64, 64), torch.randn(64, 64)
 
     def region(x):
@@ -307,7 +312,7 @@ def test_removing_a_plan_restores_the_layers():
     before = [(layer.gradient_checkpointing, layer._gradient_checkpointing_func) for layer in layers]
     context = get_act_offloading_ctx_manager(model, device_type="cpu")
     hooks = [(dict(layer._forward_pre_hooks), dict(layer._forward_hooks)) for layer in layers]  # the context's
-    applied = apply_layer_plan(model, context, actions("KOSC"))
+    applied = apply_layer_actions(model, context, actions("KOSC"))
     # Kept layers run through a "checkpoint function" that does not checkpoint; offloaded ones run plainly.
     assert [layer.gradient_checkpointing for layer in layers] == [True, False, True, True]
     applied.remove()
@@ -319,6 +324,6 @@ def test_a_plan_must_fit_the_model():
     model = tiny_llama("eager")
     context = get_act_offloading_ctx_manager(model, device_type="cpu")
     with pytest.raises(ValueError, match="3 layer actions but LlamaForCausalLM has 4"):
-        apply_layer_plan(model, context, actions("KKK"))
+        apply_layer_actions(model, context, actions("KKK"))
     with pytest.raises(ValueError, match="unknown layer actions"):
-        apply_layer_plan(model, context, [SimpleNamespace(action="tile", offload_input=True)] * LAYERS)
+        apply_layer_actions(model, context, [SimpleNamespace(action="tile", offload_input=True)] * LAYERS)

@@ -43,9 +43,9 @@ accumulation, rounded once) and the tiled one as a sum of per-chunk products (a 
 product rounded to the weight's dtype before the sum). The chunks' products may also pick different kernels than the
 whole-sequence product, so outputs and input gradients can differ in their last bits too. Losses and gradients agree
 only within a tolerance (on CPU, relative to a tensor's largest element: at most 4.5e-7 in fp32 and 6.5e-3 in bf16
-for six model families; tests/test_tiled_mlp.py). Keep it off unless the MLP's intermediates are what stands between
-a run and the memory it has. With `tokens_per_chunk` at least the number of tokens of a call, the tiled forward simply
-calls the MLP: bitwise equal, no overhead.
+for six model families; tests/memory_budget/test_tiled_mlp.py). Keep it off unless the MLP's intermediates are what
+stands between a run and the memory it has. With `tokens_per_chunk` at least the number of tokens of a call, the tiled
+forward simply calls the MLP: bitwise equal, no overhead.
 
 With hf-offload's layer actions
 -------------------------------
@@ -78,9 +78,9 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .engine import NoOpManager
-from .model import find_decoder_layers, unwrap_model
-from .random_state import random_state, random_state_untouched, set_random_state
+from ..engine import NoOpManager
+from ..model import find_decoder_layers, unwrap_model
+from ..random_state import random_state, random_state_untouched, set_random_state
 
 __all__ = ["tiled_mlp", "apply_tiled_mlp", "TiledMLPHandle"]
 

@@ -1,0 +1,20 @@
+"""The memory budget: per decoder layer, the cheapest way to keep a training step's peak under the user's budget.
+
+One module per purpose, imported one way (each only from those listed before it, and from the rest of hf_offload):
+
+- `checks`: the checks of the numbers the pure modules are given.
+- `spec`: the user's budget (`MemoryBudget`, `parse_memory_budget`) and what "auto" leaves of the device.
+- `profile`: what a step costs (`LayerProfile`, `StepProfile`) and how that scales with its tokens.
+- `simulate`: the plan as data (`Plan`, action letters, `MeasuredStep`) and the step model (`simulate`).
+- `search`: choosing a plan (`choose_plan`), or refusing the budget (`InfeasibleBudgetError`).
+- `tiled_mlp`: a decoder layer's MLP run over chunks of tokens (the plans' `T`/`t`, and the option `tile_mlp=True`).
+- `layer_actions`: a plan's actions set on the decoder layers (`apply_layer_actions`).
+- `probes`: one layer measured on the arguments of its own call (`probe_layer`), the link's bandwidth, the meter.
+- `controller`: `MemoryBudgetController`, which profiles the first steps, plans, applies and re-plans.
+
+The first five are pure Python (the standard library and `hf_offload.units`): plans are computed and tested without
+torch. This package imports none of its modules, so that `options`, which reads the option with `spec`, loads neither
+the controller nor the engine it imports.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,301 @@
+"""Probing a decoder layer: what it saves and how long it takes, measured on the arguments of its own call.
+
+The controller probes one layer of each kind in the first training step, from the layer's forward pre-hook, on the
+very arguments it receives (on the first `PROBE_MAX_TOKENS` of them at long context, `first_tokens`): `probe_layer`
+runs it kept, then selectively checkpointed, then (when the planner may tile MLPs) kept with its MLP tiled, and
+returns the bytes it saves, the bytes a selective checkpoint would keep, and the times of its forward, backward and
+selective recompute (a `LayerProbe`, whose `LayerProfile` the step's profile is made of). `measure_link_bandwidth`
+times the copies between the device and the host. A `Meter` reads time and memory on the engine's device, or the host
+clock in the CPU test mode, which has no memory counters.
+
+Probes leave no trace in the step: their saved tensors stay out of the engine (the controller sets it aside), the
+random streams are restored, the cache is not passed, and transformers' output recorders (router logits, for the
+auxiliary loss) do not see them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..model import first_tensor
+from .layer_actions import checkpointing_as, saved_by_selective_checkpoint, selective_checkpoint_function
+from .profile import LayerProfile, in_proportion
+
+__all__ = [
+    "PROBE_MAX_TOKENS",
+    "Meter",
+    "LayerProbe",
+    "NOT_CALLED",
+    "probe_layer",
+    "layer_kind",
+    "first_tokens",
+    "measure_link_bandwidth",
+]
+
+# The probes run on at most this many tokens, the first ones of the step's sequences: a layer run without a
+# checkpoint at 256K tokens would not fit where the step itself does. Memory scales with the tokens from there.
+PROBE_MAX_TOKENS = 32768
+_BANDWIDTH_PROBE_BYTES = 64 * 2**20
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
+
+
+class Meter:
+    """Time and memory on the engine's device, or on the host clock in the CPU test mode (no memory counters)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device = None if device_type == "cpu" else torch.get_device_module(device_type)
+
+    def mark(self) -> Any:
+        if self.device is None:
+            return time.perf_counter()
+        event = self.device.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.device is None:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+    def allocated(self) -> int | None:
+        return None if self.device is None else self.device.memory_allocated()
+
+    def peak(self) -> int | None:
+        return None if self.device is None else self.device.max_memory_allocated()
+
+    def reset_peak(self) -> None:
+        if self.device is not None:
+            self.device.reset_peak_memory_stats()
+
+    def total(self) -> int | None:
+        return None if self.device is None else self.device.get_device_properties().total_memory
+
+
+class _CountSavedBytes(saved_tensors_hooks):
+    """Keeps saved tensors in place and counts the bytes of the distinct storages they occupy (parameters aside)."""
+
+    def __init__(self, parameter_pointers: set[int]) -> None:
+        self.nbytes = 0
+        seen: set[int] = set()
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen and storage.data_ptr() not in parameter_pointers:
+                seen.add(storage.data_ptr())
+                self.nbytes += storage.nbytes()
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+
+
+class _CountSelectiveOutputs(TorchDispatchMode):
+    """Counts the bytes of the outputs a selective checkpoint would save (matmuls, attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if saved_by_selective_checkpoint(func):
+            self.nbytes += sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+
+@dataclasses.dataclass
+class _Kept:
+    """One decoder layer run without a checkpoint, forward and backward, as `_run_kept` measured it."""
+
+    saved_bytes: int
+    selective_bytes: int
+    forward_s: float
+    backward_s: float
+    working_bytes: int  # the backward's peak over what was allocated when it began
+
+
+@dataclasses.dataclass
+class LayerProbe:
+    """What `probe_layer` measured of one decoder layer, at `tokens` tokens of a call that had `step_tokens`."""
+
+    profile: LayerProfile
+    working_bytes: int  # its backward's transient bytes on top of its saved tensors
+    tokens: int
+    step_tokens: int
+    # With its MLP tiled (None when not measured): the same less one chunk's share, and that share per chunk token.
+    tiled_working_bytes: int | None = None
+    chunk_bytes_per_token: float = 0.0
+
+    def at_step(self, nbytes: int) -> int:
+        """`nbytes` measured by this probe, grown to the call it was cut from."""
+        return in_proportion(nbytes, self.tokens, self.step_tokens)
+
+
+# A kind of layer that did not run in the first step: it held and cost nothing there.
+NOT_CALLED = LayerProbe(LayerProfile(saved_bytes=0, selective_bytes=0, input_bytes=0, forward_s=0.0, backward_s=0.0,
+                                       selective_recompute_s=0.0),
+                          working_bytes=0, tokens=1, step_tokens=1, tiled_working_bytes=0)  # fmt: skip
+
+
+def _gradients(out: torch.Tensor, x: torch.Tensor, parameters: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients a layer's backward creates, taken with `torch.autograd.grad` so that nothing accumulates into
+    the parameters' `.grad`. A trainable parameter this call does not use (an adapter on a branch it skips, a
+    decoder's cross-attention in a call without encoder states) gets none."""
+    grads = torch.autograd.grad(out, [x, *parameters], torch.ones_like(out), allow_unused=True)
+    return [grad for grad in grads if grad is not None]
+
+
+def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], pointers: set[int],
+              meter: Meter) -> _Kept:  # fmt: skip
+    """Runs the layer once without a checkpoint and measures it."""
+    counter, selective = _CountSavedBytes(pointers), _CountSelectiveOutputs()
+    with checkpointing_as(layer, None):
+        start = meter.mark()
+        with counter, selective:
+            x, out = forward()
+        forward_end = meter.mark()
+    before_backward = meter.allocated()
+    meter.reset_peak()
+    backward_start = meter.mark()
+    grads = _gradients(out, x, parameters)
+    backward_end = meter.mark()
+    peak = meter.peak()
+    if peak is None:  # no peak counter: the gradients of its input and parameters
+        working = sum(grad.numel() * grad.element_size() for grad in grads)
+    else:
+        working = peak - before_backward
+    return _Kept(saved_bytes=counter.nbytes, selective_bytes=selective.nbytes,
+                 forward_s=meter.seconds(start, forward_end), backward_s=meter.seconds(backward_start, backward_end),
+                 working_bytes=working)  # fmt: skip
+
+
+def probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: Meter,
+                 tile: Callable[[int], Any] | None = None) -> LayerProbe:  # fmt: skip
+    """Measures one decoder layer on the arguments it was called with (their first `PROBE_MAX_TOKENS` tokens):
+    kept, then selectively checkpointed, then (with `tile`, which tiles this layer's MLP in chunks of the tokens it
+    is given, as a context manager) kept with its MLP tiled in chunks of a half and a quarter of the tokens.
+
+    Each measurement runs twice and keeps the second (the first pays for kernel selection and allocator growth).
+    The two tiled runs separate what a tiled layer's backward needs into a part that grows with the tokens and one
+    that grows with the chunk (the chunk's intermediates and their gradients): their difference is the chunk's.
+
+    The probe runs in an empty `contextvars` context. transformers (5.x) records router logits, attentions and
+    hidden states with forward hooks that append to a collector held in a context variable while the model's
+    forward runs; the probe's layer calls would be collected too, and an auxiliary loss built from them would
+    backpropagate into graphs the probe has already freed. Outside that context the hooks see no collector.
+    """
+    return contextvars.Context().run(_probe_outside_the_step, layer, args, kwargs, meter, tile)
+
+
+def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: Meter,
+                            tile: Callable[[int], Any] | None) -> LayerProbe:  # fmt: skip
+    step_tokens = args[0].shape[:-1].numel()
+    args, kwargs = first_tokens(args, kwargs, PROBE_MAX_TOKENS)
+    parameters = [p for p in layer.parameters() if p.requires_grad]
+    pointers = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    hidden, rest = args[0], args[1:]
+    # The step's KV cache (transformers makes one even in training) must not grow by the probes' keys and values.
+    kwargs = {**kwargs, **{name: None for name in _CACHE_ARGUMENTS if name in kwargs}, "use_cache": False}
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden.detach().clone().requires_grad_(True)
+        return x, first_tensor(layer(x, *rest, **kwargs))
+
+    for _ in range(2):
+        kept = _run_kept(layer, forward, parameters, pointers, meter)
+        with checkpointing_as(layer, selective_checkpoint_function()):
+            x, out = forward()
+        checkpointed_start = meter.mark()
+        _gradients(out, x, parameters)
+        checkpointed_end = meter.mark()
+        del x, out
+    profile = LayerProfile(
+        saved_bytes=kept.saved_bytes,
+        selective_bytes=kept.selective_bytes,
+        input_bytes=hidden.numel() * hidden.element_size(),
+        forward_s=kept.forward_s,
+        backward_s=kept.backward_s,
+        selective_recompute_s=max(0.0, meter.seconds(checkpointed_start, checkpointed_end) - kept.backward_s),
+        parameter_gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
+    )
+    tokens = hidden.shape[:-1].numel()
+    if tile is None or tokens < 4:
+        return LayerProbe(profile, kept.working_bytes, tokens, step_tokens)
+    tiled = {}
+    for chunk in (tokens // 2, tokens // 4):
+        with tile(chunk):
+            for _ in range(2):
+                tiled[chunk] = _run_kept(layer, forward, parameters, pointers, meter)
+    half, quarter = tiled[tokens // 2], tiled[tokens // 4]
+    per_token = max(0.0, (half.working_bytes - quarter.working_bytes) / (tokens // 2 - tokens // 4))
+    profile = dataclasses.replace(profile, tiled_saved_bytes=quarter.saved_bytes,
+                                  tiled_extra_s=max(0.0, quarter.backward_s - kept.backward_s))  # fmt: skip
+    return LayerProbe(profile, kept.working_bytes, tokens, step_tokens,
+                       tiled_working_bytes=max(0, round(quarter.working_bytes - per_token * (tokens // 4))),
+                       chunk_bytes_per_token=per_token)  # fmt: skip
+
+
+def layer_kind(layer: nn.Module) -> tuple:
+    """Layers of one kind (class, parameter shapes, attention type) have one profile: probing each is enough."""
+    shapes = tuple((name, tuple(p.shape), p.requires_grad) for name, p in layer.named_parameters())
+    return type(layer), shapes, getattr(layer, "attention_type", None)
+
+
+def measure_link_bandwidth(meter: Meter, device: torch.device, pin_memory: bool) -> tuple[float, float]:
+    """Measure the bandwidth between the device and the host, each way.
+
+    Each direction is timed on one 64 MiB copy, after a warm-up copy of the same size.
+
+    Args:
+        meter: the clock: timing events on the engine's device, or the host clock in the CPU test mode.
+        device: the device to copy from and to.
+        pin_memory: whether the host buffer is pinned, as the engine's pool is.
+
+    Returns:
+        `(device_to_host, host_to_device)`, in bytes per second.
+    """
+    on_device = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, device=device)
+    host = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+    rates = []
+    for destination, origin in ((host, on_device), (on_device, host)):
+        destination.copy_(origin, non_blocking=True)
+        start = meter.mark()
+        destination.copy_(origin, non_blocking=True)
+        rates.append(_BANDWIDTH_PROBE_BYTES / max(meter.seconds(start, meter.mark()), 1e-9))
+    return rates[0], rates[1]
+
+
+def first_tokens(args: tuple, kwargs: dict, max_tokens: int) -> tuple[tuple, dict]:
+    """A decoder layer's arguments cut to the first tokens of each sequence, at most `max_tokens` in all.
+
+    The first tokens of a causal sequence are a sequence of their own: the hidden states are cut along their
+    sequence dimension, every other tensor argument along each dimension as long as the sequence (position ids and
+    embeddings, cache positions, both sequence dimensions of a 4-d attention mask). Short calls are returned
+    unchanged, and so are packed ones (a vision tower's 2-d hidden states, whose sequences' bounds other arguments
+    such as `cu_seqlens` give: cutting would break them).
+    """
+    hidden = args[0]
+    batch, length = hidden.shape[:-2].numel(), hidden.shape[-2]
+    if batch * length <= max_tokens or hidden.dim() < 3:  # 2-d: packed sequences, their bounds in other arguments
+        return args, kwargs
+    keep = max(1, max_tokens // batch)
+
+    def cut(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        for dim, size in enumerate(value.shape):
+            if size == length:
+                value = value.narrow(dim, 0, keep)
+        return value.contiguous()
+
+    return (hidden[..., :keep, :].contiguous(), *tree_map(cut, args[1:])), tree_map(cut, kwargs)

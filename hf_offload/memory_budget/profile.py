@@ -1,0 +1,189 @@
+"""What a training step costs, as the controller measures it in the first steps: per decoder layer (`LayerProfile`)
+and for the whole step (`StepProfile`), at one number of tokens, and how both scale to another number of tokens
+(memory in proportion to the tokens, attention's time with their square). Pure Python: the input of the step model
+(`simulate`) and of the search for a plan (`search`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .checks import check_bytes, check_seconds, is_int
+
+__all__ = ["LayerProfile", "StepProfile", "in_proportion", "tiling_available"]
+
+
+def in_proportion(amount: int, measured_tokens: int, tokens: int) -> int:
+    """An amount (bytes, tokens) measured at `measured_tokens`, in proportion at `tokens`, rounded up (exact integer
+    arithmetic)."""
+    return -(-amount * tokens // measured_tokens)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What one decoder layer costs, as measured at `StepProfile.tokens` tokens.
+
+    Args:
+        saved_bytes: bytes its saved tensors occupy between its forward and its backward when it keeps them,
+            its input included.
+        selective_bytes: bytes a selective checkpoint keeps (matmul and attention outputs), its input excluded.
+        input_bytes: its input, all that a full checkpoint saves.
+        forward_s: its forward; also what a full checkpoint recomputes.
+        backward_s: its backward, without any recomputation.
+        selective_recompute_s: what a selective checkpoint recomputes in backward.
+        attention_forward_s: the part of `forward_s` that grows with the square of the tokens.
+        attention_backward_s: the part of `backward_s` that grows with the square of the tokens.
+        parameter_gradient_bytes: the gradients of its trainable parameters, which its backward creates.
+        tiled_saved_bytes: what `saved_bytes` becomes with its MLP tiled: the MLP's intermediates are gone, its
+            input stays (a chunk's intermediates are the step's `tile_chunk_bytes`). Used only when the step's
+            `tile_tokens` is set.
+        tiled_extra_s: what tiling its MLP adds to a full checkpoint's backward: one more forward of the MLP (the
+            recompute runs the tiled forward just to save its input, the backward recomputes each chunk again) and
+            the chunks' smaller matrix products.
+    """
+
+    saved_bytes: int
+    selective_bytes: int
+    input_bytes: int
+    forward_s: float
+    backward_s: float
+    selective_recompute_s: float
+    attention_forward_s: float = 0.0
+    attention_backward_s: float = 0.0
+    parameter_gradient_bytes: int = 0
+    tiled_saved_bytes: int = 0
+    tiled_extra_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("saved_bytes", "selective_bytes", "input_bytes", "parameter_gradient_bytes",
+                     "tiled_saved_bytes"):  # fmt: skip
+            check_bytes("LayerProfile", name, getattr(self, name))
+        for name in ("forward_s", "backward_s", "selective_recompute_s", "attention_forward_s",
+                     "attention_backward_s", "tiled_extra_s"):  # fmt: skip
+            check_seconds("LayerProfile", name, getattr(self, name))
+        for part, whole in (("attention_forward_s", "forward_s"), ("attention_backward_s", "backward_s")):
+            if getattr(self, part) > getattr(self, whole):
+                raise ValueError(f"LayerProfile.{part} is part of {whole}, so it cannot exceed it: "
+                                 f"{getattr(self, part)!r} > {getattr(self, whole)!r}")  # fmt: skip
+
+    def scaled(self, measured_tokens: int, tokens: int) -> LayerProfile:
+        """The same layer measured at `measured_tokens`, predicted at `tokens` (see `StepProfile.scaled`)."""
+        ratio = tokens / measured_tokens
+
+        def grow_time(total: float, attention: float) -> float:
+            return (total - attention) * ratio + attention * ratio * ratio
+
+        return dataclasses.replace(  # parameter gradients do not grow with the tokens
+            self,
+            saved_bytes=in_proportion(self.saved_bytes, measured_tokens, tokens),
+            selective_bytes=in_proportion(self.selective_bytes, measured_tokens, tokens),
+            input_bytes=in_proportion(self.input_bytes, measured_tokens, tokens),
+            forward_s=grow_time(self.forward_s, self.attention_forward_s),
+            backward_s=grow_time(self.backward_s, self.attention_backward_s),
+            # What selective checkpointing drops is elementwise work, which grows with the tokens.
+            selective_recompute_s=self.selective_recompute_s * ratio,
+            attention_forward_s=self.attention_forward_s * ratio * ratio,
+            attention_backward_s=self.attention_backward_s * ratio * ratio,
+            tiled_saved_bytes=in_proportion(self.tiled_saved_bytes, measured_tokens, tokens),
+            tiled_extra_s=self.tiled_extra_s * ratio,  # the MLP's work, per token
+        )
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """What one training step costs, as measured at `tokens` tokens: the planner's only input besides the budget.
+
+    Args:
+        layers: one `LayerProfile` per decoder layer, in forward order.
+        static_bytes: memory held through the whole step: parameters, optimizer state (and gradients, when a
+            gradient accumulation step starts with them).
+        gradient_bytes: gradients that backward creates: absent in the forward and at the head's peak; at a layer's
+            backward, all but those of the layers before it (`LayerProfile.parameter_gradient_bytes`).
+        head_bytes: the head's and loss's peak on top of everything held when the forward ends.
+        backward_working_bytes: transient gradient buffers of one layer's backward, on top of its activations.
+        head_s: the head and loss, forward and backward.
+        other_s: the rest of the step: embedding, optimizer step, and so on.
+        d2h_bytes_per_s: device-to-host bandwidth.
+        h2d_bytes_per_s: host-to-device bandwidth.
+        host_cap_bytes: pinned host bytes the pool may hold.
+        tokens: tokens per step when this was measured.
+        tile_tokens: tokens per chunk of a tiled MLP; 0 when tiling is not an option (not measured, switched off,
+            or a layer has no MLP that can be tiled). Tiling is offered only for steps of more tokens than this.
+        tiled_backward_working_bytes: `backward_working_bytes` of a layer whose MLP is tiled, less one chunk's share.
+        tile_chunk_bytes: one chunk's MLP intermediates and their gradients, at `tile_tokens` tokens: the part of
+            a tiled layer's memory that does not grow with the step's tokens.
+    """
+
+    layers: tuple[LayerProfile, ...]
+    static_bytes: int
+    head_bytes: int
+    backward_working_bytes: int
+    head_s: float
+    other_s: float
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    host_cap_bytes: int
+    tokens: int
+    gradient_bytes: int = 0
+    tile_tokens: int = 0
+    tiled_backward_working_bytes: int = 0
+    tile_chunk_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers or not all(isinstance(layer, LayerProfile) for layer in self.layers):
+            raise ValueError(f"StepProfile.layers must be one or more LayerProfile, got {self.layers!r}")
+        for name in ("static_bytes", "gradient_bytes", "head_bytes", "backward_working_bytes", "host_cap_bytes",
+                     "tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes"):  # fmt: skip
+            check_bytes("StepProfile", name, getattr(self, name))
+        for name in ("head_s", "other_s"):
+            check_seconds("StepProfile", name, getattr(self, name))
+        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
+            check_seconds("StepProfile", name, getattr(self, name), positive=True)
+        if not is_int(self.tokens) or self.tokens <= 0:
+            raise ValueError(f"StepProfile.tokens must be an int > 0, got {self.tokens!r}")
+
+    def scaled(self, tokens: int) -> StepProfile:
+        """The same step at another number of tokens.
+
+        Activation bytes grow in proportion to the tokens (rounded up), static and gradient bytes do not, nor does a
+        tiled MLP's chunk (`tile_tokens`, `tile_chunk_bytes`); times grow in proportion too, except the attention
+        parts, which grow with the square.
+
+        Args:
+            tokens: the tokens per step to predict for.
+
+        Returns:
+            A new profile measured "as if" at `tokens`.
+
+        Example:
+            With `profile` as in `choose_plan`'s example:
+
+            >>> profile.scaled(2 * profile.tokens).layers[0].saved_bytes == 2 * profile.layers[0].saved_bytes
+            True
+        """
+        if not is_int(tokens) or tokens <= 0:
+            raise ValueError(f"tokens must be an int > 0, got {tokens!r}")
+        ratio = tokens / self.tokens
+
+        def grow(nbytes: int) -> int:
+            return in_proportion(nbytes, self.tokens, tokens)
+
+        layers = tuple(layer.scaled(self.tokens, tokens) for layer in self.layers)
+        return dataclasses.replace(
+            self,
+            layers=layers,
+            head_bytes=grow(self.head_bytes),
+            backward_working_bytes=grow(self.backward_working_bytes),
+            tiled_backward_working_bytes=grow(self.tiled_backward_working_bytes),
+            head_s=self.head_s * ratio,
+            other_s=self.other_s * ratio,
+            tokens=tokens,
+        )
+
+
+def tiling_available(profile: StepProfile) -> bool:
+    """Whether the layers' MLPs can be tiled (`T`, `t`) in this step: tiling was measured, and the step has more
+    tokens than one chunk (with fewer, a tiled MLP runs untiled)."""
+    return 0 < profile.tile_tokens < profile.tokens

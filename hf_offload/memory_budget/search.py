@@ -1,0 +1,363 @@
+"""Choosing a plan: the per-layer actions with the shortest predicted step whose predicted peak fits the budget.
+
+The controller measures a `StepProfile` during the first steps, calls `choose_plan(profile, budget_bytes)` and
+applies the plan's layers with the windows it names. The search is greedy, then polished, and judges every candidate
+by the step model (`simulate`); plans that ran (`MeasuredStep`) count by what they measured. A budget that no plan
+fits is an `InfeasibleBudgetError`, which names the smallest budget that works and what dominates it. Pure Python,
+like the rest of the planning (`spec`, `profile`, `simulate`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+
+from ..units import format_bytes
+from .checks import is_int
+from .profile import StepProfile, tiling_available
+from .simulate import (
+    LayerOption,
+    MeasuredStep,
+    Plan,
+    SimulatedStep,
+    check_code,
+    describe_peak,
+    layer_options,
+    prediction_of,
+    simulate_step,
+)
+
+__all__ = ["InfeasibleBudgetError", "choose_plan"]
+
+
+# The actions the planner chooses among: all but the selective offload (`X`). On S1 and S2 (H100) its layers cost
+# about 2.5 ms each more than the model predicts from their recompute and copies (benchmarks/NOTES.md, 2026-11-23,
+# session 2), which left plans with `X` slower than plans without; it stays an action for hand-written plans.
+_PLANNED = "KOSsCc"
+
+
+def _own_seconds(profile: StepProfile, options: list[dict[str, LayerOption]]) -> list[dict[str, float]]:
+    """Per layer and action, the time it adds as if every other layer kept everything.
+
+    Recompute, plus the part of its copy that the later layers' forwards cannot hide, plus the part of its reload
+    that the next layer's backward (the head, for the last layer) cannot hide. The planner orders its changes by
+    these; every candidate plan is then judged by `simulate_step`, which also sees copies queueing behind each other.
+    """
+    layers = profile.layers
+    later_forward_s = 0.0
+    seconds: list[dict[str, float]] = [{} for _ in layers]
+    for i in range(len(layers) - 1, -1, -1):
+        reload_cover_s = layers[i + 1].backward_s if i + 1 < len(layers) else profile.head_s
+        for letter, option in options[i].items():
+            copy_exposed = max(0.0, option.offloaded / profile.d2h_bytes_per_s - later_forward_s)
+            reload_exposed = max(0.0, option.offloaded / profile.h2d_bytes_per_s - reload_cover_s)
+            seconds[i][letter] = option.recompute_s + copy_exposed + reload_exposed
+        later_forward_s += layers[i].forward_s
+    return seconds
+
+
+def _next_option(
+    current: str, candidates: Iterable[str], held: dict[str, int], seconds: dict[str, float]
+) -> str | None:
+    """The candidate holding less than `current` that frees the most bytes per second it adds.
+
+    Ties go to the smaller step, so that no option on the way is skipped; None if no candidate holds less.
+    """
+    best, best_key = None, None
+    for candidate in candidates:
+        freed = held[current] - held[candidate]
+        if freed <= 0:
+            continue
+        added = seconds[candidate] - seconds[current]
+        key = (math.inf if added <= 0 else freed / added, -freed)
+        if best_key is None or key > best_key:
+            best, best_key = candidate, key
+    return best
+
+
+def _greedy_plans(
+    profile: StepProfile, options: list[dict[str, LayerOption]], seconds: list[dict[str, float]]
+) -> list[list[str]]:
+    """The greedy's sequence of plans from keeping everything, each one layer change further than the last.
+
+    Each layer's changes follow the lower convex hull of its (bytes held, seconds added) options among `_PLANNED`,
+    e.g. keep -> selective -> full; all layers' changes are merged by bytes freed per second added, earlier layers
+    first on ties (they free memory for more of the step). A change that would overflow the host cap becomes the
+    layer's best change that fits in what the host has left.
+    """
+    held = [{letter: option.held for letter, option in layer.items()} for layer in options]
+    offloaded = [{letter: option.offloaded for letter, option in layer.items()} for layer in options]
+    changes = []  # (bytes freed per second added, layer, action code)
+    for i in range(len(options)):
+        current = "K"
+        while (target := _next_option(current, _PLANNED, held[i], seconds[i])) is not None:
+            added = seconds[i][target] - seconds[i][current]
+            freed = held[i][current] - held[i][target]
+            changes.append((math.inf if added <= 0 else freed / added, i, target))
+            current = target
+    changes.sort(key=lambda change: (-change[0], change[1]))  # stable: a layer's own changes stay in hull order
+
+    letters, host_bytes, plans = ["K"] * len(options), 0, []
+    for _, i, target in changes:
+        current = letters[i]
+        if held[i][target] >= held[i][current]:
+            continue  # a fallback for the host cap already went past it
+        room = profile.host_cap_bytes - host_bytes + offloaded[i][current]
+        if offloaded[i][target] > room:
+            fitting = [letter for letter in _PLANNED if offloaded[i][letter] <= room]
+            target = _next_option(current, fitting, held[i], seconds[i])
+            if target is None:
+                continue
+        host_bytes += offloaded[i][target] - offloaded[i][current]
+        letters[i] = target
+        plans.append(letters.copy())
+    return plans
+
+
+def _lowest_memory_code(profile: StepProfile, tiled: bool = False) -> str:
+    """Every layer fully checkpointed (its MLP tiled if `tiled`), inputs offloaded from the first layer on while the
+    host has room."""
+    letters, host_bytes = [], 0
+    offloaded, kept = ("T", "t") if tiled else ("C", "c")
+    for layer in profile.layers:
+        offload = host_bytes + layer.input_bytes <= profile.host_cap_bytes
+        host_bytes += layer.input_bytes if offload else 0
+        letters.append(offloaded if offload else kept)
+    return "".join(letters)
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the memory budget: even the lowest-memory plan is predicted to peak above it.
+
+    The message names the budget, that peak and what dominates it.
+
+    Attributes:
+        budget_bytes: the budget that was asked for.
+        minimum_bytes: the smallest budget that works for this step (the lowest plan's peak, plus the margin plans
+            keep for the prediction's error).
+        lowest_plan: that lowest-memory plan, for a caller that must run the step anyway (it exceeds the budget).
+    """
+
+    def __init__(self, message: str, budget_bytes: int, minimum_bytes: int, lowest_plan: Plan) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.minimum_bytes = minimum_bytes
+        self.lowest_plan = lowest_plan
+
+
+def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowest_plan: Plan,
+                chosen: Sequence[LayerOption], run: SimulatedStep) -> InfeasibleBudgetError:  # fmt: skip
+    """The error for a budget below the lowest-memory plan's peak, with what that peak is made of."""
+    code = lowest_plan.code
+    static = profile.static_bytes + (profile.gradient_bytes if run.peak_phase == "backward" else 0)
+    if run.peak_phase == "head":
+        at_peak = ("the head and loss", profile.head_bytes)
+    else:
+        layer = chosen[run.peak_layer]
+        working = layer.saved + (layer.working if run.peak_phase == "backward" else 0)
+        at_peak = (f"layer {run.peak_layer}'s working set (its activations and gradient buffers)", working)
+    parts = [
+        ("static memory (parameters, gradients, optimizer state)", static),
+        at_peak,
+        ("the layers' held inputs, reloads and copies in flight", run.peak_bytes - static - at_peak[1]),
+    ]
+    parts.sort(key=lambda part: -part[1])
+    (largest_name, largest_bytes), *others = parts
+    rest = " and ".join(f"{name} {format_bytes(nbytes)}" for name, nbytes in others)
+    message = (
+        f"the memory budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the smallest peak this "
+        f"step can reach, {format_bytes(run.peak_bytes)} ({run.peak_bytes} bytes; plan {code!r}, peak at "
+        f"{describe_peak(run)}), dominated by {largest_name} {format_bytes(largest_bytes)}, then {rest}"
+        + (", with every layer's MLP tiled" if "T" in code or "t" in code else "")
+        + (
+            f"; plans keep {format_bytes(margin_bytes)} below the budget for the prediction's error, so the smallest "
+            f"budget that works is {format_bytes(run.peak_bytes + margin_bytes)}"
+            if margin_bytes
+            else ""
+        )
+        + ". Raise the budget, or shorten the sequences or the batch."
+    )
+    return InfeasibleBudgetError(message, budget_bytes, run.peak_bytes + margin_bytes, lowest_plan)
+
+
+def _first_fitting(plans: list[list[str]], run_of: Callable[[Sequence[str]], SimulatedStep],
+                   fits: Callable[[SimulatedStep], bool]) -> tuple[list[str], SimulatedStep] | None:  # fmt: skip
+    """The first of the greedy's plans that fits, by binary search: their peak falls from one to the next (all
+    but always monotonically; whatever the search returns was checked by the simulation)."""
+    low, high, found = 0, len(plans) - 1, None
+    while low <= high:
+        middle = (low + high) // 2
+        run = run_of(plans[middle])
+        if fits(run):
+            found, high = (plans[middle], run), middle - 1
+        else:
+            low = middle + 1
+    return found
+
+
+def _polish(letters: list[str], run: SimulatedStep, seconds: list[dict[str, float]],
+            run_of: Callable[[Sequence[str]], SimulatedStep], fits: Callable[[SimulatedStep], bool],
+            planned: str = _PLANNED) -> tuple[list[str], SimulatedStep]:  # fmt: skip
+    """Moves each layer, once, to the first action that still fits and makes the step faster.
+
+    A layer tries the actions of `planned` no dearer on their own than its current one, cheapest first (ties
+    included: an input kept rather than offloaded costs the same recompute and no copy). The layers that could save
+    the most go first; on ties the last first, whose changes freed memory for the fewest points of the step.
+    """
+    order = sorted(
+        range(len(letters)), key=lambda i: (min(seconds[i][letter] for letter in planned) - seconds[i][letters[i]], -i)
+    )
+    for i in order:
+        current_s = seconds[i][letters[i]]
+        alternatives = sorted(
+            (letter for letter in planned if letter != letters[i] and seconds[i][letter] <= current_s),
+            key=lambda letter: seconds[i][letter],
+        )
+        for letter in alternatives:
+            trial = letters.copy()
+            trial[i] = letter
+            trial_run = run_of(trial)
+            if fits(trial_run) and trial_run.step_s < run.step_s:
+                letters, run = trial, trial_run
+                break
+    return letters, run
+
+
+def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measured: Sequence[MeasuredStep] = (),
+         measured_only: bool = False) -> Plan:  # fmt: skip
+    """The per-layer actions with the shortest predicted step whose predicted peak fits the budget.
+
+    Greedy, then polished. The greedy changes one layer at a time from keeping everything, taking first the
+    changes that free the most bytes per second they add (see `_greedy_plans`); a binary search finds the first of
+    its plans that fits. Polishing moves each layer, one at a time, to the cheapest action that still fits if that
+    makes the step faster, which undoes changes the peak did not need (a change frees memory only for the points
+    of the step after its layer). Both the greedy's plan and the lowest-memory plan are polished, and the faster
+    wins: the result is never slower than the lowest-memory plan. Every candidate is judged by `simulate_step` with the
+    widest prefetch window that fits, so the plan never exceeds the budget. About 10 simulations per layer at most,
+    each linear in the layers. The selective offload (`X`) is not chosen (see `_PLANNED`).
+
+    Tiled MLPs (`T`, `t`) are not exact, so they are chosen only when no plan without them fits (and the profile
+    measured them, see `tiling_available`): then every layer starts fully checkpointed with its MLP tiled, and
+    polishing moves each layer that can do without back to a faster action.
+
+    A heuristic: on uniform layers it matches an exhaustive search (see the tests); with layers of different
+    sizes and slow links, where copies queue behind each other, it can miss the fastest plan by a few percent.
+
+    Plans that ran (`measured`) are measurements, and a measurement beats the model: a measured plan fits if its
+    measured peak is within the budget (the margin is for predictions), and is as fast as it measured. So the
+    result is never slower than the fastest measured plan that fits, and a budget that a measured plan met is
+    never refused (a plan without tiling that fits by measurement beats tiling). The plans that never ran are
+    compared with them by their predictions scaled by the model's error in time (`Plan.time_scale`).
+
+    Args:
+        profile: the measured step.
+        budget_bytes: the budget for the step's peak, in bytes.
+        margin_bytes: how far below the budget the predicted peak must stay (for the prediction's error).
+        measured: plans that ran, with their measurements at `profile`'s tokens (see `MeasuredStep.scaled`).
+        measured_only: the fastest of the measured exact plans that fit, if any fits: for a closed loop's last
+            correction, after which a plan the model proposes would never be measured.
+
+    Returns:
+        The plan. When keeping everything fits, every layer keeps.
+
+    Raises:
+        InfeasibleBudgetError: if even the lowest-memory plan (every layer fully checkpointed, its MLP tiled where
+            tiling is available, inputs offloaded as far as the host cap allows) does not fit, nor does any measured
+            plan: the message names its peak, what dominates it, and the budget; the error carries that plan.
+        ValueError: `budget_bytes` is not an int > 0.
+
+    Example:
+        >>> from hf_offload.memory_budget.profile import LayerProfile, StepProfile
+        >>> from hf_offload.memory_budget.simulate import simulate
+        >>> from hf_offload.units import GIB
+        >>> layer = LayerProfile(saved_bytes=2 * GIB, selective_bytes=GIB, input_bytes=GIB // 16, forward_s=0.005,
+        ...                      backward_s=0.010, selective_recompute_s=0.002)
+        >>> profile = StepProfile(layers=[layer] * 4, static_bytes=8 * GIB, head_bytes=GIB,
+        ...                       backward_working_bytes=2 * GIB, head_s=0.04, other_s=0.03, d2h_bytes_per_s=55e9,
+        ...                       h2d_bytes_per_s=55e9, host_cap_bytes=64 * GIB, tokens=16384)
+        >>> simulate(profile, "KKKK").peak_bytes / GIB
+        18.0
+        >>> choose_plan(profile, 16 * GIB).code
+        'SSSK'
+        >>> round(choose_plan(profile, 16 * GIB).predicted.step_s, 3)
+        0.136
+    """
+    if not is_int(budget_bytes) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be an int > 0, got {budget_bytes!r}")
+    for step in measured:
+        check_code(profile, step.code)
+    by_code = {step.code: step for step in measured}
+    options = [layer_options(profile, layer) for layer in profile.layers]
+    limit = budget_bytes - margin_bytes
+
+    def run_of(letters: Sequence[str]) -> SimulatedStep:
+        return simulate_step(profile, [layer[letter] for layer, letter in zip(options, letters)], limit=limit)
+
+    # The model's error in time, as the measured plans show it: a prediction compared with a measurement is scaled
+    # by it (a model that over-predicts every step would otherwise lose every comparison to a measurement).
+    ratios = [step.step_s / run.step_s for step in by_code.values() if (run := run_of(step.code)).step_s > 0]
+    time_scale = statistics.median(ratios) if ratios else 1.0
+
+    def fits(run: SimulatedStep) -> bool:
+        return run.peak_bytes <= limit and run.host_bytes <= profile.host_cap_bytes
+
+    def finish(letters: Sequence[str], run: SimulatedStep) -> Plan:
+        code = "".join(letters)
+        predicted = prediction_of(code, [layer[letter] for layer, letter in zip(options, code)], run)
+        return Plan(
+            budget_bytes=budget_bytes,
+            tokens=profile.tokens,
+            predicted=predicted,
+            tile_tokens=profile.tile_tokens if "T" in code or "t" in code else 0,
+            host_cap_bytes=profile.host_cap_bytes,
+            measured=by_code.get(code),
+            time_scale=time_scale,
+        )
+
+    def fastest(candidates: list[tuple[list[str], SimulatedStep]]) -> Plan:
+        return min((finish(*candidate) for candidate in candidates), key=lambda plan: plan.expected_step_s)
+
+    def admissible(candidate: tuple[list[str], SimulatedStep]) -> bool:
+        return finish(*candidate).fits(margin_bytes) and candidate[1].host_bytes <= profile.host_cap_bytes
+
+    measured_fitting = [candidate for candidate in ((list(code), run_of(code)) for code in by_code)
+                        if admissible(candidate)]  # fmt: skip
+    # Tiling is not exact: a measured plan that tiles is a candidate only where no exact plan fits.
+    exact_measured = [candidate for candidate in measured_fitting if not {"T", "t"} & set(candidate[0])]
+    if measured_only and exact_measured:
+        return fastest(exact_measured)
+    keep_all = ["K"] * len(options)
+    keep_all_run = run_of(keep_all)
+    if admissible((keep_all, keep_all_run)):  # nothing is faster, unless it measured slower than a measured plan
+        return fastest([(keep_all, keep_all_run), *exact_measured])
+    lowest = list(_lowest_memory_code(profile))
+    lowest_run = run_of(lowest)
+    seconds = _own_seconds(profile, options)
+    if not fits(lowest_run) and measured_fitting:  # the model over-predicts a peak that a measurement met
+        return fastest(exact_measured or measured_fitting)
+    if not fits(lowest_run) and tiling_available(profile):
+        lowest = list(_lowest_memory_code(profile, tiled=True))
+        lowest_run = run_of(lowest)
+        if fits(lowest_run):
+            return finish(*_polish(lowest, lowest_run, seconds, run_of, fits, planned=_PLANNED + "Tt"))
+    if not fits(lowest_run):
+        chosen = [layer[letter] for layer, letter in zip(options, lowest)]
+        error = _infeasible(profile, budget_bytes, margin_bytes, finish(lowest, lowest_run), chosen, lowest_run)
+        # A measured plan that peaked below the predicted minimum (over this budget, or it would have been chosen)
+        # is the smallest budget known to work.
+        met = min((step for step in by_code.values() if step.peak_bytes is not None),
+                  key=lambda step: step.peak_bytes, default=None)  # fmt: skip
+        if met is not None and met.peak_bytes < error.minimum_bytes:
+            raise InfeasibleBudgetError(f"{error} Measured, plan {met.code!r} peaked at {format_bytes(met.peak_bytes)} "
+                                        f"({met.peak_bytes} bytes): the smallest budget known to work.",
+                                        budget_bytes, met.peak_bytes, error.lowest_plan)  # fmt: skip
+        raise error
+
+    others = [*exact_measured]
+    greedy = _first_fitting(_greedy_plans(profile, options, seconds), run_of, fits)
+    if greedy is not None:
+        others.append(_polish(*greedy, seconds, run_of, fits))
+    # A plan the model fits that measured over the budget is no candidate; the polished lowest-memory plan stays
+    # one whatever it measured, the last resort.
+    return fastest([_polish(lowest, lowest_run, seconds, run_of, fits), *filter(admissible, others)])

@@ -1,0 +1,558 @@
+"""The step model: what a plan, one action per decoder layer, costs a training step in peak memory and in time.
+
+Pure Python, standard library only, like the rest of the planning (`spec`, `profile`, `search`): plans are computed,
+tested and compared anywhere. A plan is data: a `Plan` holds its actions and what the model predicts of them (a
+`Prediction`, per layer a `PlannedLayer`), and is printed as a table, logged, sent to other ranks as plain data and
+compared; a `MeasuredStep` is a plan that ran. `simulate` predicts any plan, hand-written or chosen by `search`, from
+a measured `StepProfile`.
+
+Actions, one per decoder layer, each with a one-letter code:
+  * keep (`K`): the layer's saved tensors stay on the GPU until its backward.
+  * offload (`O`): everything the layer saves goes to the host after its forward and comes back for its backward.
+  * selective checkpoint (`S` input offloaded, `s` input kept): the outputs of matmuls and attention stay on the
+    GPU (the checkpoint keeps them in its own cache), the rest is recomputed in backward.
+  * selective checkpoint, offloaded (`X`): as `S`, but the saved outputs go to the host with the input.
+  * full checkpoint (`C` input offloaded, `c` input kept): only the input is saved; the whole forward is
+    recomputed in backward.
+  * full checkpoint with the MLP tiled (`T` input offloaded, `t` input kept): as `C`/`c`, and the layer's MLP runs
+    over chunks of `StepProfile.tile_tokens` tokens (`tiled_mlp`), so that its intermediates exist for one
+    chunk at a time, in the recompute and the backward too. The only action that is not bitwise exact (the weight
+    gradients are summed chunk by chunk), so the planner chooses it only when no plan without it fits.
+
+The model, which the GPU measurements must confirm (bytes, seconds; layer i's numbers from its `LayerProfile`):
+  * Bytes. Between its forward and its backward a layer holds on the GPU: keep `saved_bytes`; offload and `X` 0;
+    selective `selective_bytes` (+ `input_bytes` if it keeps its input); full 0 (+ `input_bytes` if kept). It sends
+    to the host: offload `saved_bytes`; `X` `selective_bytes + input_bytes`; `S` and `C` `input_bytes`; the others
+    nothing. `T`/`t` hold and send what `C`/`c` do.
+  * Forward. Layers run in order. A layer's offloaded bytes are queued on one device-to-host stream when its
+    forward ends (FIFO, at `d2h_bytes_per_s`) and leave the GPU when their copy finishes. Compute never waits for
+    a copy except at the end of the forward, where every copy is drained before the head runs: that wait is
+    exposed time. Memory while layer i computes = static + what the layers before it hold + their copies not
+    finished when layer i starts + layer i's `saved_bytes` (all its activations exist while it computes, even
+    when it is checkpointed). For `T`/`t` that is its `tiled_saved_bytes` + the step's `tile_chunk_bytes` (one
+    chunk's MLP intermediates).
+  * Reloads. The offloaded layers come back one after another, from the last to the first, on one host-to-device
+    stream (FIFO, at `h2d_bytes_per_s`), as far ahead as the prefetch window allows: a layer's reload is issued
+    when the head starts or a layer's backward starts, if the reloads issued and not yet used fit the window with
+    it (or none are outstanding). The window is at least the largest layer's reload (one layer ahead); the planner
+    widens it as far as the budget allows, which hides long reloads behind several layers' backward. While the
+    head runs, the window stays at its narrowest: the loss's peak is then still close.
+  * Head. Memory = static + what every layer holds + `head_bytes` + the reloads outstanding, counted as
+    min(narrowest window, every reload): the engine fills its window copy by copy, not layer by layer.
+  * Backward, layer i from the last to the first. Its backward starts when layer i+1's has ended and its reload
+    has finished (the difference is a stall), and lasts `backward_s` + its recompute (full: `forward_s`,
+    selective: `selective_recompute_s`, tiled: `forward_s` + `tiled_extra_s`). Memory = static + the gradients that
+    exist by then (`gradient_bytes` less the `parameter_gradient_bytes` of the layers before it, whose backward is
+    still to come) + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it
+    exists during its backward) + `backward_working_bytes` + min(window, the reloads of the layers before it). For
+    `T`/`t`: its bytes in the forward above, and `tiled_backward_working_bytes` in place of `backward_working_bytes`.
+  * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`.
+  * Step time = `other_s` + the layers' forwards + the drain + `head_s` + the layers' backwards, recomputes and
+    stalls. Peak = the largest memory of all the points above.
+Where the engine can do better than the model says, the model takes the worse: a copy could start when the tensor
+is saved rather than when the layer ends, and memory inside a layer's forward only reaches `saved_bytes` at its end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ..units import GIB, format_bytes
+from .checks import check_bytes, check_seconds
+from .profile import LayerProfile, StepProfile, tiling_available
+
+__all__ = [
+    "KEEP",
+    "OFFLOAD",
+    "SELECTIVE",
+    "SELECTIVE_OFFLOAD",
+    "FULL",
+    "FULL_TILED",
+    "ACTION_CODES",
+    "PlannedLayer",
+    "Prediction",
+    "MeasuredStep",
+    "Plan",
+    "simulate",
+]
+
+KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL = "keep", "offload", "selective", "selective_offload", "full"
+FULL_TILED = "full_tiled_mlp"
+
+# Code letter -> (action, whether the layer's input leaves the GPU).
+ACTION_CODES: dict[str, tuple[str, bool]] = {
+    "K": (KEEP, False),
+    "O": (OFFLOAD, True),
+    "S": (SELECTIVE, True),
+    "s": (SELECTIVE, False),
+    "C": (FULL, True),
+    "c": (FULL, False),
+    "X": (SELECTIVE_OFFLOAD, True),
+    "T": (FULL_TILED, True),
+    "t": (FULL_TILED, False),
+}
+_CODE_OF_ACTION = {action: code for code, action in ACTION_CODES.items()}
+
+
+@dataclass(frozen=True)
+class PlannedLayer:
+    """One layer's action and what the model predicts of it.
+
+    Args:
+        action: "keep", "offload", "selective" or "full".
+        offload_input: whether the layer's input leaves the GPU (always for "offload", never for "keep").
+        held_bytes: bytes it holds on the GPU between its forward and its backward.
+        offloaded_bytes: bytes it sends to the host.
+        recompute_s: recomputation in its backward.
+        stall_s: time its backward waits for its reload.
+    """
+
+    action: str
+    offload_input: bool
+    held_bytes: int
+    offloaded_bytes: int
+    recompute_s: float
+    stall_s: float
+
+    def __post_init__(self) -> None:
+        if (self.action, self.offload_input) not in _CODE_OF_ACTION:
+            raise ValueError(f"no such layer action: {self.action!r} with offload_input={self.offload_input!r}; "
+                             f"the actions are {sorted(set(ACTION_CODES.values()))}")  # fmt: skip
+
+    @property
+    def code(self) -> str:
+        """The layer's letter in a plan code (see `ACTION_CODES`)."""
+        return _CODE_OF_ACTION[(self.action, self.offload_input)]
+
+    @property
+    def added_s(self) -> float:
+        """Time this layer adds to the step compared with keeping it."""
+        return self.recompute_s + self.stall_s
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the model predicts of one step under a sequence of layer actions (see the module docstring).
+
+    Args:
+        layers: per layer, its action and predicted bytes and time.
+        peak_bytes: the step's peak memory.
+        peak_at: where the peak occurs: "forward layer 3", "head" or "backward layer 0" (the earliest if tied).
+        step_s: the step's time.
+        drain_s: compute's wait for the copies at the end of the forward.
+        host_bytes: bytes on the host at the end of the forward.
+        forward_window_bytes: the most bytes in flight to the host at once, counting a copy from its queueing.
+        prefetch_window_bytes: the reloads issued ahead of need, at most (0 when nothing is offloaded).
+    """
+
+    layers: tuple[PlannedLayer, ...]
+    peak_bytes: int
+    peak_at: str
+    step_s: float
+    drain_s: float
+    host_bytes: int
+    forward_window_bytes: int
+    prefetch_window_bytes: int
+
+    @property
+    def code(self) -> str:
+        """One letter per layer, as `simulate` takes it."""
+        return "".join(layer.code for layer in self.layers)
+
+
+class LayerOption(NamedTuple):
+    """One layer under one action: what the simulation needs of it, as a plain tuple to unpack fast."""
+
+    held: int
+    offloaded: int
+    recompute_s: float
+    saved: int
+    forward_s: float
+    backward_s: float
+    working: int  # its backward's gradient buffers on top of `saved`
+
+
+class SimulatedStep(NamedTuple):
+    """The step-level results of `simulate_step`, without per-layer objects, for the planner's inner loop."""
+
+    peak_bytes: int
+    peak_phase: str  # "forward", "head" or "backward"
+    peak_layer: int  # -1 for the head
+    step_s: float
+    drain_s: float
+    host_bytes: int
+    forward_window_bytes: int
+    prefetch_window_bytes: int
+    stall_s: list[float]
+
+
+def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerOption]:
+    """The layer under each action code (the tiled ones only when `tiling_available`)."""
+    saved, selective, inputs = layer.saved_bytes, layer.selective_bytes, layer.input_bytes
+    times = (saved, layer.forward_s, layer.backward_s, profile.backward_working_bytes)
+    options = {
+        "K": LayerOption(saved, 0, 0.0, *times),
+        "O": LayerOption(0, saved, 0.0, *times),
+        "S": LayerOption(selective, inputs, layer.selective_recompute_s, *times),
+        "s": LayerOption(selective + inputs, 0, layer.selective_recompute_s, *times),
+        "X": LayerOption(0, selective + inputs, layer.selective_recompute_s, *times),
+        "C": LayerOption(0, inputs, layer.forward_s, *times),
+        "c": LayerOption(inputs, 0, layer.forward_s, *times),
+    }
+    if tiling_available(profile):
+        tiled = (layer.forward_s + layer.tiled_extra_s, layer.tiled_saved_bytes + profile.tile_chunk_bytes,
+                 layer.forward_s, layer.backward_s, profile.tiled_backward_working_bytes)  # fmt: skip
+        options["T"] = LayerOption(0, inputs, *tiled)
+        options["t"] = LayerOption(inputs, 0, *tiled)
+    return options
+
+
+def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: int | None = None,
+                  limit: int | None = None) -> SimulatedStep:  # fmt: skip
+    """The model of the module docstring, walked through once in time order. The planner's hot loop.
+
+    The prefetch window is `window` (at least the largest reload), or with `limit` (a peak not to exceed) the widest
+    that keeps the peak within it, or else the narrowest: the peak's points are computed before the reloads are
+    timed, and each bounds the window by the room it leaves.
+    """
+    static = profile.static_bytes
+    peak, peak_phase, peak_layer = -1, "", -1
+
+    held_before = 0  # held by the layers before the current one
+    now = 0.0  # end of the last forward so far
+    copies: deque[tuple[float, int]] = deque()  # (finish time, bytes) of copies to the host not yet finished
+    copying_bytes = 0
+    copies_done_at = 0.0
+    forward_window = 0
+    for i, (held, offloaded, _, saved, forward_s, _, _) in enumerate(options):
+        memory = static + held_before + copying_bytes + saved
+        if memory > peak:
+            peak, peak_phase, peak_layer = memory, "forward", i
+        now += forward_s
+        while copies and copies[0][0] <= now:
+            copying_bytes -= copies.popleft()[1]
+        if offloaded:
+            copies_done_at = (copies_done_at if copies_done_at > now else now) + offloaded / profile.d2h_bytes_per_s
+            copies.append((copies_done_at, offloaded))
+            copying_bytes += offloaded
+            if copying_bytes > forward_window:
+                forward_window = copying_bytes
+        held_before += held
+
+    # The points after the forward: memory without the reloads, and the reloads still to come there.
+    reloads_total = sum(option.offloaded for option in options)
+    narrowest = max(option.offloaded for option in options)
+    # The head's reloads stay within the narrowest window (the engine widens it once the layers' backward begins),
+    # so that they never pile onto the loss's peak.
+    points = [(static + held_before + profile.head_bytes, min(narrowest, reloads_total), "head", -1)]
+    below = reloads_total
+    # Gradients still to come at layer i's backward: those of the layers before it, as far as they are pending.
+    gradients_to_come = min(profile.gradient_bytes, sum(layer.parameter_gradient_bytes for layer in profile.layers))
+    after_forward = static + profile.gradient_bytes
+    for i in range(len(options) - 1, -1, -1):
+        held, offloaded, _, saved, _, _, working = options[i]
+        held_before -= held
+        below -= offloaded
+        gradients_to_come = max(0, gradients_to_come - profile.layers[i].parameter_gradient_bytes)
+        points.append((after_forward - gradients_to_come + held_before + saved + working, below, "backward", i))
+    if window is None:
+        window = narrowest
+        if limit is not None:
+            widest = reloads_total
+            for memory, to_come, _, _ in points:
+                if limit - memory < to_come:
+                    widest = min(widest, limit - memory)
+            window = max(window, widest)
+    window = max(window, narrowest)
+    for memory, to_come, phase, layer in points:
+        memory += min(window, to_come)
+        if memory > peak:
+            peak, peak_phase, peak_layer = memory, phase, layer
+
+    drain = copies_done_at - now if copies_done_at > now else 0.0
+    head_start = now + drain
+    stalls = [0.0] * len(options)
+    reloads = [i for i in range(len(options) - 1, -1, -1) if options[i].offloaded]  # in the order they come back
+    reload_done = [0.0] * len(options)
+    next_reload, outstanding, h2d_free_at = 0, 0, 0.0
+
+    def issue(at: float, ahead: int) -> None:
+        """Issues the next reloads at time `at`, while those outstanding fit `ahead` bytes."""
+        nonlocal next_reload, outstanding, h2d_free_at
+        while next_reload < len(reloads):
+            layer = reloads[next_reload]
+            nbytes = options[layer].offloaded
+            if outstanding and outstanding + nbytes > ahead:
+                return
+            h2d_free_at = (h2d_free_at if h2d_free_at > at else at) + nbytes / profile.h2d_bytes_per_s
+            reload_done[layer] = h2d_free_at
+            outstanding += nbytes
+            next_reload += 1
+
+    issue(head_start, narrowest)
+    previous_end = head_start + profile.head_s  # end of the backward after this layer's (the head's, first)
+    for i in range(len(options) - 1, -1, -1):
+        _, offloaded, recompute_s, _, _, backward_s, _ = options[i]
+        start = previous_end
+        if offloaded:
+            issue(start, window)  # a no-op unless every earlier reload is used: then this one goes now
+            if reload_done[i] > start:
+                start = reload_done[i]
+            outstanding -= offloaded
+        stalls[i] = start - previous_end
+        issue(start, window)
+        previous_end = start + backward_s + recompute_s
+
+    return SimulatedStep(
+        peak_bytes=peak,
+        peak_phase=peak_phase,
+        peak_layer=peak_layer,
+        step_s=profile.other_s + previous_end,
+        drain_s=drain,
+        host_bytes=reloads_total,
+        forward_window_bytes=forward_window,
+        prefetch_window_bytes=window if reloads_total else 0,
+        stall_s=stalls,
+    )
+
+
+def describe_peak(run: SimulatedStep) -> str:
+    return "head" if run.peak_phase == "head" else f"{run.peak_phase} layer {run.peak_layer}"
+
+
+def check_code(profile: StepProfile, code: str) -> None:
+    if not isinstance(code, str) or len(code) != len(profile.layers) or not set(code) <= ACTION_CODES.keys():
+        raise ValueError(f"a plan code has one letter per layer ({len(profile.layers)}) from "
+                         f"{''.join(ACTION_CODES)}, got {code!r}")  # fmt: skip
+    if not tiling_available(profile) and set(code) & {"T", "t"}:
+        raise ValueError(f"plan code {code!r} tiles MLPs (T, t), but this profile has no tiled measurement for "
+                         f"{profile.tokens} tokens (tile_tokens={profile.tile_tokens}: tiling needs 0 < tile_tokens "
+                         "< tokens)")  # fmt: skip
+
+
+def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None = None) -> Prediction:
+    """Predicts the peak memory and time of one step under the given layer actions.
+
+    Args:
+        profile: the measured step.
+        code: one action letter per layer, in forward order (see `ACTION_CODES`), e.g. "CCCCSSSSKKKK".
+        prefetch_window_bytes: the reloads allowed ahead of need; None, or anything narrower than the largest
+            layer's reload, means that reload (one layer ahead).
+
+    Returns:
+        The prediction.
+
+    Raises:
+        ValueError: if `code` does not have one valid letter per layer, or tiles MLPs where the profile cannot.
+
+    Example:
+        With `profile` as in `choose_plan`'s example:
+
+        >>> simulate(profile, "CCCC").peak_at
+        'backward layer 3'
+    """
+    check_code(profile, code)
+    if prefetch_window_bytes is not None:
+        check_bytes("simulate", "prefetch_window_bytes", prefetch_window_bytes)
+    options = [layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
+    return prediction_of(code, options, simulate_step(profile, options, window=prefetch_window_bytes))
+
+
+def prediction_of(code: str, options: Sequence[LayerOption], run: SimulatedStep) -> Prediction:
+    layers = tuple(
+        PlannedLayer(
+            *ACTION_CODES[letter],
+            held_bytes=option.held,
+            offloaded_bytes=option.offloaded,
+            recompute_s=option.recompute_s,
+            stall_s=stall,
+        )  # fmt: skip
+        for letter, option, stall in zip(code, options, run.stall_s)
+    )
+    return Prediction(
+        layers=layers,
+        peak_bytes=run.peak_bytes,
+        peak_at=describe_peak(run),
+        step_s=run.step_s,
+        drain_s=run.drain_s,
+        host_bytes=run.host_bytes,
+        forward_window_bytes=run.forward_window_bytes,
+        prefetch_window_bytes=run.prefetch_window_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """A plan that ran: what its steps measured, at the tokens of the profile it is given to `choose_plan` with.
+
+    Args:
+        code: the plan's code (see `ACTION_CODES`).
+        step_s: its step's time, the median of its steps.
+        peak_bytes: its steps' largest peak; None where nothing counts peaks (the CPU test mode): its predicted
+            peak then stands for it.
+    """
+
+    code: str
+    step_s: float
+    peak_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        check_seconds("MeasuredStep", "step_s", self.step_s)
+        if self.peak_bytes is not None:
+            check_bytes("MeasuredStep", "peak_bytes", self.peak_bytes)
+
+    def scaled(self, measured_at: StepProfile, profile: StepProfile) -> MeasuredStep:
+        """The same plan measured under `measured_at`, predicted under `profile` (another number of tokens, or
+        more memory held): its time in the proportion of the two predictions, its peak grown by what the
+        prediction's grows (what the model gets wrong of the measured step stays as it was)."""
+        before, after = simulate(measured_at, self.code), simulate(profile, self.code)
+        step_s = self.step_s * after.step_s / before.step_s if before.step_s > 0 else after.step_s
+        peak = None if self.peak_bytes is None else max(0, self.peak_bytes + after.peak_bytes - before.peak_bytes)
+        return MeasuredStep(self.code, step_s, peak)
+
+
+_ACTION_NAMES = {
+    "K": "keep",
+    "O": "offload",
+    "S": "selective, input offloaded",
+    "s": "selective, input kept",
+    "X": "selective, all offloaded",
+    "C": "full, input offloaded",
+    "c": "full, input kept",
+    "T": "full, MLP tiled, input offloaded",
+    "t": "full, MLP tiled, input kept",
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer: per layer an action, and what the model predicts of the step.
+
+    Args:
+        budget_bytes: the budget it was planned for.
+        tokens: the tokens per step it was planned for; a longer step needs a new plan.
+        predicted: the layers' actions and the predicted step.
+        tile_tokens: tokens per chunk of the layers whose MLP the plan tiles (`T`, `t`).
+        host_cap_bytes: the pinned host bytes the plan had (`StepProfile.host_cap_bytes`).
+        measured: what this plan measured when it ran before (scaled to `tokens`); None if it never ran. Where
+            the measurement and the prediction disagree, the measurement is what `choose_plan` chose by.
+        time_scale: the measured plans' median ratio of measured to predicted step time, by which `choose_plan` scaled
+            the predictions of the plans that never ran, to compare them with measured ones (1 without any).
+    """
+
+    budget_bytes: int
+    tokens: int
+    predicted: Prediction
+    tile_tokens: int = 0
+    host_cap_bytes: int = 0
+    measured: MeasuredStep | None = None
+    time_scale: float = 1.0
+
+    @property
+    def expected_step_s(self) -> float:
+        """The step time `choose_plan` chose this plan by: measured, or else predicted in the measurements' terms."""
+        return self.predicted.step_s * self.time_scale if self.measured is None else self.measured.step_s
+
+    @property
+    def layers(self) -> tuple[PlannedLayer, ...]:
+        """Per layer, in forward order, its action and what is predicted of it."""
+        return self.predicted.layers
+
+    @property
+    def code(self) -> str:
+        """One letter per layer, e.g. "CCCCSSSSKKKK" (lowercase: a checkpoint that keeps its input)."""
+        return self.predicted.code
+
+    def fits(self, margin_bytes: int = 0) -> bool:
+        """Whether the plan keeps under its budget: its measured peak if it has one, else its predicted peak with
+        `margin_bytes` to spare (the prediction's error, which a measurement does not have)."""
+        if self.measured is not None and self.measured.peak_bytes is not None:
+            return self.measured.peak_bytes <= self.budget_bytes
+        return self.predicted.peak_bytes <= self.budget_bytes - margin_bytes
+
+    @property
+    def forward_window_bytes(self) -> int:
+        """The engine's forward window: the most bytes in flight to the host that the plan relies on."""
+        return self.predicted.forward_window_bytes
+
+    @property
+    def prefetch_window_bytes(self) -> int:
+        """The engine's prefetch window: the reloads it may issue ahead of need (see the module docstring)."""
+        return self.predicted.prefetch_window_bytes
+
+    @property
+    def head_prefetch_window_bytes(self) -> int:
+        """What the output head's backward may reload ahead: the largest layer's reload (see the module docstring)."""
+        return max(layer.offloaded_bytes for layer in self.layers)
+
+    @property
+    def tiled_layers(self) -> list[int]:
+        """The layers whose MLP the plan tiles, in forward order."""
+        return [i for i, layer in enumerate(self.layers) if layer.action == FULL_TILED]
+
+    @property
+    def inputs_kept_for_host(self) -> list[int]:
+        """The checkpointed layers that keep their input on the GPU because the host's pinned cap is full: their
+        input would have fit the budget's plan offloaded, but not the host."""
+        kept = [i for i, layer in enumerate(self.layers) if layer.code in "sct"]
+        smallest = min((self.layers[i].held_bytes for i in kept), default=0)
+        full = self.host_cap_bytes and self.predicted.host_bytes + smallest > self.host_cap_bytes
+        return kept if full else []
+
+    def format_table(self) -> str:
+        """The plan as a table for the log: a header line (and what limits it), then one line per layer."""
+        predicted = self.predicted
+        lines = [
+            f"Memory plan for {self.tokens} tokens per step, budget {format_bytes(self.budget_bytes)}: predicted peak "
+            f"{format_bytes(predicted.peak_bytes)} ({predicted.peak_at}), step {predicted.step_s * 1000:.1f} ms (copy "
+            f"wait {predicted.drain_s * 1000:.1f} ms), {format_bytes(predicted.host_bytes)} on the host",
+        ]
+        if self.measured is not None:
+            peak = self.measured.peak_bytes
+            lines.append(
+                f"Chosen by measurement: its steps ran in {self.measured.step_s * 1000:.1f} ms"
+                + ("" if peak is None else f" at a peak of {format_bytes(peak)}")
+            )
+        if self.tiled_layers:
+            lines.append(
+                f"The MLPs of {len(self.tiled_layers)} layers run in chunks of {self.tile_tokens} tokens: "
+                "no plan without tiling fits (gradients then agree within rounding, not bitwise)"
+            )
+        if self.inputs_kept_for_host:
+            lines.append(f"{len(self.inputs_kept_for_host)} checkpointed layers keep their input on the GPU: the "
+                         f"host's pinned cap of {format_bytes(self.host_cap_bytes)} is full "
+                         "(max_pinned_memory_fraction, max_pinned_mib)")  # fmt: skip
+        lines.append(f"{'layer':>5}  {'action':<32}  {'kept GiB':>8}  {'offloaded GiB':>13}  {'added ms':>8}")
+        for i, layer in enumerate(predicted.layers):
+            lines.append(f"{i:>5}  {_ACTION_NAMES[layer.code]:<32}  {layer.held_bytes / GIB:>8.2f}  "
+                         f"{layer.offloaded_bytes / GIB:>13.2f}  {layer.added_s * 1000:>8.2f}")  # fmt: skip
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-able, picklable) that `from_dict` turns back into an equal plan."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Return the plan that `to_dict` described.
+
+        Args:
+            data: what `to_dict` returned (after a JSON or pickle round trip, too).
+
+        Returns:
+            A plan equal to the one `data` was made from.
+        """
+        predicted = dict(data["predicted"])
+        predicted["layers"] = tuple(PlannedLayer(**layer) for layer in predicted["layers"])
+        measured = data.get("measured")
+        return cls(
+            **{
+                **data,
+                "predicted": Prediction(**predicted),
+                "measured": None if measured is None else MeasuredStep(**measured),
+            }
+        )

@@ -1,0 +1,59 @@
+"""Probing a layer, in the CPU test mode: the arguments a long call is probed on, and probes that leave no trace in
+the step they run in."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+from _gpu_models import build_model, make_batch, make_ctx  # noqa: E402
+
+from hf_offload.memory_budget.probes import first_tokens  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+# The model families' sizes of `test_controller_families.py`.
+SIZE = dict(hidden=32, layers=2, vocab=128)
+SEQ = 24
+ROOMY = 10 * 2**30
+
+
+def test_the_first_tokens_of_every_sequence_argument():
+    hidden, mask = torch.zeros(2, 10, 10), torch.zeros(2, 1, 10, 10)  # hidden size = length: cut once
+    cos = torch.zeros(2, 10, 8)
+    args, kwargs = first_tokens((hidden,), {"attention_mask": mask, "position_embeddings": (cos, cos),
+                                             "cache_position": torch.arange(10), "use_cache": False}, 8)  # fmt: skip
+    assert args[0].shape == (2, 4, 10) and kwargs["attention_mask"].shape == (2, 1, 4, 4)
+    assert kwargs["position_embeddings"][0].shape == (2, 4, 8) and kwargs["cache_position"].tolist() == [0, 1, 2, 3]
+    assert kwargs["use_cache"] is False
+    assert first_tokens((hidden,), {}, 20)[0][0] is hidden  # short enough: unchanged
+    # Packed sequences (a vision tower's 2-d hidden states, their bounds in `cu_seqlens`) are never cut.
+    packed, bounds = torch.zeros(100, 8), torch.tensor([0, 50, 100])
+    args, kwargs = first_tokens((packed,), {"cu_seqlens": bounds}, 8)
+    assert args[0] is packed and kwargs["cu_seqlens"] is bounds
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "jamba"])
+def test_the_probes_leave_no_trace_in_the_first_step(arch):
+    """The first step, whose layers are probed, returns what it returns without a budget: as many router logits as
+    the model has routers, the same losses, and no keys or values in the cache (its layers are checkpointed, where
+    transformers passes none; the probes run them kept, twice). The random streams: T5's and BART's dropout in the
+    bitwise test of test_controller_families.py."""
+    batch = make_batch(arch, device="cpu", seq=SEQ, vocab=SIZE["vocab"])
+
+    def first_step(budget=None):
+        model = build_model(arch, device="cpu", seq=SEQ, **SIZE)
+        context = make_ctx(model, device_type="cpu", memory_budget=budget) if budget else contextlib.nullcontext()
+        with context:
+            return model(**batch, use_cache=True)
+
+    plain, probed = first_step(), first_step(ROOMY)
+    assert len(probed.router_logits) == len(plain.router_logits) > 0
+    assert plain.past_key_values.get_seq_length() == SEQ and probed.past_key_values.get_seq_length() == 0
+    assert torch.equal(probed.loss, plain.loss) and torch.equal(probed.aux_loss, plain.aux_loss)

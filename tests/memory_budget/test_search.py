@@ -1,0 +1,369 @@
+"""Choosing a plan: on S1, on random profiles, at long context with tiled MLPs, and with measured plans.
+
+Pure Python: nothing here needs torch or a device.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import doctest
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from step_profiles import long_profile, s1_profile
+
+from hf_offload.memory_budget import checks, search, spec
+from hf_offload.memory_budget import profile as step_profile
+from hf_offload.memory_budget import simulate as step_model
+from hf_offload.memory_budget.profile import LayerProfile, StepProfile
+from hf_offload.memory_budget.search import InfeasibleBudgetError, choose_plan
+from hf_offload.memory_budget.simulate import MeasuredStep, Plan, simulate
+from hf_offload.units import GIB, MIB
+
+# The part of the budget that plans: the standard library and `units` only, so that plans are computed anywhere.
+PURE_MODULES = (checks, spec, step_profile, step_model, search)
+PURE_NAMES = {"checks", "spec", "profile", "simulate", "search"}
+
+
+def random_profile(rng: random.Random, layers: int) -> StepProfile:
+    """Layers of very different sizes and speeds, links from slow to fast, host caps from none to ample."""
+    profiles = []
+    for _ in range(layers):
+        saved = rng.randint(1, 4 * GIB)
+        input_bytes = rng.randint(0, saved // 4)
+        forward_s = rng.uniform(0.001, 0.01)
+        profiles.append(LayerProfile(
+            saved_bytes=saved,
+            selective_bytes=rng.randint(0, saved - input_bytes),
+            input_bytes=input_bytes,
+            forward_s=forward_s,
+            backward_s=rng.uniform(1.5, 2.5) * forward_s,
+            selective_recompute_s=rng.uniform(0.2, 0.7) * forward_s,
+        ))  # fmt: skip
+    return StepProfile(
+        layers=profiles,
+        static_bytes=rng.randint(0, 20 * GIB),
+        head_bytes=rng.randint(0, 4 * GIB),
+        backward_working_bytes=rng.randint(0, 3 * GIB),
+        head_s=rng.uniform(0, 0.05),
+        other_s=rng.uniform(0, 0.05),
+        d2h_bytes_per_s=rng.choice([5e9, 25e9, 55e9, 400e9]),
+        h2d_bytes_per_s=rng.choice([5e9, 25e9, 55e9, 400e9]),
+        host_cap_bytes=rng.choice([0, GIB, 4 * GIB, 64 * GIB]),
+        tokens=4096,
+    )
+
+
+def lowest_peak(profile: StepProfile) -> int:
+    return simulate(profile, search._lowest_memory_code(profile)).peak_bytes
+
+
+# Plans on S1
+
+
+def test_budget_of_everything_changes_nothing() -> None:
+    profile = s1_profile()
+    keep_all = simulate(profile, "K" * 16)
+    for budget in (keep_all.peak_bytes, 80 * GIB):
+        result = choose_plan(profile, budget)
+        assert result.code == "K" * 16
+        assert result.predicted == keep_all
+        assert result.forward_window_bytes == result.prefetch_window_bytes == 0
+
+
+def test_sweep_of_budgets_never_exceeds_and_never_gets_faster() -> None:
+    profile = s1_profile()
+    keep_all = simulate(profile, "K" * 16)
+    previous = None
+    for percent in range(100, 34, -1):
+        budget = keep_all.peak_bytes * percent // 100
+        result = choose_plan(profile, budget)
+        assert result.predicted.peak_bytes <= budget
+        assert result.predicted == simulate(profile, result.code, result.prefetch_window_bytes)
+        if previous is not None:
+            assert result.predicted.step_s >= previous.predicted.step_s - 1e-12, (percent, result.code)
+        previous = result
+    assert previous.predicted.step_s < simulate(profile, "C" * 16).step_s  # 35%: still faster than checkpointing
+
+
+@pytest.mark.parametrize(
+    "hand_plan",
+    [
+        "SSSSSSSSKKKKKKKK",
+        "S" * 16,
+        "CCCCCCCCKKKKKKKK",
+        "CCCCSSSSSSSSSSSS",
+        "CCCCCCCCSSSSSSSS",
+        "CCCCCCCCCCCCKKKK",
+        "C" * 16,
+        "OOKKKKKKKKKKKKKK",
+    ],
+)
+def test_plan_beats_or_equals_the_issues_hand_plans(hand_plan) -> None:
+    profile = s1_profile()
+    hand = simulate(profile, hand_plan)
+    result = choose_plan(profile, hand.peak_bytes)
+    assert result.predicted.peak_bytes <= hand.peak_bytes
+    assert result.predicted.step_s <= hand.step_s
+
+
+@pytest.mark.parametrize("layers", [4, 5])
+def test_plan_is_the_exhaustive_optimum_on_uniform_layers(layers) -> None:
+    profile = s1_profile(layers)
+    predictions = [simulate(profile, "".join(code)) for code in itertools.product(search._PLANNED, repeat=layers)]
+    low, high = lowest_peak(profile), simulate(profile, "K" * layers).peak_bytes
+    for step in range(41):
+        budget = low + (high - low) * step // 40
+        fastest = min(p.step_s for p in predictions if p.peak_bytes <= budget)
+        assert choose_plan(profile, budget).predicted.step_s == pytest.approx(fastest, rel=1e-12)
+
+
+def test_budget_below_the_minimum_names_it() -> None:
+    profile = s1_profile()
+    minimum = simulate(profile, "C" * 16).peak_bytes
+    # The last layer's activations count at its backward anyway.
+    assert choose_plan(profile, minimum).code == "C" * 15 + "K"
+    with pytest.raises(ValueError) as error:
+        choose_plan(profile, minimum - 1)
+    message = str(error.value)
+    assert f"{minimum / GIB:.2f} GiB ({minimum} bytes" in message
+    assert f"({minimum - 1} bytes)" in message
+    assert "dominated by static memory (parameters, gradients, optimizer state) 8.51 GiB" in message
+    assert "layer 15's working set" in message
+
+    with pytest.raises(ValueError, match="dominated by the head and loss 30.00 GiB"):
+        choose_plan(s1_profile(head_bytes=30 * GIB), 20 * GIB)
+
+
+def test_no_host_room_means_no_offloading() -> None:
+    profile = s1_profile(host_cap_bytes=0)
+    assert search._lowest_memory_code(profile) == "c" * 16
+    for percent in (40, 60, 80):
+        result = choose_plan(profile, simulate(profile, "K" * 16).peak_bytes * percent // 100)
+        assert result.predicted.host_bytes == 0
+        assert set(result.code) <= set("Ksc")
+    # Room for 4 inputs: the lowest-memory plan offloads the first 4.
+    assert search._lowest_memory_code(s1_profile(host_cap_bytes=256 * MIB)) == "CCCC" + "c" * 12
+
+
+def test_random_profiles_never_exceed_and_never_lose_to_full_checkpointing() -> None:
+    rng = random.Random(1234)
+    for _ in range(150):
+        profile = random_profile(rng, rng.randint(1, 12))
+        layers = len(profile.layers)
+        low, high = lowest_peak(profile), simulate(profile, "K" * layers).peak_bytes
+        full = simulate(profile, "C" * layers)
+        for budget in (low, rng.randint(low, high), high, high + GIB):
+            result = choose_plan(profile, budget)
+            assert result.predicted.peak_bytes <= budget
+            assert result.predicted.host_bytes <= profile.host_cap_bytes
+            assert result.predicted == simulate(profile, result.code, result.prefetch_window_bytes)
+            if full.peak_bytes <= budget and full.host_bytes <= profile.host_cap_bytes:
+                assert result.predicted.step_s <= full.step_s
+        with pytest.raises(ValueError, match="below the smallest peak"):
+            choose_plan(profile, low - 1)
+
+
+def test_planning_128_layers_is_fast(monkeypatch) -> None:
+    calls = []
+    simulate_once = search.simulate_step
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return simulate_once(*args, **kwargs)
+
+    monkeypatch.setattr(search, "simulate_step", counted)
+    rng = random.Random(7)
+    for profile in (s1_profile(128), random_profile(rng, 128), random_profile(rng, 128)):
+        low, high = lowest_peak(profile), simulate(profile, "K" * 128).peak_bytes
+        for fraction in (0.0, 0.05, 0.3, 0.7, 0.99):
+            calls.clear()
+            start = time.perf_counter()
+            result = choose_plan(profile, int(low + (high - low) * fraction))
+            assert time.perf_counter() - start < 5.0
+            assert len(calls) <= 12 * 128, len(calls)  # a few simulations per layer, each linear in the layers
+            assert len(result.layers) == 128
+
+
+def test_plan_layers_and_windows() -> None:
+    profile = s1_profile()
+    result = choose_plan(profile, 20 * GIB)
+    assert result.code == "CCCCCCSSSSSSSSSK"
+    assert [layer.action for layer in result.layers[5:7]] == ["full", "selective"]
+    assert all(layer.offload_input for layer in result.layers[:15]) and not result.layers[15].offload_input
+    assert result.head_prefetch_window_bytes == 64 * MIB  # the head reloads one input ahead
+    # Backward reloads as far ahead as the budget allows: one more input would not fit.
+    assert result.prefetch_window_bytes >= 64 * MIB
+    assert simulate(profile, result.code, result.prefetch_window_bytes).peak_bytes <= 20 * GIB
+    assert simulate(profile, result.code, result.prefetch_window_bytes + 64 * MIB).peak_bytes > 20 * GIB
+    assert result.forward_window_bytes == 64 * MIB  # each input copy (1.2 ms) ends within the next forward (5 ms)
+    assert result.tokens == profile.tokens and result.budget_bytes == 20 * GIB
+
+
+def test_a_margin_keeps_the_predicted_peak_below_the_budget():
+    profile = s1_profile()
+    budget = int(0.66 * simulate(profile, "K" * 16).peak_bytes)
+    margin = GIB
+    assert choose_plan(profile, budget, margin).predicted.peak_bytes + margin <= budget
+    assert choose_plan(profile, budget, margin).predicted.step_s >= choose_plan(profile, budget).predicted.step_s
+    lowest = simulate(profile, "C" * 16).peak_bytes
+    with pytest.raises(InfeasibleBudgetError, match="smallest budget that works is") as error:
+        choose_plan(profile, lowest + margin // 2, margin)
+    # The error carries its figures and the lowest-memory plan, for a caller that must run the step anyway.
+    assert isinstance(error.value, ValueError)
+    refused = error.value
+    assert (refused.budget_bytes, refused.minimum_bytes) == (lowest + margin // 2, lowest + margin)
+    assert refused.lowest_plan.code == "C" * 16
+    assert refused.lowest_plan.predicted == simulate(profile, "C" * 16, refused.lowest_plan.prefetch_window_bytes)
+    assert choose_plan(profile, refused.minimum_bytes, margin).predicted.peak_bytes + margin <= refused.minimum_bytes
+
+
+def test_the_selective_offload_is_for_hand_written_plans_only():
+    # Measured on the H100, its layers cost more than the model says: the planner never chooses it.
+    profile = s1_profile()
+    keep_all = simulate(profile, "K" * 16)
+    for percent in range(35, 100, 5):
+        assert "X" not in choose_plan(profile, keep_all.peak_bytes * percent // 100).code
+    assert simulate(profile, "X" * 16).layers[0].code == "X"
+
+
+# Tiled MLPs (long context)
+
+
+def test_tiling_is_chosen_only_when_no_plan_without_it_fits() -> None:
+    profile = long_profile()
+    untiled = choose_plan(profile, 80 * GIB)
+    assert not set(untiled.code) & set("Tt") and untiled.tile_tokens == 0 and untiled.tiled_layers == []
+    tiled = choose_plan(profile, 60 * GIB)
+    # The last layer's input is needed first in backward: kept, it costs no copy and the peak has room for it.
+    assert tiled.code == "T" * 31 + "t" and tiled.tile_tokens == 4096 and tiled.tiled_layers == list(range(32))
+    assert tiled.predicted.peak_bytes <= 60 * GIB
+    assert "The MLPs of 32 layers run in chunks of 4096 tokens" in tiled.format_table()
+    assert Plan.from_dict(json.loads(json.dumps(tiled.to_dict()))) == tiled
+    # A measured tiled plan, however fast, does not replace an exact plan that fits...
+    fast_tiled = MeasuredStep("T" * 32, step_s=0.001)
+    assert choose_plan(profile, 80 * GIB, measured=[fast_tiled]).code == untiled.code
+    assert choose_plan(profile, 80 * GIB, measured=[fast_tiled], measured_only=True).code == untiled.code
+    # ... and where none fits, an exact plan that fit by measurement beats the tiled ones.
+    exact = MeasuredStep("C" * 32, step_s=10.0, peak_bytes=60 * GIB)
+    assert choose_plan(profile, 60 * GIB, measured=[fast_tiled, exact]).measured == exact
+
+
+def test_polishing_takes_back_the_tiling_the_peak_does_not_need() -> None:
+    # The first layers' backward comes last, when their parameter gradients have not all been created yet, and the
+    # later layers' inputs are gone: with gradients of 16 GiB that frees enough for the first layers to go untiled.
+    layers = [dataclasses.replace(long_profile().layers[0], parameter_gradient_bytes=GIB // 2)] * 32
+    profile = long_profile(layers=layers, gradient_bytes=16 * GIB, static_bytes=10 * GIB)
+    result = choose_plan(profile, 78 * GIB)
+    assert "C" in result.code and "T" in result.code, result.code
+    assert result.predicted.peak_bytes <= 78 * GIB
+    assert result.predicted.step_s < simulate(profile, "T" * 32).step_s
+
+
+def test_tiling_is_not_enough_names_what_dominates() -> None:
+    with pytest.raises(ValueError, match="with every layer's MLP tiled") as error:
+        choose_plan(long_profile(), 30 * GIB)
+    assert "plan 'TTTT" in str(error.value)
+    with pytest.raises(ValueError) as error:  # tiling not measured: the error is about the untiled plan
+        choose_plan(long_profile(tile_tokens=0), 60 * GIB)
+    assert "plan 'CCCC" in str(error.value) and "tiled" not in str(error.value)
+
+
+def test_a_full_host_is_said() -> None:
+    profile = long_profile(host_cap_bytes=40 * GIB)  # room for 20 of the 32 inputs
+    result = choose_plan(profile, 70 * GIB)
+    assert result.code == "T" * 20 + "t" * 12
+    assert result.inputs_kept_for_host == list(range(20, 32))
+    assert (
+        "12 checkpointed layers keep their input on the GPU: the host's pinned cap of 40.00 GiB is full"
+        in result.format_table()
+    )
+    assert choose_plan(long_profile(), 60 * GIB).inputs_kept_for_host == []
+
+
+# Dominance: measured plans beat the model
+
+
+def test_a_budget_a_measured_plan_met_is_not_refused() -> None:
+    """The model over-predicts the lowest plan's peak (the issue's Mistral-7B shape: 17.57 GiB predicted, 16.72
+    GiB measured); a budget between the two is met by the measured plan, not refused."""
+    profile = s1_profile()
+    predicted = simulate(profile, "C" * 16)
+    budget = predicted.peak_bytes - GIB // 2
+    with pytest.raises(InfeasibleBudgetError):
+        choose_plan(profile, budget)
+    safe = MeasuredStep("C" * 16, step_s=predicted.step_s, peak_bytes=predicted.peak_bytes - GIB)
+    result = choose_plan(profile, budget, margin_bytes=budget // 200, measured=[safe])
+    assert (result.code, result.measured) == ("C" * 16, safe)
+    assert result.fits(budget // 200) and result.predicted.peak_bytes > budget  # by its measured peak
+    with pytest.raises(InfeasibleBudgetError) as error:  # a measured peak over the budget is no way out...
+        choose_plan(profile, budget, measured=[dataclasses.replace(safe, peak_bytes=budget + 1)])
+    # ... but it is the smallest budget known to work, below the predicted one.
+    assert error.value.minimum_bytes == budget + 1
+    assert f"Measured, plan {'C' * 16!r} peaked at " in str(error.value)
+    assert str(error.value).endswith(f"({budget + 1} bytes): the smallest budget known to work.")
+
+
+def test_the_plan_is_never_slower_than_a_measured_plan_that_fits() -> None:
+    profile = s1_profile()
+    budget = 20 * GIB
+    chosen = choose_plan(profile, budget)
+    assert chosen.code != "C" * 16 and chosen.measured is None
+    # The model's choice ran slower than predicted, and nothing else was measured: the model is as wrong about the
+    # other plans, whose predictions are scaled by its error, and the plan stays.
+    slow = MeasuredStep(chosen.code, step_s=0.5)
+    again = choose_plan(profile, budget, measured=[slow])
+    assert (again.code, again.measured) == (chosen.code, slow)
+    assert math.isclose(again.time_scale, slow.step_s / chosen.predicted.step_s)
+    # The safe plan, measured as predicted, puts the model's error between the two (the median of their ratios):
+    # the plans that never ran are expected slower than the safe plan measured, which wins.
+    as_predicted = MeasuredStep("C" * 16, step_s=simulate(profile, "C" * 16).step_s)
+    switched = choose_plan(profile, budget, measured=[slow, as_predicted])
+    assert switched.measured == as_predicted
+    assert math.isclose(switched.time_scale, (1 + slow.step_s / chosen.predicted.step_s) / 2)
+    # A closed loop's last correction keeps to what was measured.
+    slower_safe = MeasuredStep("C" * 16, step_s=0.45)
+    assert choose_plan(profile, budget, measured=[slow, slower_safe], measured_only=True).measured == slower_safe
+    # ... unless a measured plan ran faster than any prediction: it wins, by its measurement.
+    safe = MeasuredStep("C" * 16, step_s=0.2)
+    assert choose_plan(profile, budget, measured=[slow, safe]).measured == safe
+    # Keeping everything fits a roomy budget, unless it measured slower than a measured plan.
+    assert choose_plan(profile, 64 * GIB).code == "K" * 16
+    assert choose_plan(profile, 64 * GIB, measured=[MeasuredStep("K" * 16, 0.5), safe]).measured == safe
+    # A plan whose measured peak exceeds the budget is not chosen, however fast it ran.
+    over = MeasuredStep(chosen.code, step_s=0.01, peak_bytes=budget + 1)
+    assert choose_plan(profile, budget, measured=[over]).code != chosen.code
+
+
+# The pure modules themselves (spec, profile, simulate, search)
+
+
+def test_docstring_examples() -> None:
+    layer = LayerProfile(saved_bytes=2 * GIB, selective_bytes=GIB, input_bytes=GIB // 16, forward_s=0.005,
+                         backward_s=0.010, selective_recompute_s=0.002)  # fmt: skip
+    profile = StepProfile(layers=[layer] * 4, static_bytes=8 * GIB, head_bytes=GIB, backward_working_bytes=2 * GIB,
+                          head_s=0.04, other_s=0.03, d2h_bytes_per_s=55e9, h2d_bytes_per_s=55e9,
+                          host_cap_bytes=64 * GIB, tokens=16384)  # fmt: skip
+    results = [doctest.testmod(module, extraglobs={"profile": profile}) for module in PURE_MODULES]
+    assert sum(tried for _, tried in results) >= 7 and not any(failures for failures, _ in results)
+
+
+def test_imports_only_the_standard_library() -> None:
+    for module in PURE_MODULES:
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and not node.level}
+        # Relative imports: `..units`, the package's byte units, which import nothing (tests/test_units.py), and the
+        # pure modules' own checks and each other.
+        relative = {
+            (node.level, node.module) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level
+        }
+        assert {name.split(".")[0] for name in imported} <= set(sys.stdlib_module_names) | {"__future__"}, module
+        assert relative <= {(2, "units")} | {(1, name) for name in PURE_NAMES}, module

@@ -1,0 +1,239 @@
+"""The step model on hand-computed examples, and the plan as data.
+
+Pure Python: nothing here needs torch or a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+from step_profiles import long_profile, s1_profile, tiny_profile
+
+from hf_offload.memory_budget import simulate as step_model
+from hf_offload.memory_budget.search import choose_plan
+from hf_offload.memory_budget.simulate import MeasuredStep, Plan, simulate
+from hf_offload.units import GIB
+
+# The model, on examples computed by hand (tiny_profile: 100 bytes saved, 1 s forward, 2 s backward, 100 B/s)
+
+
+def test_keep_everything() -> None:
+    predicted = simulate(tiny_profile(), "KK")
+    # Forward: 1100, 1200; head: 1000 + 200 + 50; backward: 1000 + 100 + 100 + 30, then 1000 + 100 + 30.
+    assert (predicted.peak_bytes, predicted.peak_at) == (1250, "head")
+    assert predicted.step_s == pytest.approx(0.5 + 2 * 1.0 + 1.0 + 2 * 2.0)
+    assert (predicted.host_bytes, predicted.drain_s, predicted.forward_window_bytes) == (0, 0.0, 0)
+    assert [(layer.held_bytes, layer.offloaded_bytes, layer.added_s) for layer in predicted.layers] == [
+        (100, 0, 0.0), (100, 0, 0.0)]  # fmt: skip
+    assert predicted.code == "KK"
+
+
+@pytest.mark.parametrize(
+    "code, held, offloaded, recompute_s, peak",
+    [
+        ("CK", 0, 10, 1.0, 1160),  # head: 1000 + 100 + 50 + the input's reload, issued as the head starts
+        ("cK", 10, 0, 1.0, 1160),
+        ("SK", 40, 10, 0.25, 1200),
+        ("sK", 50, 0, 0.25, 1200),
+    ],
+)
+def test_checkpointed_first_layer(code, held, offloaded, recompute_s, peak) -> None:
+    predicted = simulate(tiny_profile(), code)
+    first = predicted.layers[0]
+    assert (first.held_bytes, first.offloaded_bytes, first.recompute_s, first.stall_s) == (
+        held,
+        offloaded,
+        recompute_s,
+        0.0,
+    )
+    assert (predicted.peak_bytes, predicted.peak_at) == (peak, "head")
+    # The 10-byte input copy (0.1 s) hides under the second layer's forward, its reload under that layer's backward.
+    assert predicted.step_s == pytest.approx(7.5 + recompute_s)
+    assert predicted.host_bytes == predicted.forward_window_bytes == predicted.prefetch_window_bytes == offloaded
+
+
+def test_copy_hidden_by_later_forward_costs_nothing() -> None:
+    predicted = simulate(tiny_profile(), "OK")
+    # The 100-byte copy (1 s) runs under layer 1's forward; its reload (1 s) under layer 1's backward (2 s).
+    assert predicted.step_s == pytest.approx(7.5)
+    assert predicted.drain_s == 0.0
+    assert predicted.layers[0].added_s == 0.0
+    # The head: static + layer 1's activations + the head + layer 0's reload, issued as the head starts (the engine's
+    # walk passes over kept layers); layer 1's backward holds 20 bytes less (working bytes instead of the head).
+    assert (predicted.peak_bytes, predicted.peak_at) == (1000 + 100 + 50 + 100, "head")
+    assert predicted.forward_window_bytes == predicted.prefetch_window_bytes == predicted.host_bytes == 100
+
+
+def test_copy_not_hidden_costs_the_drain() -> None:
+    predicted = simulate(tiny_profile(), "KO")
+    # The last layer's copy has no forward after it: the head waits 1 s for it. Its reload is issued as the head
+    # starts, so it counts in the head's memory and finishes with the head (1 s): no stall.
+    assert predicted.drain_s == pytest.approx(1.0)
+    assert predicted.step_s == pytest.approx(7.5 + 1.0)
+    assert predicted.layers[1].stall_s == 0.0
+    assert (predicted.peak_bytes, predicted.peak_at) == (1000 + 100 + 50 + 100, "head")
+
+
+def test_late_reload_stalls() -> None:
+    predicted = simulate(tiny_profile(h2d_bytes_per_s=25.0), "OK")
+    # Layer 0's reload (4 s) is issued as the head starts and outlasts the head and layer 1's backward (3 s) by 1 s.
+    assert predicted.layers[0].stall_s == pytest.approx(1.0)
+    assert predicted.layers[0].added_s == pytest.approx(1.0)
+    assert predicted.step_s == pytest.approx(7.5 + 1.0)
+
+
+def test_copies_queue_in_order() -> None:
+    predicted = simulate(tiny_profile(d2h_bytes_per_s=50.0), "OO")
+    # Copies of 2 s each: layer 0's runs 1 -> 3 s, layer 1's waits for it, 3 -> 5 s; the forward ends at 2 s.
+    assert predicted.drain_s == pytest.approx(3.0)
+    assert predicted.forward_window_bytes == 200  # at 2 s, both copies are in flight
+    assert predicted.step_s == pytest.approx(7.5 + 3.0)
+    # Layer 1's forward starts with layer 0's copy in flight: 1000 + 100 + 100; layer 1's backward also holds
+    # layer 0's reload: 1000 + 100 + 30 + 100.
+    assert (predicted.peak_bytes, predicted.peak_at) == (1230, "backward layer 1")
+
+
+def test_copy_in_flight_can_make_the_forward_the_peak() -> None:
+    predicted = simulate(tiny_profile(d2h_bytes_per_s=10.0, head_bytes=0, backward_working_bytes=0), "OK")
+    # Layer 1 starts with layer 0's copy (10 s) in flight: 1000 + 100 + 100. Layer 1's backward reaches the same
+    # (its activations and layer 0's reload): the earliest point is named.
+    assert (predicted.peak_bytes, predicted.peak_at) == (1200, "forward layer 1")
+    assert predicted.drain_s == pytest.approx(9.0)
+
+
+def test_simulate_rejects_bad_codes() -> None:
+    for code in ("K", "KKK", "KZ", "kk", ""):
+        with pytest.raises(ValueError, match="one letter per layer"):
+            simulate(tiny_profile(), code)
+
+
+def test_every_offloaded_byte_is_counted_on_the_host() -> None:
+    predicted = simulate(tiny_profile(), "OC")
+    assert predicted.host_bytes == 110
+    assert choose_plan(tiny_profile(host_cap_bytes=0), 1200).predicted.host_bytes == 0
+
+
+def test_gradients_count_in_backward_only():
+    # Keep everything: forward peak at layer 1 = 1000 + 100 + 100; head = 1000 + 200 + 50; backward layer 1 =
+    # 1000 + 100 + 100 + 30. Gradients created in backward raise only the backward points.
+    without = simulate(tiny_profile(), "KK")
+    assert (without.peak_bytes, without.peak_at) == (1250, "head")
+    with_gradients = simulate(tiny_profile(gradient_bytes=40), "KK")
+    assert (with_gradients.peak_bytes, with_gradients.peak_at) == (1270, "backward layer 1")
+    assert simulate(tiny_profile(gradient_bytes=10), "KK").peak_bytes == 1250  # the head still peaks
+
+
+def test_gradients_of_earlier_layers_do_not_exist_yet():
+    # Layer 1's backward comes before layer 0's: of 40 gradient bytes, layer 0's 15 are still to come there.
+    layer = tiny_profile().layers[0]
+    layers = (dataclasses.replace(layer, parameter_gradient_bytes=15),) * 2
+    predicted = simulate(tiny_profile(gradient_bytes=40, layers=layers), "KK")
+    assert (predicted.peak_bytes, predicted.peak_at) == (1255, "backward layer 1")  # 1000 + 200 + 30 + 40 - 15
+    # Pending gradients never go below nothing (a gradient accumulation step holds them in static memory).
+    assert simulate(tiny_profile(gradient_bytes=0, layers=layers), "KK").peak_bytes == 1250
+
+
+def test_selective_offloaded_layer_holds_nothing_and_sends_its_outputs():
+    predicted = simulate(tiny_profile(), "XK")
+    first = predicted.layers[0]
+    assert (first.action, first.offload_input, first.code) == ("selective_offload", True, "X")
+    assert (first.held_bytes, first.offloaded_bytes, first.recompute_s) == (0, 50, 0.25)  # 40 outputs + 10 input
+    assert predicted.host_bytes == 50
+    # The copy (0.5 s) hides under layer 1's forward, the reload (0.5 s) under the head: only the recompute is added.
+    assert predicted.step_s == pytest.approx(7.5 + 0.25)
+
+
+def test_a_wider_prefetch_window_hides_reloads_behind_several_layers():
+    # Three offloaded layers, then a kept one: each reload (1 s at 100 B/s) is issued one layer ahead with the
+    # narrowest window; a window of all three issues them as the last layer's backward starts.
+    layer = tiny_profile().layers[0]
+    profile = tiny_profile(layers=(layer,) * 4, h2d_bytes_per_s=40.0)  # a reload takes 2.5 s, a backward 2 s
+    narrow = simulate(profile, "OOOK")
+    wide = simulate(profile, "OOOK", prefetch_window_bytes=300)
+    assert narrow.prefetch_window_bytes == 100 and wide.prefetch_window_bytes == 300
+    assert sum(layer.stall_s for layer in narrow.layers) > 0
+    assert wide.step_s < narrow.step_s
+    # The head's reloads stay within the narrowest window: the head's memory is the same.
+    head = 1000 + 100 + 50 + 100
+    assert narrow.peak_bytes >= head and wide.peak_bytes >= head
+    # Layer 3's backward holds the reloads of the three layers before it with the wide window.
+    assert wide.peak_bytes == 1000 + 100 + 30 + 300
+    assert simulate(profile, "OOOK", prefetch_window_bytes=50).prefetch_window_bytes == 100  # never below one layer
+
+
+def test_plan_widens_the_window_as_far_as_the_budget_allows():
+    layer = tiny_profile().layers[0]
+    profile = tiny_profile(layers=(layer,) * 4, h2d_bytes_per_s=40.0)
+    code = "OOOK"
+    budget = simulate(profile, code, prefetch_window_bytes=200).peak_bytes
+    options = [step_model.layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
+    assert step_model.simulate_step(profile, options, limit=budget).prefetch_window_bytes == 200
+    assert step_model.simulate_step(profile, options, limit=budget - 1).prefetch_window_bytes < 200
+
+
+# On S1
+
+
+def test_s1_profile_reproduces_the_issue() -> None:
+    profile = s1_profile()
+    for code, peak_gib in (("K" * 16, 38.88), ("S" * 16, 24.88), ("C" * 16, 12.35)):
+        assert simulate(profile, code).peak_bytes / GIB == pytest.approx(peak_gib, abs=0.01)
+    assert simulate(profile, "K" * 16).step_s == pytest.approx(0.307)
+
+
+# Tiled MLPs (long context)
+
+
+def test_a_tiled_layer_holds_one_chunk_of_its_mlp() -> None:
+    profile = long_profile()
+    # The reloads' window is one input (2 GiB): static + tiled activations + a chunk + tiled working + one reload.
+    tiled = simulate(profile, "T" * 32)
+    assert tiled.peak_bytes == (16 + 12 + 1 + 8 + 2) * GIB and tiled.peak_at == "backward layer 31"
+    assert simulate(profile, "C" * 32).peak_bytes == (16 + 40 + 20 + 2) * GIB
+    assert [layer.action for layer in tiled.layers] == ["full_tiled_mlp"] * 32
+    assert tiled.layers[0].offload_input and not simulate(profile, "t" * 32).layers[0].offload_input
+    # The recompute of a tiled layer runs its MLP's forward once more.
+    assert tiled.step_s == pytest.approx(simulate(profile, "C" * 32).step_s + 32 * 0.2)
+
+
+# The plan as data
+
+
+def test_plan_round_trips_through_plain_data() -> None:
+    result = choose_plan(s1_profile(), 20 * GIB)
+    assert Plan.from_dict(result.to_dict()) == result
+    assert Plan.from_dict(json.loads(json.dumps(result.to_dict()))) == result  # what a broadcast carries
+
+
+def test_format_table() -> None:
+    result = choose_plan(s1_profile(), 20 * GIB)
+    lines = result.format_table().splitlines()
+    assert lines[0].startswith("Memory plan for 16384 tokens per step, budget 20.00 GiB: predicted peak ")
+    assert "(backward layer 15)" in lines[0] and f"step {result.predicted.step_s * 1000:.1f} ms" in lines[0]
+    assert lines[1].split() == ["layer", "action", "kept", "GiB", "offloaded", "GiB", "added", "ms"]
+    assert len(lines) == 2 + 16
+    assert lines[2].split() == ["0", "full,", "input", "offloaded", "0.00", "0.06", "5.00"]
+    assert lines[-1].split() == ["15", "keep", "1.77", "0.00", "0.00"]
+
+
+def test_a_measurement_scales_with_the_model() -> None:
+    profile = s1_profile()
+    longer = profile.scaled(2 * profile.tokens)
+    at, after = simulate(profile, "C" * 16), simulate(longer, "C" * 16)
+    step = MeasuredStep("C" * 16, step_s=2 * at.step_s, peak_bytes=at.peak_bytes - GIB)
+    scaled = step.scaled(profile, longer)
+    assert math.isclose(scaled.step_s, 2 * after.step_s)  # what the model missed, in proportion
+    assert scaled.peak_bytes == after.peak_bytes - GIB  # what the model missed, in bytes
+    assert MeasuredStep("C" * 16, 0.1).scaled(profile, longer).peak_bytes is None
+
+
+def test_a_measured_plan_round_trips_through_plain_data() -> None:
+    profile = s1_profile()
+    budget = simulate(profile, "C" * 16).peak_bytes - 1  # met by the measurement only
+    result = choose_plan(profile, budget, measured=[MeasuredStep("C" * 16, 0.001, GIB)])
+    assert result.measured is not None
+    assert Plan.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+    assert "Chosen by measurement: its steps ran in 1.0 ms at a peak of 1.00 GiB" in result.format_table()
