@@ -39,6 +39,7 @@ __all__ = [
     "probe_layer",
     "layer_kind",
     "first_tokens",
+    "is_cache",
     "measure_link_bandwidth",
 ]
 
@@ -46,7 +47,9 @@ __all__ = [
 # checkpoint at 256K tokens would not fit where the step itself does. Memory scales with the tokens from there.
 PROBE_MAX_TOKENS = 32768
 _BANDWIDTH_PROBE_BYTES = 64 * 2**20
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
+# The names transformers has given a layer's cache argument (5.24 renamed `past_key_values` to `cache`); a value
+# that is a transformers `Cache` is dropped under any name.
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
 
 
 class Meter:
@@ -205,7 +208,8 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
     pointers = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     hidden, rest = args[0], args[1:]
     # The step's KV cache (transformers makes one even in training) must not grow by the probes' keys and values.
-    kwargs = {**kwargs, **{name: None for name in _CACHE_ARGUMENTS if name in kwargs}, "use_cache": False}
+    kwargs = {name: None if name in _CACHE_ARGUMENTS or is_cache(value) else value for name, value in kwargs.items()}
+    kwargs["use_cache"] = False
 
     def forward() -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden.detach().clone().requires_grad_(True)
@@ -273,6 +277,11 @@ def measure_link_bandwidth(meter: Meter, device: torch.device, pin_memory: bool)
         destination.copy_(origin, non_blocking=True)
         rates.append(_BANDWIDTH_PROBE_BYTES / max(meter.seconds(start, meter.mark()), 1e-9))
     return rates[0], rates[1]
+
+
+def is_cache(value: Any) -> bool:
+    """Whether `value` is a transformers cache (a class named `Cache` among its bases), which a probe must not grow."""
+    return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
 
 
 def first_tokens(args: tuple, kwargs: dict, max_tokens: int) -> tuple[tuple, dict]:

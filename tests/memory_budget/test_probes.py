@@ -14,7 +14,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from _gpu_models import build_model, make_batch, make_ctx  # noqa: E402
 
-from hf_offload.memory_budget.probes import first_tokens  # noqa: E402
+from hf_offload.memory_budget.probes import first_tokens, is_cache  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -57,3 +57,12 @@ def test_the_probes_leave_no_trace_in_the_first_step(arch):
     assert len(probed.router_logits) == len(plain.router_logits) > 0
     assert plain.past_key_values.get_seq_length() == SEQ and probed.past_key_values.get_seq_length() == 0
     assert torch.equal(probed.loss, plain.loss) and torch.equal(probed.aux_loss, plain.aux_loss)
+
+
+def test_a_probe_drops_the_cache_under_any_name():
+    # transformers 5.24 renamed the layers' `past_key_values` to `cache`: a probe that passed the step's cache on grew
+    # it by its own keys, and the step's attention then saw twice its keys (a size mismatch in every budget test).
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    assert is_cache(transformers.DynamicCache(config=config))
+    assert not is_cache(torch.zeros(2)) and not is_cache(None)
