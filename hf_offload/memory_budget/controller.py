@@ -58,7 +58,7 @@ from .layer_actions import AppliedActions, apply_layer_actions
 from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_bandwidth, probe_layer
 from .profile import StepProfile, in_proportion, tiling_available
 from .search import InfeasibleBudgetError, choose_plan
-from .simulate import FULL, FULL_TILED, MeasuredStep, Plan, simulate
+from .simulate import FULL, FULL_TILED, KEEP, MeasuredStep, Plan, simulate
 from .spec import MemoryBudget
 from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
@@ -172,6 +172,8 @@ class MemoryBudgetController:
         self._applied_at = 0
         self._timed_step_start: Any = None
         self._corrections = 0
+        # The largest peak the device's counter has read since the controller last reset it (`_peak_since_own_reset`).
+        self._peak_floor = 0
         self._tile_tokens = default_tokens_per_chunk(model) if engine.options.tile_mlp == "auto" else 0
         if self._tile_tokens:
             try:  # checks every layer's MLP, changes nothing when one cannot be tiled
@@ -232,10 +234,24 @@ class MemoryBudgetController:
             if self._static_grew():
                 self._plan_and_apply(self.plan.tokens)
 
+    def _peak_since_own_reset(self) -> int | None:
+        """The device's peak counter, if nobody else reset it since the controller did; else None.
+
+        Whoever resets the counter between the controller's reads (a benchmark, or a training script that logs each
+        step's peak) makes the next read a fraction of the step's peak: taken at the next forward's start, it would
+        cover that forward's first instants only, and a plan would seem to fit that does not. Until someone else
+        resets it, the counter never reads below what it read before, so a read below that means a reset: the step's
+        peak is then unknown, and the plan rests on predictions."""
+        peak = self._meter.peak()
+        if peak is None or peak < self._peak_floor:
+            return None
+        self._peak_floor = peak
+        return peak
+
     def _record_profiled_step(self) -> None:
         """The second profiled step is the safe plan's first measurement. Its peak, where counted, is the larger of
         the two phases' counters (reset at the head), plus the tail the later steps keep through the head's peak."""
-        peak = self._meter.peak()
+        peak = self._peak_since_own_reset()
         if peak is not None:
             peak = max(peak, self._measured.forward_peak or 0) + self._learned_tail_bytes()
         self._samples.setdefault(self._code, []).append(_Sample(self._measured.step_tokens, self._measured.step_s,
@@ -258,7 +274,7 @@ class MemoryBudgetController:
             # The peak counter is not reset after the profiled steps (that would hide peaks from whoever measures
             # them over the run, as the benchmarks do): it holds the largest peak since the second step's head, an
             # upper bound of this step's. Within the budget it proves the step was; above, it says nothing of it.
-            peak = self._meter.peak()
+            peak = self._peak_since_own_reset()
             if peak is not None and peak > self._budget_bytes():
                 peak = None
             self._samples.setdefault(self._code, []).append(_Sample(self._previous_step_tokens, seconds, peak))
@@ -358,6 +374,7 @@ class MemoryBudgetController:
         self._measured.held_at_head = self._meter.allocated()
         self._measured.forward_peak = self._meter.peak()
         self._meter.reset_peak()
+        self._peak_floor = 0
         self._measured.head_start = self._meter.mark()
 
     def _last_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
@@ -370,6 +387,7 @@ class MemoryBudgetController:
             measured.head_s = self._meter.seconds(measured.head_start, self._meter.mark())
             peak = self._meter.peak()
             measured.head_bytes = None if peak is None else peak - measured.held_at_head
+            self._peak_floor = peak or 0
 
         tensor.register_hook(head_done)
 
@@ -574,6 +592,12 @@ class MemoryBudgetController:
         self._applied = apply_layer_actions(model, engine, in_registration_order, tile_tokens)
         if windows is not None:
             engine.use_windows(*windows)
+        # A plan that keeps every layer moves nothing: the engine stands aside, so that such a step costs what it
+        # costs without the library (no region around each layer, no bookkeeping per saved tensor).
+        if all(entry.action == KEEP for entry in actions):
+            engine.standing_aside = engine.standing_aside or "planned"
+        elif engine.standing_aside == "planned":
+            engine.standing_aside = None
 
 
 def _same_on_every_rank(make_plan: Callable[[], Plan]) -> Plan:

@@ -134,7 +134,7 @@ class _InKeepingRegion:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         engine = self._engine()
-        if engine is None:
+        if engine is None or engine.standing_aside is not None:  # standing aside, the engine keeps everything itself
             return self.function(*args, **kwargs)
         with engine.exempt(reason="planned"):
             return self.function(*args, **kwargs)

@@ -73,6 +73,9 @@ def test_a_generous_budget_keeps_everything_and_is_exact(baseline):
     results, context = planned(10 * 2**30)
     assert context.memory_plan.code == "K" * LAYERS
     assert_bitwise_equal(results, baseline)
+    # A plan that moves nothing: the engine stands aside and counts every saved tensor it sees as the plan's.
+    stats = context.get_stats()
+    assert context.standing_aside == "planned" and stats["bytes_offloaded"] == 0 and stats["tensors_kept_planned"] > 0
 
 
 def test_a_tight_budget_gets_a_mixed_plan_that_fits_and_is_exact(baseline):
@@ -383,3 +386,16 @@ def test_a_budget_the_measured_safe_plan_meets_is_not_refused(monkeypatch):
     train(model, context, steps=4)
     plan = context.memory_plan
     assert plan.code == "CCCC" and plan.measured.peak_bytes == predicted // 10 and plan.predicted.peak_bytes > budget
+
+
+def test_a_peak_counter_reset_by_someone_else_is_not_taken_for_the_step_peak():
+    # A benchmark or training script that resets the device's peak counter at each step's start makes the
+    # controller's next read (at the next forward's start) a fraction of the step's peak: a plan would seem to fit
+    # that does not. The counter never reads below what it read before, unless reset: such a read is no measurement.
+    context = get_act_offloading_ctx_manager(tiny_llama(), device_type="cpu", memory_budget=10 * 2**30)
+    controller = context.budget_controller
+    reads = iter([9 * 2**30, 3 * 2**30, 10 * 2**30])
+    controller._meter.peak = lambda: next(reads)
+    assert controller._peak_since_own_reset() == 9 * 2**30
+    assert controller._peak_since_own_reset() is None  # below the last read: reset by someone else
+    assert controller._peak_since_own_reset() == 10 * 2**30  # risen past it: the step peaked at least that high
