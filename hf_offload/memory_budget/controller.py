@@ -53,6 +53,7 @@ from torch import nn
 from ..allocator import release_unusable_cache
 from ..engine import OffloadActivations
 from ..model import find_decoder_layers, find_output_head, first_tensor
+from ..peak import queue_after_backward
 from ..random_state import random_state_untouched
 from .layer_actions import AppliedActions, apply_layer_actions
 from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_bandwidth, probe_layer
@@ -172,8 +173,10 @@ class MemoryBudgetController:
         self._applied_at = 0
         self._timed_step_start: Any = None
         self._corrections = 0
-        # The largest peak the device's counter has read since the controller last reset it (`_peak_since_own_reset`).
+        # The largest peak the device's counter has read since the controller last reset it, and its read at the end
+        # of the measured step's backward (`_peak_since_own_reset`).
         self._peak_floor = 0
+        self._peak_at_backward_end: int | None = None
         self._tile_tokens = default_tokens_per_chunk(model) if engine.options.tile_mlp == "auto" else 0
         if self._tile_tokens:
             try:  # checks every layer's MLP, changes nothing when one cannot be tiled
@@ -235,18 +238,25 @@ class MemoryBudgetController:
                 self._plan_and_apply(self.plan.tokens)
 
     def _peak_since_own_reset(self) -> int | None:
-        """The device's peak counter, if nobody else reset it since the controller did; else None.
+        """The step that just ended's peak, read at the next forward's start: the device's counter if nobody else
+        reset it since the controller did, else the counter as the step's backward ended (None if not read).
 
-        Whoever resets the counter between the controller's reads (a benchmark, or a training script that logs each
-        step's peak) makes the next read a fraction of the step's peak: taken at the next forward's start, it would
-        cover that forward's first instants only, and a plan would seem to fit that does not. Until someone else
-        resets it, the counter never reads below what it read before, so a read below that means a reset: the step's
-        peak is then unknown, and the plan rests on predictions."""
-        peak = self._meter.peak()
+        Whoever resets the counter between steps (a benchmark, or a training script that logs each step's peak)
+        makes the read at the next forward's start a fraction of the step's peak, and a plan would seem to fit that
+        does not. Until someone else resets it, the counter never reads below what it read before, so a read below
+        that means a reset. The read at the end of backward comes before any such reset, and holds the step's peak
+        unless the optimizer step set it."""
+        peak, at_backward_end = self._meter.peak(), self._peak_at_backward_end
+        self._peak_at_backward_end = None
         if peak is None or peak < self._peak_floor:
-            return None
+            return at_backward_end
         self._peak_floor = peak
         return peak
+
+    def _read_peak_at_backward_end(self) -> None:
+        peak = self._meter.peak()
+        if peak is not None and peak >= self._peak_floor:
+            self._peak_floor = self._peak_at_backward_end = peak
 
     def _record_profiled_step(self) -> None:
         """The second profiled step is the safe plan's first measurement. Its peak, where counted, is the larger of
@@ -379,15 +389,19 @@ class MemoryBudgetController:
 
     def _last_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
         tensor = first_tensor(output)
-        if self._forwards != 2 or not self._training_forward(layer) or tensor is None or not tensor.requires_grad:
+        measured_step = self._forwards == 2 or self._timed_step_start is not None
+        if not measured_step or not self._training_forward(layer) or tensor is None or not tensor.requires_grad:
             return
+        profiled = self._forwards == 2
 
         def head_done(grad: torch.Tensor) -> None:  # backward reaches the last layer: the head's part is over
-            measured = self._measured
-            measured.head_s = self._meter.seconds(measured.head_start, self._meter.mark())
-            peak = self._meter.peak()
-            measured.head_bytes = None if peak is None else peak - measured.held_at_head
-            self._peak_floor = peak or 0
+            if profiled:
+                measured = self._measured
+                measured.head_s = self._meter.seconds(measured.head_start, self._meter.mark())
+                peak = self._meter.peak()
+                measured.head_bytes = None if peak is None else peak - measured.held_at_head
+                self._peak_floor = peak or 0
+            queue_after_backward(self._read_peak_at_backward_end)
 
         tensor.register_hook(head_done)
 

@@ -399,3 +399,7 @@ def test_a_peak_counter_reset_by_someone_else_is_not_taken_for_the_step_peak():
     assert controller._peak_since_own_reset() == 9 * 2**30
     assert controller._peak_since_own_reset() is None  # below the last read: reset by someone else
     assert controller._peak_since_own_reset() == 10 * 2**30  # risen past it: the step peaked at least that high
+    # The read at the end of the step's backward comes before anyone's reset between steps: it stands in for the step.
+    reads = iter([11 * 2**30, 2 * 2**30])
+    controller._read_peak_at_backward_end()
+    assert controller._peak_since_own_reset() == 11 * 2**30
