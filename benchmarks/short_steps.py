@@ -80,7 +80,10 @@ def parse_variant(text: str) -> tuple[bool, bool, dict[str, Any]]:
     options = {}
     for item in filter(None, options_text.split(",")):
         key, _, value = item.partition("=")
-        options[key.strip()] = ast.literal_eval(value.strip())
+        try:
+            options[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):  # a word, such as memory_budget=auto
+            options[key.strip()] = value.strip()
     return name.startswith("ckpt"), "hfo" in name, options
 
 
