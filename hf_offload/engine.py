@@ -302,7 +302,8 @@ class OffloadActivations(saved_tensors_hooks):
         self.model_hooks_ran = False
         # Why offloading stands aside (a key of `stats.KEPT_REASONS`: every saved tensor is then kept, at the cost of
         # a count), or None. "compiled": the model was compiled as a whole; "cannot_lower_peak": the measured step
-        # showed that offloading lowers the peak by less than `min_peak_reduction`, until a longer step arrives.
+        # showed that offloading lowers the peak by less than `min_peak_reduction`, until a longer step arrives;
+        # "planned": the memory budget's plan keeps every layer (set by its controller).
         self.standing_aside: str | None = None
         # The second step's phases, measured on the device's peak counter (`hf_offload.peak`); not under a memory
         # budget, whose controller resets that counter in its own profiled steps.
@@ -656,7 +657,7 @@ class OffloadActivations(saved_tensors_hooks):
         own graph)."""
         if self._step.end_of_forward is not None:  # a forward that never reached its end teaches nothing
             self._planner.end_forward(_first_unfinished(self._step.end_of_forward))
-        if self.budget_controller is None:
+        if self.budget_controller is None and self.standing_aside is None:  # nothing to measure while it stands aside
             report = self._peak_watch.step_begins()
             if report is not None:
                 self._peak_measured(report)
