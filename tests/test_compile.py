@@ -93,3 +93,19 @@ def test_the_trainers_torch_compile_runs_exactly_and_offloading_stands_aside(tmp
         r["loss"] for r in without.state.log_history if "loss" in r
     ]
     assert sum("compiled as a whole" in record.message for record in caplog.records) == 1
+
+
+def test_a_memory_budget_under_compilation_trains_and_says_what_it_costs(caplog):
+    # The planner's hooks must run, so Dynamo traces them and breaks the compiled graphs: one warning says so.
+    model = build(checkpointing=True, device="cpu")
+    for layer in model.model.layers:
+        layer.compile()
+    context = hf_offload.get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1GiB")
+    input_ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        for _ in range(4):
+            with context:
+                loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+    assert context.memory_plan is not None and torch.isfinite(loss)
+    assert sum("memory_budget with a compiled model" in r.message for r in caplog.records) == 1
