@@ -854,6 +854,10 @@ class OffloadActivations(saved_tensors_hooks):
             tokens: the tokens of the model's input (batch x sequence).
         """
         self._peak_watch.note_tokens(tokens)
+        if self.standing_aside is not None and torch._C._current_graph_task_id() == -1:
+            # A forward begins. Standing aside, nothing is reloaded, so no backward ends the previous step for the
+            # engine: without this a context entered once around many steps would count them as one.
+            self._phase = _IDLE
         report = self._peak_watch.report
         if self.standing_aside == "cannot_lower_peak" and tokens > report.tokens:
             self.standing_aside = None

@@ -250,3 +250,19 @@ def test_tokens_come_from_inputs_embeds_too_and_unknown_tokens_never_stand_aside
             loss.backward()
     assert blind.peak_report is not None and blind.standing_aside is None
     assert any("did not say how many tokens" in record.message for record in caplog.records)
+
+
+def test_standing_aside_a_context_around_many_steps_still_counts_them() -> None:
+    model = _model()
+    context = hf_offload.get_act_offloading_ctx_manager(model, device_type="cpu", min_offload_size=0,
+                                                        min_peak_reduction=0.05)  # fmt: skip
+    context._peak_watch = StepPeakWatch(_ScriptedCounter(_HEAD_SET))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    input_ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with context:  # one context around the whole loop, as a custom loop may have it
+        for _ in range(5):
+            model(input_ids=input_ids, labels=input_ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    stats = context.consume_stats()
+    assert context.standing_aside == "cannot_lower_peak" and stats["steps"] == 5
