@@ -159,7 +159,6 @@ class StepPeakWatch:
         self._attempts_left = _ATTEMPTS
         self._steps = 0
         self._phases: list[PhasePeak] | None = None  # the measured step's phases so far, while it runs
-        self._away_at_forward_end = 0
         self._tokens = 0
         self.report: PeakReport | None = None
 
@@ -171,16 +170,15 @@ class StepPeakWatch:
         """A forward begins. Returns the report when this ends the measured step, else None."""
         finished = None
         if self._phases is not None:
-            finished = self._end(AFTER, 0, 0)
+            finished = self._end()
         self._steps += 1
         if self._steps == self._measured_step and self.report is None and self._read_and_reset() is not None:
-            self._phases, self._tokens, self._away_at_forward_end = [], 0, 0
+            self._phases, self._tokens = [], 0
         return finished
 
     def forward_ends(self, away_bytes: int) -> None:
         """The tail of the forward (the head) begins, with `away_bytes` offloaded and off the device."""
         if self._phases is not None and not self._phases:
-            self._away_at_forward_end = away_bytes
             self._phases.append(self._phase(FORWARD, 0, away_bytes))
 
     def backward_begins(self, away_bytes: int) -> None:
@@ -191,24 +189,25 @@ class StepPeakWatch:
             self._phases.append(self._phase(HEAD, away_bytes, away_bytes))
         else:  # no head hook marked the forward's end
             self._phases.append(self._phase(_FORWARD_AND_HEAD, 0, away_bytes))
-        self._away_at_forward_end = away_bytes
 
     def backward_ends(self) -> None:
         """The backward that consumed the measured forward is over: every reload is back."""
         if self._phases is not None and self._phases and self._phases[-1].name in (HEAD, _FORWARD_AND_HEAD):
-            self._phases.append(self._phase(BACKWARD, 0, self._away_at_forward_end))
+            # Everything the forward moved was away as backward began: the last phase's most.
+            self._phases.append(self._phase(BACKWARD, 0, self._phases[-1].most_away_bytes))
 
     def note_tokens(self, tokens: int) -> None:
-        """The step's tokens, once its first decoder layer is called."""
+        """The step's tokens, told by the model's pre-hook as its forward starts."""
         if self._phases is not None and not self._tokens:
             self._tokens = tokens
 
     def _phase(self, name: str, least: int, most: int) -> PhasePeak:
         return PhasePeak(name, self._read_and_reset() or 0, least, most)
 
-    def _end(self, name: str, least: int, most: int) -> PeakReport | None:
+    def _end(self) -> PeakReport | None:
+        """The next forward begins: the phase after backward (the optimizer step; nothing away) ends the step."""
         phases, self._phases = self._phases, None
-        phases.append(self._phase(name, least, most))
+        phases.append(self._phase(AFTER, 0, 0))
         if not any(phase.name == BACKWARD for phase in phases):
             # The step's backward never ran, or reloaded nothing (evaluation, or nothing offloaded): measure the next
             # one instead, a few times at most, for the counter is reset in each.
