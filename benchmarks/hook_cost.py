@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -34,6 +37,9 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--primitives", action="store_true", help="also time the torch calls a hook is made of")
+    ap.add_argument("--profile", action="store_true",
+                    help="also run the checkpointing-like case under cProfile and write where its host time goes "
+                         "(hook-cost-<label>-profile.txt: the calls by their own time)")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     sys.path.insert(0, args.engine_root)
@@ -95,6 +101,20 @@ def main() -> int:
     if args.primitives:
         result["primitives_us"] = time_primitives(torch, start.detach())
     name = "".join(c if c.isalnum() else "-" for c in args.label)
+    if args.profile:
+        engine = OffloadActivations()
+        engine.prefetch_on_unpack = False
+        measure(engine, prefetch_points=True)  # warm: the pool, the streams
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            step(engine, prefetch_points=True)
+        profiler.disable()
+        report = io.StringIO()
+        report.write(f"{args.steps} steps x {args.layers} tensors, prefetch points (checkpointing); cProfile adds its "
+                     "own time to every Python call, so read the shares, not the microseconds\n")  # fmt: skip
+        pstats.Stats(profiler, stream=report).sort_stats("tottime").print_stats(40)
+        Path(args.out, f"hook-cost-{name}-profile.txt").write_text(report.getvalue())
     Path(args.out, f"hook-cost-{name}.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -14,8 +14,9 @@ __all__ = ["LOG_PREFIX", "HEADLINE_KEYS", "log_entries", "keep_headlines", "accu
 LOG_PREFIX = "offload/"
 # Levels read when the statistics are taken, not counts: a total keeps the latest value instead of a sum.
 _LEVELS = frozenset({"pinned_bytes"})
-# One counter per reason a tensor stayed on the accelerator; most are zero in a given run, and zeros only clutter.
-_KEPT_PREFIXES = ("tensors_kept_", "bytes_kept_")
+# One counter per reason a tensor stayed on the accelerator, or offloading stood aside for a step; most are zero in a
+# given run, and zeros only clutter.
+_KEPT_PREFIXES = ("tensors_kept_", "bytes_kept_", "steps_stood_aside_")
 
 # The entries the console shows, each a figure a person can act on.
 HEADLINE_KEYS = (

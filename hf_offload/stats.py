@@ -14,7 +14,7 @@ from typing import Any
 from .peak import PeakReport
 from .units import format_bytes
 
-__all__ = ["KEPT_REASONS", "OffloadStats", "StatsRecorder", "format_summary"]
+__all__ = ["KEPT_REASONS", "STAND_ASIDE_REASONS", "OffloadStats", "StatsRecorder", "format_summary"]
 
 # Why a saved tensor stayed where it was, with the words the summary explains each reason in.
 KEPT_REASONS: dict[str, str] = {
@@ -31,6 +31,10 @@ KEPT_REASONS: dict[str, str] = {
     "compiled": "saved by a model compiled as a whole, after its forward: moving them cannot lower the peak",
     "cannot_lower_peak": "offloading stood aside: it lowered the measured step's peak less than min_peak_reduction",
 }
+# Why offloading may stand aside for whole steps (`OffloadActivations.standing_aside`), keys of `KEPT_REASONS`: the
+# tensors of a step in a region entered while it stood aside never reach the engine, so such steps are counted, not
+# their tensors.
+STAND_ASIDE_REASONS = ("compiled", "cannot_lower_peak", "planned")
 
 
 class OffloadStats:
@@ -42,6 +46,7 @@ class OffloadStats:
         self.bytes_offloaded = 0
         self.kept_tensors: Counter[str] = Counter()
         self.kept_bytes: Counter[str] = Counter()
+        self.steps_stood_aside: Counter[str] = Counter()
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.inflight_hits = 0
@@ -81,6 +86,8 @@ class OffloadStats:
         for reason in KEPT_REASONS:
             out[f"tensors_kept_{reason}"] = self.kept_tensors[reason]
             out[f"bytes_kept_{reason}"] = self.kept_bytes[reason]
+        for reason in STAND_ASIDE_REASONS:
+            out[f"steps_stood_aside_{reason}"] = self.steps_stood_aside[reason]
         out["prefetch_hits"] = self.prefetch_hits
         out["prefetch_misses"] = self.prefetch_misses
         out["inflight_hits"] = self.inflight_hits
@@ -104,11 +111,14 @@ class StatsRecorder:
     def _both(self) -> tuple[OffloadStats, OffloadStats]:
         return self.step, self.total
 
-    def begin_step(self) -> None:
+    def begin_step(self, stood_aside: str | None = None) -> None:
+        """A step begins; `stood_aside`: why offloading stands aside in it (`STAND_ASIDE_REASONS`), if it does."""
         self.total.collect_finished_waits()
         self.step = OffloadStats()
         for stats in self._both():
             stats.steps += 1
+            if stood_aside is not None:
+                stats.steps_stood_aside[stood_aside] += 1
 
     def offloaded(self, nbytes: int) -> None:
         for stats in self._both():
@@ -168,6 +178,10 @@ def format_summary(stats: dict[str, int | float], device_type: str = "cuda", pea
         f"  {'host buffer' if test_mode else 'pinned host memory'} held (a pool reused every step): "
         f"{format_bytes(stats.get('pinned_bytes', 0))}",
     ]
+    aside = [f"{stats[f'steps_stood_aside_{reason}']:.0f} ({KEPT_REASONS[reason]})" for reason in STAND_ASIDE_REASONS
+             if stats.get(f"steps_stood_aside_{reason}", 0)]  # fmt: skip
+    if aside:
+        lines.append(f"  steps in which offloading stood aside (moved nothing): {'; '.join(aside)}")
     if peak is not None:
         lines.append(f"  peak memory, measured in step 2: {peak.describe()}")
     return "\n".join(lines)

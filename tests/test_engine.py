@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint as checkpoint
 
 from hf_offload import NoOpManager, OffloadActivations
+from hf_offload.engine import top_saved_tensors_pack_hook
 
 
 def cpu_engine(**options) -> OffloadActivations:
@@ -448,3 +449,34 @@ def test_tensors_elsewhere_warn_once_and_empty_placeholders_not_at_all(caplog):
                 real * real
     assert caplog.text.count("are not offloaded") == 1
     assert engine.get_stats()["tensors_kept_not_on_accelerator"] == 4
+
+
+def test_a_region_entered_standing_aside_pushes_no_hooks_and_rejoining_pushes_them_there() -> None:
+    engine = cpu_engine()
+    engine.stand_aside("cannot_lower_peak")
+    with engine:
+        assert top_saved_tensors_pack_hook() is None  # autograd calls no Python for the tensors saved here
+        kept = round_trip(NoOpManager(), torch.randn(4))
+        engine.rejoin()
+        assert top_saved_tensors_pack_hook() is engine.pack_hook
+        probe = torch.randn(8)
+        restored = round_trip(engine, probe)  # entered again inside: the same engine, now offloading
+    assert top_saved_tensors_pack_hook() is None  # exit popped what was pushed late, and only that
+    assert kept and torch.equal(restored[0], probe) and engine.get_stats()["tensors_offloaded"] == 1
+    with pytest.raises(ValueError, match="reason must be one of"):
+        engine.stand_aside("tired")
+
+
+def test_rejoining_under_someone_elses_hooks_waits_for_the_next_region(caplog) -> None:
+    engine = cpu_engine()
+    engine.stand_aside("planned")
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        with engine:
+            with NoOpManager() as _:
+                inner = top_saved_tensors_pack_hook()
+                engine.rejoin()  # pushing here would sit on the NoOpManager's hooks, and its exit would pop ours
+                assert top_saved_tensors_pack_hook() is inner
+            assert top_saved_tensors_pack_hook() is None
+    assert sum("offloading resumes from the next step" in record.message for record in caplog.records) == 1
+    probe = torch.randn(8)
+    assert torch.equal(round_trip(engine, probe)[0], probe) and engine.get_stats()["tensors_offloaded"] == 1

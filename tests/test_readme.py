@@ -12,7 +12,7 @@ import pytest
 from hf_offload import OffloadOptions
 from hf_offload.callbacks.arguments import ARGUMENT_PREFIX, ActivationOffloadingArguments
 from hf_offload.callbacks.stats_logs import HEADLINE_KEYS, LOG_PREFIX, log_entries
-from hf_offload.stats import KEPT_REASONS, OffloadStats
+from hf_offload.stats import KEPT_REASONS, STAND_ASIDE_REASONS, OffloadStats
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -99,7 +99,10 @@ def test_the_statistics_section_names_every_counter_and_every_logged_entry():
     counters = OffloadStats().as_dict()
     for reason in KEPT_REASONS:
         assert f"`{reason}`" in statistics, reason
-    for key in [key for key in counters if not key.startswith(("tensors_kept_", "bytes_kept_"))]:
+    for reason in STAND_ASIDE_REASONS:
+        assert f"`{reason}`" in statistics, reason
+    assert "`steps_stood_aside_<reason>`" in statistics
+    for key in [key for key in counters if not key.startswith(("tensors_kept_", "bytes_kept_", "steps_stood_aside_"))]:
         assert f"`{key}`" in statistics, key
     logged = log_entries({**counters, "steps": 1}, peak_memory_bytes=0)
     for key in [key for key in logged if not key.startswith(LOG_PREFIX + "tensors_kept_")]:

@@ -626,9 +626,10 @@ class MemoryBudgetController:
         # A plan that keeps every layer moves nothing: the engine stands aside, so that such a step costs what it
         # costs without the library (no region around each layer, no bookkeeping per saved tensor).
         if all(entry.action == KEEP for entry in actions):
-            engine.standing_aside = engine.standing_aside or "planned"
+            if engine.standing_aside is None:
+                engine.stand_aside("planned")
         elif engine.standing_aside == "planned":
-            engine.standing_aside = None
+            engine.rejoin()
 
 
 def _same_on_every_rank(make_plan: Callable[[], Plan]) -> Plan:
