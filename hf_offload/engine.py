@@ -361,7 +361,7 @@ class OffloadActivations(saved_tensors_hooks):
             if torch.compiler.is_compiling():  # traced: nothing of the engine in compiled code (see compile_guard)
                 return tensor
             engine = engine_ref()
-            if engine is None:
+            if engine is None or not tensor.numel():  # an empty tensor holds nothing to move or to count (below)
                 return _kept(tensor)
             if engine._standing_aside is not None:
                 return engine._keep_standing_aside(tensor)
@@ -682,8 +682,6 @@ class OffloadActivations(saved_tensors_hooks):
             )
             if reason is None:
                 return self._offload(tensor)
-            # Empty placeholders (non-reentrant checkpointing saves one per layer on the CPU) say nothing about
-            # where the model is.
             nbytes = tensor.numel() * tensor.element_size()
             if reason == "not_on_accelerator" and nbytes >= self.options.min_offload_size:
                 self.warn_once(reason, f"tensors saved on {tensor.device.type} are not offloaded (offloading "
