@@ -513,6 +513,18 @@ class OffloadActivations(saved_tensors_hooks):
             head_prefetch_window_bytes, "head_prefetch_window_bytes"
         )
 
+    def cap_tail(self, max_bytes: int | None) -> None:
+        """Bound the tail (the last offload candidates of the forward, kept on the GPU) for the steps to come.
+
+        Used by a memory plan chosen because its measured steps met the budget: its later steps must not keep more
+        of the tail than those did, and the tail only grows.
+
+        Args:
+            max_bytes: the bound, in bytes; None (or anything above it) restores the option `forward_window_bytes`.
+        """
+        bound = self.options.forward_window_bytes
+        self._planner.set_max_tail_bytes(bound if max_bytes is None else min(bound, max_bytes))
+
     def is_innermost(self) -> bool:
         """Whether a tensor saved here and now would reach this engine's pack hook.
 
