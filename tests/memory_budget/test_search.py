@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 from step_profiles import long_profile, s1_profile
 
-from hf_offload.memory_budget import checks, search, spec
+from hf_offload.memory_budget import calibrate, checks, search, spec
 from hf_offload.memory_budget import profile as step_profile
 from hf_offload.memory_budget import simulate as step_model
 from hf_offload.memory_budget.profile import LayerProfile, StepProfile
-from hf_offload.memory_budget.search import InfeasibleBudgetError, choose_plan
+from hf_offload.memory_budget.search import InfeasibleBudgetError, choose_plan, plan_of
 from hf_offload.memory_budget.simulate import MeasuredStep, Plan, simulate
 from hf_offload.units import GIB, MIB
 
 # The part of the budget that plans: the standard library and `units` only, so that plans are computed anywhere.
-PURE_MODULES = (checks, spec, step_profile, step_model, search)
-PURE_NAMES = {"checks", "spec", "profile", "simulate", "search"}
+PURE_MODULES = (checks, spec, step_profile, step_model, search, calibrate)
+PURE_NAMES = {"checks", "spec", "profile", "simulate", "search", "calibrate"}
 
 
 def random_profile(rng: random.Random, layers: int) -> StepProfile:
@@ -276,6 +276,26 @@ def test_tiling_is_not_enough_names_what_dominates() -> None:
     assert "plan 'CCCC" in str(error.value) and "tiled" not in str(error.value)
 
 
+def test_the_refusal_names_the_untiled_plan_where_tiling_peaks_higher() -> None:
+    # On the issue's Mistral-7B shape (8K tokens, MLP chunks of 4K: two), the tiled profiled steps measured 16.72 GiB
+    # and the untiled ones 16.51: tiling can cost memory. The refusal names the lower of the two.
+    profile = long_profile(tiled_backward_working_bytes=60 * GIB)
+    untiled, tiled = (simulate(profile, letter * 32).peak_bytes for letter in "CT")
+    assert tiled > untiled
+    with pytest.raises(InfeasibleBudgetError) as error:
+        choose_plan(profile, 30 * GIB)
+    assert error.value.lowest_plan.code == "C" * 32 and f"({untiled} bytes; plan 'CCCC" in str(error.value)
+
+
+def test_a_plan_of_any_code_gets_the_widest_window_that_fits() -> None:
+    profile = s1_profile()
+    chosen = choose_plan(profile, 20 * GIB)
+    same = plan_of(profile, chosen.code, 20 * GIB)
+    assert same.predicted == chosen.predicted and not same.trial and same.measured is None
+    with pytest.raises(ValueError, match="one letter per layer"):
+        plan_of(profile, "CC", 20 * GIB)
+
+
 def test_a_full_host_is_said() -> None:
     profile = long_profile(host_cap_bytes=40 * GIB)  # room for 20 of the 32 inputs
     result = choose_plan(profile, 70 * GIB)
@@ -342,7 +362,7 @@ def test_the_plan_is_never_slower_than_a_measured_plan_that_fits() -> None:
     assert choose_plan(profile, budget, measured=[over]).code != chosen.code
 
 
-# The pure modules themselves (spec, profile, simulate, search)
+# The pure modules themselves (spec, profile, simulate, search, calibrate)
 
 
 def test_docstring_examples() -> None:
