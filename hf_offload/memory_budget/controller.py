@@ -110,7 +110,7 @@ class _StepMeasurements:
     step_s: float | None = None
     head_start: Any = None
     head_s: float | None = None
-    held_at_head: int | None = None
+    held_at_step_start: int | None = None  # what was allocated as the second step began: the memory between steps
     head_bytes: int | None = None
     # CPU test mode, which has no peak counter: what the head and loss saved in the second profiled step.
     head_saved_bytes: int | None = None
@@ -248,6 +248,7 @@ class MemoryBudgetController:
             if not self._probes_finished:
                 self._finish_probes()
             self._take_call_order()
+            self._measured.held_at_step_start = self._meter.allocated()
             self._measured.step_start = self._meter.mark()
             self._meter.reset_peak()
         elif self._forwards == 3:
@@ -321,7 +322,7 @@ class MemoryBudgetController:
         self._samples.setdefault(self._code, []).append(sample)
 
     def _tail_kept(self) -> int:
-        """What the engine's tail kept in the step that just ended."""
+        """What the engine's tail kept in its latest step (the one that just ended, or the one whose head runs)."""
         engine = self._engine()
         return int(engine.get_stats().get("bytes_kept_tail", 0)) if engine is not None else 0
 
@@ -451,7 +452,6 @@ class MemoryBudgetController:
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._forwards != 2 or not self._training_forward(module):
             return
-        self._measured.held_at_head = self._meter.allocated()
         self._measured.forward_peak = self._meter.peak()
         self._meter.reset_peak()
         self._peak_floor = 0
@@ -469,7 +469,11 @@ class MemoryBudgetController:
                 measured = self._measured
                 measured.head_s = self._meter.seconds(measured.head_start, self._meter.mark())
                 peak = self._meter.peak()
-                measured.head_bytes = None if peak is None else peak - measured.held_at_head
+                # Over the memory held between steps and the tail the engine kept, not over what was allocated as
+                # the head began: the forward leaves more than the plan's layers hold (the last hidden states, about
+                # two layer inputs on every zoo shape), and a plan that keeps every input measured that much above
+                # the model that counted the head from there.
+                measured.head_bytes = None if peak is None else peak - measured.held_at_step_start - self._tail_kept()
                 self._peak_floor = peak or 0
                 queue_after_backward(self._profiled_backward_ends)
             queue_after_backward(self._read_peak_at_backward_end)

@@ -100,7 +100,8 @@ class StepProfile:
             gradient accumulation step starts with them).
         gradient_bytes: gradients that backward creates: absent in the forward and at the head's peak; at a layer's
             backward, all but those of the layers before it (`LayerProfile.parameter_gradient_bytes`).
-        head_bytes: the head's and loss's peak on top of everything held when the forward ends.
+        head_bytes: the head's and loss's peak on top of static memory and what the plan's layers hold (and the
+            engine's tail): what the forward leaves besides (its last hidden states) is part of it.
         backward_working_bytes: transient gradient buffers of one layer's backward, on top of its activations.
         head_s: the head and loss, forward and backward.
         other_s: the rest of the step: embedding, optimizer step, and so on.
