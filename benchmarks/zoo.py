@@ -3,8 +3,10 @@
 
 Per shape (``harness/scenarios.py``'s ZOO_SCENARIOS, and M36): the simple plans ``none``, ``ckpt`` and ``ckpt+hfo``;
 then ``plan@1``, whose refusal names the smallest budget that works; then ``memory_budget`` at every 5% of none's peak
-from that minimum to 95%, and at each simple plan's measured peak. Every budget runs 9 steps (2 profiled, the first
-planned one, 3 that the closed loop measures, then 3 timed) and is checked: (a) its median step <= 1.02x the fastest
+from that minimum to 95%, and at each simple plan's measured peak. Every budget runs 13 steps (2 profiled; 3 of the
+closed loop's trial of plain checkpointing with every input kept, where it fits and the plan is another; the plan's
+first; 3 that the closed loop measures, after which it may correct the plan at the 10th; then 3 timed) and is
+checked: (a) its median step <= 1.02x the fastest
 simple plan whose peak fits the budget, (b) every step's peak (profiled steps included) <= the budget, (c) not refused
 when a simple plan meets it. ``harness/zoo.py`` holds the sweep's logic and the checks.
 
@@ -21,7 +23,7 @@ With $OUT set (the GPU machine), ``$OUT/<stem>.tar.gz`` (all of them, rewritten 
 ``<stem>.log``: three files, within what $OUT hands back.
 
 Usage:
-  python benchmarks/zoo.py                                    # the default 8 shapes, ~8 minutes on an H100
+  python benchmarks/zoo.py                                    # the default 8 shapes, ~9-10 minutes on an H100
   python benchmarks/zoo.py --shapes M36,mistral-7b-8l         # a subset (--shapes all: every zoo shape)
   python benchmarks/zoo.py --device cpu --out /tmp/zoo        # CPU smoke run: tiny shapes, hf-offload's CPU test mode
   python benchmarks/zoo.py --report-only --out DIR            # the summary and charts again, from DIR's JSON files
@@ -43,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `harness` sits next to this file
 from harness import GIB, REPO, child, zoo  # noqa: E402
-from harness.modes import PLAN_MIN_WARMUP, budget_share, parse_mode  # noqa: E402
+from harness.modes import budget_share, parse_mode  # noqa: E402
 from harness.report import ReportFiles, Result, fmt, write_report  # noqa: E402
 from harness.runner import slug  # noqa: E402
 from harness.scenarios import SCENARIOS, ZOO_ALL, ZOO_CPU, ZOO_DEFAULT  # noqa: E402
@@ -57,6 +59,7 @@ FIRST_MODE_ESTIMATE_S = {"cuda": 25.0, "cpu": 3.0}
 # For the tests: "SHAPE:MODE" makes the child die (exit 3) when it is about to run that mode.
 CRASH_ENV = "HFO_ZOO_TEST_CRASH"
 MAX_RESTARTS = 2  # children started again after one died
+PROBE_WARMUP = 3  # plan@1: the library refuses the budget at its first planned step, the third
 PLAN_SLOWDOWN = 1.3  # a plan's step against the slowest simple plan's, for the time estimate
 PROCESSES = (
     "all modes of all shapes in one process, one after the other (the model freed, the allocator's cache emptied, "
@@ -90,9 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--plan-steps",
         type=parse_steps,
-        default=(6, 3),
-        help="each budget: WARMUP+TIMED (the library profiles 2 steps, plans at the 3rd, and its closed loop checks "
-        "the plan after 3 more)",
+        default=(10, 3),
+        help="each budget: WARMUP+TIMED (the library profiles 2 steps, may run 3 of its trial of plain "
+        "checkpointing, plans at the 6th, and its closed loop checks the plan after 3 more)",
     )
     ap.add_argument("--grid-step", type=float, default=zoo.GRID_STEP, help="percent of none's peak between budgets")
     ap.add_argument("--top", type=float, default=zoo.GRID_TOP, help="the highest budget, percent of none's peak")
@@ -420,7 +423,7 @@ class Sweep:
 
     def _steps(self, mode: str) -> tuple[int, int]:
         if mode == zoo.PROBE_MODE:
-            return PLAN_MIN_WARMUP, 1  # refused at the planned step, the third
+            return PROBE_WARMUP, 1  # refused at the planned step, the third
         return tuple(self.spec["plan_steps"] if parse_mode(mode).planned else self.spec["simple_steps"])
 
     def _estimate(self, mode: str, results: list[Result]) -> float:

@@ -415,9 +415,13 @@ class OffloadActivations(saved_tensors_hooks):
     def rejoin(self) -> None:
         """Offloading resumes, from the next saved tensor on.
 
-        In a region entered while it stood aside, the hooks are pushed now, unless something else pushed saved-tensor
-        hooks since the region was entered: ours would then sit on top of that region's (taking its tensors), and its
-        exit would pop ours. In that case offloading resumes from the next region on, with a warning.
+        In a region entered while it stood aside, the hooks are pushed now, where the region's entry would have pushed
+        them: under any saved-tensor hooks pushed since. Offloading may rejoin from a decoder layer's pre-hook (the
+        memory budget re-plans there), which runs inside that layer's checkpoint: pushed on top, ours would take the
+        tensors the checkpoint drops, and the checkpoint's exit would pop ours. So the hooks above are taken off and
+        pushed back above ours, the same objects in the same order, and each context's exit still pops its own. Where
+        the stack cannot be read or changed (an older torch, hooks disabled), offloading resumes from the next region
+        on, with a warning.
         """
         if self._standing_aside is None:
             return
@@ -426,13 +430,31 @@ class OffloadActivations(saved_tensors_hooks):
         region = self._regions[-1] if self._regions else None
         if region is None or region.hooks_pushed:
             return
-        if top_saved_tensors_pack_hook() is not region.top_at_entry:
+        if not self._push_hooks_under_later_ones(region.top_at_entry):
             self.warn_once("rejoin_late", "hf_offload: offloading resumes from the next step: it stood aside when "
-                            "this step's region was entered, and saved-tensor hooks entered since then (another "
-                            "context inside hf-offload's) leave no place to start it in this one")  # fmt: skip
+                            "this step's region was entered, and the saved-tensor hooks entered since then cannot be "
+                            "read or changed here (an older torch, or hooks disabled)")  # fmt: skip
             return
-        super().__enter__()
         region.hooks_pushed = True
+
+    def _push_hooks_under_later_ones(self, top_at_entry: Any) -> bool:
+        """Pushes this engine's hooks just above `top_at_entry`, below the hooks pushed since; False if it cannot."""
+        autograd = torch._C._autograd
+        enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
+        if top_at_entry is ... or not enabled():
+            return False
+        later: list[tuple[Any, Any]] = []
+        while (top := top_saved_tensors_pack_hook()) is not top_at_entry:
+            if top is None or top is ...:  # the entry's hooks are gone from the stack: put back what was taken
+                for pack, unpack in reversed(later):
+                    autograd._push_saved_tensors_default_hooks(pack, unpack)
+                return False
+            later.append(_top_saved_tensors_hooks())
+            autograd._pop_saved_tensors_default_hooks()
+        super().__enter__()
+        for pack, unpack in reversed(later):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
+        return True
 
     @property
     def active(self) -> bool:
@@ -572,6 +594,18 @@ class OffloadActivations(saved_tensors_hooks):
         self.head_prefetch_window_bytes = OffloadOptions.rule("prefetch_window_bytes").check(
             head_prefetch_window_bytes, "head_prefetch_window_bytes"
         )
+
+    def cap_tail(self, max_bytes: int | None) -> None:
+        """Bound the tail (the last offload candidates of the forward, kept on the GPU) for the steps to come.
+
+        Used by a memory plan chosen because its measured steps met the budget: its later steps must not keep more
+        of the tail than those did, and the tail only grows.
+
+        Args:
+            max_bytes: the bound, in bytes; None (or anything above it) restores the option `forward_window_bytes`.
+        """
+        bound = self.options.forward_window_bytes
+        self._planner.set_max_tail_bytes(bound if max_bytes is None else min(bound, max_bytes))
 
     def is_innermost(self) -> bool:
         """Whether a tensor saved here and now would reach this engine's pack hook.
@@ -1091,15 +1125,23 @@ def _first_unfinished(end_of_forward: list[tuple[int, Any, Any]]) -> int | None:
     return min(unfinished, default=None)
 
 
-def top_saved_tensors_pack_hook() -> Any:
-    """The pack hook on top of this thread's saved-tensor hooks stack, None when empty, `...` when unknown."""
+def _top_saved_tensors_hooks() -> Any:
+    """The (pack, unpack) hooks on top of this thread's saved-tensor hooks stack, None when empty, `...` when this
+    torch cannot tell."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:  # older torch: cannot tell
         return ...
     try:
-        hooks = top(True)
+        return top(True)
     except TypeError:  # signature without `ignore_is_tracing`
-        hooks = top()
+        return top()
+
+
+def top_saved_tensors_pack_hook() -> Any:
+    """The pack hook on top of this thread's saved-tensor hooks stack, None when empty, `...` when unknown."""
+    hooks = _top_saved_tensors_hooks()
+    if hooks is ...:
+        return ...
     return hooks[0] if hooks else None
 
 

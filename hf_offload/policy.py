@@ -151,6 +151,12 @@ class TailPlanner:
             start = first_unfinished if start is None else min(start, first_unfinished)
         self._tail_start = None if start is None else self._cap(start)
 
+    def set_max_tail_bytes(self, max_tail_bytes: int) -> None:
+        """A new bound for the tail; a tail already learned is shortened to it at once."""
+        self.max_tail_bytes = max_tail_bytes
+        if self._tail_start is not None:
+            self._tail_start = self._cap(self._tail_start)
+
     def _cap(self, start: int) -> int:
         """Moves the tail start later until the tail fits its budget."""
         tail_bytes = sum(self._plan_sizes[start:])

@@ -7,10 +7,10 @@ Where a new test goes: next to the module it tests, in the file named after it.
 - `hf_offload/<module>.py`: `test_<module>.py` (engine, options, units, allocator); `policy.py`, `host_memory.py` and
   `stats.py` share `test_policy.py`; `model.py`, `model_hooks.py` and `context.py` share `test_model.py`;
   `compile_guard.py` is `test_compile.py`.
-- `hf_offload/memory_budget/<module>.py`: `memory_budget/test_<module>.py` (spec, profile, simulate, search, probes,
-  controller, layer_actions, tiled_mlp; `checks.py` through the modules that use it); the controller across families
-  of models is `memory_budget/test_controller_families.py`, and what holds for the pure modules together (their
-  imports, their doctests) is at the end of `memory_budget/test_search.py`.
+- `hf_offload/memory_budget/<module>.py`: `memory_budget/test_<module>.py` (spec, profile, simulate, search,
+  calibrate, probes, controller, layer_actions, tiled_mlp; `checks.py` through the modules that use it); the
+  controller across families of models is `memory_budget/test_controller_families.py`, and what holds for the pure
+  modules together (their imports, their doctests) is at the end of `memory_budget/test_search.py`.
 - `callbacks/`: `test_integration.py` (the Trainer), `test_trl.py` (TRL's trainers), `test_output.py` (logs, summary).
 - Across families of models: `test_architectures.py` (offloading), `memory_budget/test_controller_families.py` (the
   budget); `test_qlora.py` for 4-bit models; `test_reliability.py` for faults and leaks over many steps.

@@ -468,15 +468,33 @@ def test_a_region_entered_standing_aside_pushes_no_hooks_and_rejoining_pushes_th
         engine.stand_aside("tired")
 
 
-def test_rejoining_under_someone_elses_hooks_waits_for_the_next_region(caplog) -> None:
+def test_rejoining_under_someone_elses_hooks_pushes_ours_beneath_them() -> None:
+    """A re-plan from a decoder layer's pre-hook runs inside the layer's checkpoint: the engine's hooks go where the
+    region's entry would have put them, under the checkpoint's, which keeps its tensors and pops its own hooks."""
+    engine = cpu_engine()
+    engine.stand_aside("planned")
+    with engine:
+        inner_probe = torch.randn(8)
+        with NoOpManager():
+            inner = top_saved_tensors_pack_hook()
+            engine.rejoin()
+            assert top_saved_tensors_pack_hook() is inner  # still on top: its region keeps what it saves
+            kept = round_trip(NoOpManager(), inner_probe)
+        assert top_saved_tensors_pack_hook() is engine.pack_hook  # the NoOpManager's exit popped its own
+        probe = torch.randn(8)
+        restored = round_trip(engine, probe)
+    assert top_saved_tensors_pack_hook() is None
+    assert torch.equal(kept[0], inner_probe) and torch.equal(restored[0], probe)
+    assert engine.get_stats()["tensors_offloaded"] == 1
+
+
+def test_rejoining_where_hooks_are_disabled_waits_for_the_next_region(caplog) -> None:
     engine = cpu_engine()
     engine.stand_aside("planned")
     with caplog.at_level(logging.WARNING, logger="hf_offload"):
         with engine:
-            with NoOpManager() as _:
-                inner = top_saved_tensors_pack_hook()
-                engine.rejoin()  # pushing here would sit on the NoOpManager's hooks, and its exit would pop ours
-                assert top_saved_tensors_pack_hook() is inner
+            with torch.autograd.graph.disable_saved_tensors_hooks("a region that forbids them"):
+                engine.rejoin()
             assert top_saved_tensors_pack_hook() is None
     assert sum("offloading resumes from the next step" in record.message for record in caplog.records) == 1
     probe = torch.randn(8)

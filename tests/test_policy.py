@@ -75,6 +75,24 @@ def test_tail_never_exceeds_its_budget() -> None:
     assert follow(big, [100] * 9 + [300]) == [False] * 10
 
 
+def test_a_lower_bound_shortens_a_learned_tail_at_once_and_then_holds() -> None:
+    # A memory plan chosen because its measured steps met the budget keeps no more tail than they did (the engine's
+    # `cap_tail`): the tail learned since is cut back, and copies that lag later do not grow it past the bound.
+    planner = TailPlanner(enabled=True, max_tail_bytes=10_000)
+    sizes = [100] * 10
+    follow(planner, sizes)
+    planner.end_forward(first_unfinished=5)
+    planner.set_max_tail_bytes(200)
+    assert planner.tail_start == 8
+    follow(planner, sizes)
+    planner.end_forward(first_unfinished=0)
+    assert planner.tail_start == 8
+    planner.set_max_tail_bytes(10_000)  # raised again: the tail grows as copies lag
+    follow(planner, sizes)
+    planner.end_forward(first_unfinished=6)
+    assert planner.tail_start == 6
+
+
 def test_tail_replanned_when_the_sequence_changes() -> None:
     planner = TailPlanner(enabled=True, max_tail_bytes=10_000)
     follow(planner, [100] * 10)

@@ -130,6 +130,17 @@ def test_no_peak_counter_leaves_a_and_b_without_anything_to_check():
     assert zoo.shape_summary(results, 2_500_000)["passed"]
 
 
+def test_the_simple_plans_the_library_measured_are_reported():
+    """Which simple plans the library's closed loop measured itself in a budget's run (the profiled safe plan, its
+    trial of plain checkpointing), with their median step, and how many other plans it measured."""
+    results = [*_simple(), _plan(60, 0.3, [20, 20], code="ccKK")]
+    results[-1]["plan"]["measured_s"] = {"CCCC": [0.33], "cccc": [0.28, 0.29], "ccKK": [0.27, 0.27, 0.26]}
+    (row,) = zoo.budget_checks(results)
+    assert row["library_measured"] == "C 0.330 s, c 0.285 s, +1 other"
+    text = "\n".join(zoo.shape_markdown(zoo.shape_summary(results, REFERENCE)))
+    assert "| simple plans the library measured |" in text and "| C 0.330 s, c 0.285 s, +1 other |" in text
+
+
 # ------------------------------------------------------------------------------------------- the script, on CPU
 
 FAST = ["--device", "cpu", "--grid-step", "20", "--plan-steps", "3+1", "--simple-steps", "1+1"]

@@ -405,9 +405,10 @@ def _plan_section(rs: list[Result]) -> list[str]:
             "### Memory-budget plans",
             "",
             f"plan@P budgets P% of {reference}. Plan modes run {warmups} warm-up steps: the library profiles two under "
-            "full checkpointing and plans at the third. Peaks are each step's `max_memory_allocated`, also where the "
-            "profiler resets the counter inside a step; error = predicted / measured - 1 (peak: the timed steps'; "
-            "time: the median).",
+            "full checkpointing and plans at the third, or runs three of plain checkpointing (every input kept) as "
+            "its closed loop's trial first where that fits and plans at the sixth. Peaks are each step's "
+            "`max_memory_allocated`, also where the profiler resets the counter inside a step; error = predicted / "
+            "measured - 1 (peak: the timed steps'; time: the median).",
             "",
         ]
         + rows

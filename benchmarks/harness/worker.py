@@ -141,9 +141,18 @@ def _plan_summary(context: Any) -> dict[str, Any]:
         "prefetch_window_bytes": plan.prefetch_window_bytes,
         "table": plan.format_table(),
     }
-    profile = getattr(getattr(context, "budget_controller", None), "profile", None)
+    controller = getattr(context, "budget_controller", None)
+    profile = getattr(controller, "profile", None)
     if dataclasses.is_dataclass(profile):
         summary["profile"] = dataclasses.asdict(profile)
+    # What the closed loop measured (per plan code, its steps' seconds: the profiled safe plan, the trial of plain
+    # checkpointing, the plans it checked) and what it learned from them, where the library has them.
+    measurements = getattr(controller, "measurements", None)
+    if isinstance(measurements, dict):
+        summary["measured_s"] = {code: [step["seconds"] for step in steps] for code, steps in measurements.items()}
+    calibration = getattr(controller, "calibration", None)
+    if hasattr(calibration, "describe"):
+        summary["learned"] = calibration.describe()
     return summary
 
 

@@ -19,6 +19,7 @@ shape's markdown and JSON, and ``pareto.py`` draws its chart.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from . import GIB
@@ -139,6 +140,7 @@ def budget_checks(results: list[Result]) -> list[dict[str, Any]]:
             "status": status,
             "plan": r.get("plan", {}).get("code"),
             "codes": list(dict.fromkeys(s["plan"] for s in r.get("per_step", []) if s.get("plan"))),
+            "library_measured": library_measured(r),
             "median_s": r.get("median_s") if status == "ok" else None,
             "peak_all_bytes": peak_all(r),
             "fastest_fitting": fastest["mode"] if fastest else None,
@@ -166,6 +168,17 @@ def budget_checks(results: list[Result]) -> list[dict[str, Any]]:
             row["b"] = False  # the step outgrew the device, so the budget below it
         rows.append(row)
     return rows
+
+
+def library_measured(r: Result) -> str:
+    """The simple plans the library measured itself in a budget's run (every layer one letter: `C` the profiled
+    safe plan, `c` the closed loop's trial of plain checkpointing), with their median step, and how many other plans
+    its closed loop measured."""
+    measured = r.get("plan", {}).get("measured_s") or {}
+    simple = [f"{code[0]} {statistics.median(times):.3f} s" for code, times in measured.items()
+              if times and len(set(code)) == 1]  # fmt: skip
+    others = sum(1 for code in measured if len(set(code)) > 1)
+    return ", ".join(simple + ([f"+{others} other"] if others else []))
 
 
 def shape_summary(results: list[Result], reference: int | None) -> dict[str, Any]:
@@ -213,7 +226,8 @@ def size(nbytes: int | None) -> str:
 
 
 BUDGET_HEAD = (
-    "| budget | bytes | status | plan | s/step (median) | fastest simple plan that fits | x it | (a) <= "
+    "| budget | bytes | status | plan | s/step (median) | simple plans the library measured | fastest simple plan "
+    "that fits | x it | (a) <= "
     f"{TIME_TOLERANCE:.2f}x | peak, every step | steps over | (b) peak <= budget | (c) not refused |"
 )
 
@@ -229,7 +243,8 @@ def shape_markdown(summary: dict[str, Any]) -> list[str]:
             f"{row['fastest_fitting']} {row['fastest_fitting_s']:.3f} s" if row["fastest_fitting"] else "none fits"
         )
         lines.append(
-            f"| {row['mode']} | {size(row['budget_bytes'])} | {status} | {plan} | {fmt(row['median_s'])} | {fastest} "
+            f"| {row['mode']} | {size(row['budget_bytes'])} | {status} | {plan} | {fmt(row['median_s'])} | "
+            f"{row.get('library_measured', '')} | {fastest} "
             f"| {fmt(row['x_fastest'], '{:.3f}')} | {mark(row['a'])} | {size(row['peak_all_bytes'])} | "
             f"{row['steps_over'] if row['steps_over'] else '' if row['steps_over'] is None else 'none'} | "
             f"{mark(row['b'])} | {mark(row['c'])} |"

@@ -7,12 +7,13 @@ One module per purpose, imported one way (each only from those listed before it,
 - `profile`: what a step costs (`LayerProfile`, `StepProfile`) and how that scales with its tokens.
 - `simulate`: the plan as data (`Plan`, action letters, `MeasuredStep`) and the step model (`simulate`).
 - `search`: choosing a plan (`choose_plan`), or refusing the budget (`InfeasibleBudgetError`).
+- `calibrate`: what the plans that ran teach the step model (the scale of its times, the host's time per offload).
 - `tiled_mlp`: a decoder layer's MLP run over chunks of tokens (the plans' `T`/`t`, and the option `tile_mlp=True`).
 - `layer_actions`: a plan's actions set on the decoder layers (`apply_layer_actions`).
 - `probes`: one layer measured on the arguments of its own call (`probe_layer`), the link's bandwidth, the meter.
 - `controller`: `MemoryBudgetController`, which profiles the first steps, plans, applies and re-plans.
 
-The first five are pure Python (the standard library and `hf_offload.units`): plans are computed and tested without
+The first six are pure Python (the standard library and `hf_offload.units`): plans are computed and tested without
 torch. This package imports none of its modules, so that `options`, which reads the option with `spec`, loads neither
 the controller nor the engine it imports.
 """

@@ -55,11 +55,12 @@ from ..engine import OffloadActivations
 from ..model import find_decoder_layers, find_output_head, first_tensor
 from ..peak import queue_after_backward
 from ..random_state import random_state_untouched
+from .calibrate import Calibration, calibrate
 from .layer_actions import AppliedActions, apply_layer_actions
 from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_bandwidth, probe_layer
 from .profile import StepProfile, in_proportion, tiling_available
-from .search import InfeasibleBudgetError, choose_plan
-from .simulate import FULL, FULL_TILED, KEEP, MeasuredStep, Plan, simulate
+from .search import InfeasibleBudgetError, choose_plan, plan_of
+from .simulate import FULL, FULL_TILED, OFFLOAD, SELECTIVE_OFFLOAD, MeasuredStep, Plan, simulate
 from .spec import MemoryBudget
 from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
@@ -82,6 +83,15 @@ _MEASURED_STEPS = 3
 _SLOWER_TOLERANCE = 0.02
 # At most this many replacements in a run: each costs a few steps on a plan that may be worse.
 _MAX_CORRECTIONS = 3
+# The closed loop's trial: plain checkpointing with every input kept (the simple plan the profiled steps do not run),
+# where it is predicted to fit and the first plan is another, runs this many steps after its first before the plan is
+# chosen with what it measured. Two: on the H100 zoo a step's time varied by up to 10% from one step to the next.
+_TRIAL_MEASURED_STEPS = 2
+# What the host spends on each layer that offloads, at least, before anything is measured: the engine's hooks take
+# about 4 us more per tensor offloaded than kept (6 against 2 us, docs/DESIGN.md), a checkpoint sends one tensor and a
+# whole layer 15-25. Enough that a plan keeping an input rather than offloading it for nothing is the faster.
+_INPUT_OFFLOAD_HOST_S = 1e-5
+_SAVED_OFFLOAD_HOST_S = 1e-4
 
 
 @dataclasses.dataclass
@@ -100,22 +110,30 @@ class _StepMeasurements:
     step_s: float | None = None
     head_start: Any = None
     head_s: float | None = None
-    held_at_head: int | None = None
+    held_at_step_start: int | None = None  # what was allocated as the second step began: the memory between steps
     head_bytes: int | None = None
     # CPU test mode, which has no peak counter: what the head and loss saved in the second profiled step.
     head_saved_bytes: int | None = None
     forward_peak: int | None = None  # the second step's peak before its head (the counter is reset there)
+    # At the end of the second step's backward: the counter, and what was allocated (every gradient by then).
+    backward_end_peak: int | None = None
+    backward_end_allocated: int | None = None
+    # The gradients that did not exist yet when backward reached the first layer called (the input embeddings').
+    late_gradient_bytes: int = 0
+    optimizer_bytes: int = 0  # what the step needed after backward on top of static memory and every gradient
 
 
 @dataclasses.dataclass(frozen=True)
 class _Sample:
-    """One clean step of a plan: its tokens in the profile's terms, its time, and its peak (None without a counter);
-    `profiled`: the second profiled step, which the model of the step is calibrated on (its `other_s`)."""
+    """One clean step of a plan: its tokens in the profile's terms, its time, its peak (None without a counter) and
+    the tail the engine kept in it; `profiled`: the second profiled step, which the model of the step is calibrated
+    on (its `other_s`)."""
 
     tokens: int
     seconds: float
     peak_bytes: int | None
     profiled: bool = False
+    tail_bytes: int = 0  # what the engine's tail kept through the step's head
 
 
 class MemoryBudgetController:
@@ -173,6 +191,8 @@ class MemoryBudgetController:
         self._applied_at = 0
         self._timed_step_start: Any = None
         self._corrections = 0
+        self._trialled: set[str] = set()  # the codes of the plans run as trials
+        self.calibration = Calibration()  # what the measured plans taught the model, as of rank 0's last plan
         # The largest peak the device's counter has read since the controller last reset it, and its read at the end
         # of the measured step's backward (`_peak_since_own_reset`).
         self._peak_floor = 0
@@ -199,6 +219,12 @@ class MemoryBudgetController:
         """The measured step the plan in force was made from (scaled to its tokens); None before the first plan."""
         return self._profile
 
+    @property
+    def measurements(self) -> dict[str, list[dict[str, Any]]]:
+        """Per plan code, the steps the closed loop measured of it (`tokens` in the profile's terms, `seconds`,
+        `peak_bytes`, `profiled`, `tail_bytes`): the profiled step, the trial's and the plans' checked steps."""
+        return {code: [dataclasses.asdict(sample) for sample in samples] for code, samples in self._samples.items()}
+
     def _budget_bytes(self) -> int:
         """The user's budget in bytes, on this device."""
         return self.memory_budget.resolve(self._meter.total())
@@ -222,6 +248,7 @@ class MemoryBudgetController:
             if not self._probes_finished:
                 self._finish_probes()
             self._take_call_order()
+            self._measured.held_at_step_start = self._meter.allocated()
             self._measured.step_start = self._meter.mark()
             self._meter.reset_peak()
         elif self._forwards == 3:
@@ -276,24 +303,45 @@ class MemoryBudgetController:
 
     def _record_profiled_step(self) -> None:
         """The second profiled step is the safe plan's first measurement. Its peak, where counted, is the larger of
-        the two phases' counters (reset at the head), plus the tail the later steps keep through the head's peak."""
+        the two phases' counters (reset at the head), with the tail the engine kept in it: the plan, chosen by this
+        measurement, keeps no more of it (`_use`), so its later steps peak where this one did.
+
+        What the step needed after backward is measured where the counter shows it: when the step's peak rose after
+        the end of backward, it is the optimizer step's; else at least what backward left allocated."""
+        measured = self._measured
+        counter_at_backward_end = measured.backward_end_peak
         peak = self._peak_since_own_reset()
+        static_bytes, gradient_bytes = self._static_bytes()
+        after_backward = [measured.backward_end_allocated or 0]
+        if peak is not None and counter_at_backward_end is not None and peak > counter_at_backward_end:
+            after_backward.append(peak)
+        measured.optimizer_bytes = max(0, max(after_backward) - static_bytes - gradient_bytes)
         if peak is not None:
-            peak = max(peak, self._measured.forward_peak or 0) + self._learned_tail_bytes()
-        self._samples.setdefault(self._code, []).append(_Sample(self._measured.step_tokens, self._measured.step_s,
-                                                                peak, profiled=True))  # fmt: skip
+            peak = max(peak, measured.forward_peak or 0)
+        sample = _Sample(measured.step_tokens, measured.step_s, peak, profiled=True, tail_bytes=self._tail_kept())
+        self._samples.setdefault(self._code, []).append(sample)
+
+    def _tail_kept(self) -> int:
+        """What the engine's tail kept in its latest step (the one that just ended, or the one whose head runs)."""
+        engine = self._engine()
+        return int(engine.get_stats().get("bytes_kept_tail", 0)) if engine is not None else 0
+
+    def _steps_to_measure(self) -> int:
+        """How many steps after its first the plan in force is timed before it is checked (a trial's are fewer)."""
+        return _TRIAL_MEASURED_STEPS if self.plan is not None and self.plan.trial else _MEASURED_STEPS
 
     def _start_timing(self) -> None:
-        """Times the step that starts now if its plan's check is to come: it is one of the `_MEASURED_STEPS` after
-        the plan's first step, and corrections are left."""
+        """Times the step that starts now if its plan's check is to come: it is one of the steps measured after the
+        plan's first step (`_steps_to_measure`), and corrections are left (or the plan is a trial)."""
         self._timed_step_start = None
-        to_check = self._applied_at < self._forwards <= self._applied_at + _MEASURED_STEPS
-        if to_check and self._corrections < _MAX_CORRECTIONS:
+        to_check = self._applied_at < self._forwards <= self._applied_at + self._steps_to_measure()
+        trial = self.plan is not None and self.plan.trial
+        if to_check and (trial or self._corrections < _MAX_CORRECTIONS):
             self._timed_step_start = self._meter.mark()
 
     def _close_the_loop(self) -> None:
         """At a training forward's start: records the step that just ended if it ran one plan all through and was
-        not that plan's first, and checks the plan once it has `_MEASURED_STEPS` such steps."""
+        not that plan's first, and checks the plan (or ends its trial) once it has enough such steps."""
         ended = self._forwards - 1
         if self._timed_step_start is not None and ended > self._applied_at and self._previous_step_tokens:
             seconds = self._meter.seconds(self._timed_step_start, self._meter.mark())
@@ -303,9 +351,13 @@ class MemoryBudgetController:
             peak = self._peak_since_own_reset()
             if peak is not None and peak > self._budget_bytes():
                 peak = None
-            self._samples.setdefault(self._code, []).append(_Sample(self._previous_step_tokens, seconds, peak))
-            if ended == self._applied_at + _MEASURED_STEPS:
-                self._check_plan()
+            self._samples.setdefault(self._code, []).append(_Sample(self._previous_step_tokens, seconds, peak,
+                                                                    tail_bytes=self._tail_kept()))  # fmt: skip
+            if ended == self._applied_at + self._steps_to_measure():
+                if self.plan.trial:
+                    self._end_trial()
+                else:
+                    self._check_plan()
         self._start_timing()
 
     def _layer_starts(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -375,16 +427,18 @@ class MemoryBudgetController:
         self._stack_starts = {next(i for i in self._order if self._stacks[i] == stack) for stack in set(self._stacks)}
         if engine is not None and self._called:
             engine.track_hook(self._layers[self._called[-1]].register_forward_hook(self._last_layer_ends))
+            engine.track_hook(self._layers[self._called[0]].register_forward_hook(self._first_layer_ends))
 
     def _apply_safe_plan(self, tokens: int) -> None:
         """The first two steps' plan, once the probes are in: every layer fully checkpointed, its input offloaded,
-        and its MLP tiled too if only that is predicted to fit the budget (at long context an untiled layer's
-        recompute alone can exceed the device). The layers that ran before the last kind was probed keep the
-        untiled safe plan in the first step."""
+        and its MLP tiled too if it is predicted not to fit the budget untiled and tiling is predicted to lower its
+        peak (at long context an untiled layer's recompute alone can exceed the device). The layers that ran before
+        the last kind was probed keep the untiled safe plan in the first step."""
         profile = self._profile_now(tokens)
         budget_bytes = self._budget_bytes()
         untiled = simulate(profile, "C" * len(self._layers))
-        if untiled.peak_bytes > budget_bytes and tiling_available(profile):
+        lower = tiling_available(profile) and simulate(profile, "T" * len(self._layers)).peak_bytes < untiled.peak_bytes
+        if untiled.peak_bytes > budget_bytes and lower:  # tiling can cost memory (two chunks of 4K on a 7B shape)
             logger.info("hf_offload: the profiled steps tile every MLP: untiled, full checkpointing is predicted to "
                         "peak at %.2f GiB, over the budget of %.2f GiB", untiled.peak_bytes / 2**30,
                         budget_bytes / 2**30)  # fmt: skip
@@ -398,7 +452,6 @@ class MemoryBudgetController:
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._forwards != 2 or not self._training_forward(module):
             return
-        self._measured.held_at_head = self._meter.allocated()
         self._measured.forward_peak = self._meter.peak()
         self._meter.reset_peak()
         self._peak_floor = 0
@@ -416,11 +469,40 @@ class MemoryBudgetController:
                 measured = self._measured
                 measured.head_s = self._meter.seconds(measured.head_start, self._meter.mark())
                 peak = self._meter.peak()
-                measured.head_bytes = None if peak is None else peak - measured.held_at_head
+                # Over the memory held between steps and the tail the engine kept, not over what was allocated as
+                # the head began: the forward leaves more than the plan's layers hold (the last hidden states, about
+                # two layer inputs on every zoo shape), and a plan that keeps every input measured that much above
+                # the model that counted the head from there.
+                measured.head_bytes = None if peak is None else peak - measured.held_at_step_start - self._tail_kept()
                 self._peak_floor = peak or 0
+                queue_after_backward(self._profiled_backward_ends)
             queue_after_backward(self._read_peak_at_backward_end)
 
         tensor.register_hook(head_done)
+
+    def _profiled_backward_ends(self) -> None:
+        measured = self._measured
+        measured.backward_end_peak, measured.backward_end_allocated = self._meter.peak(), self._meter.allocated()
+
+    def _first_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
+        """In the second profiled step: when backward reaches the first layer called, the gradients that do not exist
+        yet, other than the layers' own, come after every layer's backward (the input embeddings')."""
+        tensor = first_tensor(output)
+        if self._forwards != 2 or not self._training_forward(layer) or tensor is None or not tensor.requires_grad:
+            return
+
+        def first_layer_reached(grad: torch.Tensor) -> None:
+            model = self._model()
+            if model is None:
+                return
+            in_layers = {id(p) for decoder_layer in self._layers for p in decoder_layer.parameters()}
+            self._measured.late_gradient_bytes = sum(
+                p.numel() * p.element_size()
+                for p in model.parameters()
+                if p.requires_grad and p.grad is None and id(p) not in in_layers
+            )
+
+        tensor.register_hook(first_layer_reached)
 
     # ------------------------------------------------------------------ planning
 
@@ -446,7 +528,6 @@ class MemoryBudgetController:
         head_bytes = measured.head_bytes
         if head_bytes is None:  # CPU test mode: what the head and loss saved (nothing known before the second step)
             head_bytes = measured.head_saved_bytes or 0
-        head_bytes += self._learned_tail_bytes()
         static_bytes, gradient_bytes = self._static_bytes()
         profile = StepProfile(
             layers=tuple(probe.profile.scaled(probe.tokens, probe.step_tokens) for probe in probes),
@@ -465,16 +546,21 @@ class MemoryBudgetController:
             else 0,
             tile_chunk_bytes=math.ceil(max(probe.chunk_bytes_per_token for probe in probes) * self._tile_tokens)
             if tiled else 0,
+            late_gradient_bytes=min(measured.late_gradient_bytes, gradient_bytes),
+            optimizer_bytes=measured.optimizer_bytes,
+            tail_bytes=self._tail_bound_bytes(),
+            input_offload_s=_INPUT_OFFLOAD_HOST_S,
+            saved_offload_s=_SAVED_OFFLOAD_HOST_S,
         )  # fmt: skip
         if measured.step_s is not None:  # the rest of the step: what the model of the safe step does not explain
             safe = simulate(profile, "C" * len(self._layers))
             profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
         return profile if tokens == profile.tokens else profile.scaled(tokens)
 
-    def _learned_tail_bytes(self) -> int:
-        """The engine's learned tail, which the steps after the profiled ones keep through the head's peak and those
-        did not: they had no learned tail yet, later ones keep up to a forward window of it (in the CPU test mode
-        copies finish at once, and nothing is ever left to keep)."""
+    def _tail_bound_bytes(self) -> int:
+        """The most the engine's tail keeps through the head's peak: a forward window of the last offloaded bytes
+        (the head's bytes were measured over what the profiled step kept of it). In the CPU test mode copies finish
+        at once, and nothing is ever left to keep."""
         engine = self._engine()
         if engine is not None and engine.options.keep_tail and self._measured.head_bytes is not None:
             return engine.options.forward_window_bytes
@@ -502,14 +588,38 @@ class MemoryBudgetController:
         first = self.plan is None
 
         def make_plan() -> Plan:
+            measured = self._measured_plans(profile)
+            calibrated = self._calibrated(profile, measured)
             try:
-                return choose_plan(profile, budget_bytes, margin_bytes, self._measured_plans(profile))
+                plan = choose_plan(calibrated, budget_bytes, margin_bytes, measured)
             except InfeasibleBudgetError as error:
                 if first:
                     raise
                 return error.lowest_plan
+            return (self._trial(calibrated, plan, measured, budget_bytes, margin_bytes) if first else None) or plan
 
         self._use(_same_on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
+
+    def _calibrated(self, profile: StepProfile, measured: list[MeasuredStep]) -> StepProfile:
+        """`profile` with what the measured plans teach the model (`calibrate`), which is kept for the log."""
+        calibrated, self.calibration = calibrate(profile, measured)
+        return calibrated
+
+    def _trial(self, profile: StepProfile, plan: Plan, measured: list[MeasuredStep], budget_bytes: int,
+               margin_bytes: int) -> Plan | None:  # fmt: skip
+        """The closed loop's trial before the first plan: every layer fully checkpointed with its input kept, where
+        it is predicted to fit (with the margin, as any plan), was not measured yet, and the plan chosen is another
+        that does not keep every layer (nothing is faster than that). The profiled steps measured the same with the
+        inputs offloaded; the two differ by what the host spends on offloading, which the model of the GPU's time
+        has not, and which made plans slower than plain checkpointing on short steps (`calibrate`). None when no
+        trial is to run."""
+        code = "c" * len(profile.layers)
+        if plan.code in (code, "K" * len(profile.layers)) or any(step.code == code for step in measured):
+            return None
+        trial = plan_of(profile, code, budget_bytes, margin_bytes)
+        if not trial.fits(margin_bytes):
+            return None
+        return dataclasses.replace(trial, trial=True, time_scale=plan.time_scale)
 
     def _check_plan(self) -> None:
         """The closed loop's check of the plan in force, after its `_MEASURED_STEPS` clean steps: plans again, for
@@ -525,22 +635,24 @@ class MemoryBudgetController:
             ran = next((step for step in measured if step.code == in_force.code), None)
             if ran is None:  # its steps were all shorter than one tiled chunk: the model has no such step
                 return in_force
+            calibrated = self._calibrated(profile, measured)
             try:
                 last = self._corrections + 1 == _MAX_CORRECTIONS  # then keep the best measured plan
-                better = choose_plan(profile, budget_bytes, margin_bytes, measured, measured_only=last)
+                better = choose_plan(calibrated, budget_bytes, margin_bytes, measured, measured_only=last)
             except InfeasibleBudgetError:  # not even the plan in force fits now: the re-plans of growth handle it
                 return in_force
             expected_s = better.expected_step_s
             if better.code == in_force.code or ran.step_s <= expected_s * (1 + _SLOWER_TOLERANCE):
                 return in_force
             logger.info("hf_offload: closed loop, correction %d of at most %d: plan %r ran in %.2f ms a step (median "
-                        "of %d steps at %d tokens, predicted %.2f ms); plan %r replaces it, %s %.2f ms%s",
+                        "of %d steps at %d tokens, predicted %.2f ms); plan %r replaces it, %s %.2f ms%s; learned: %s",
                         self._corrections + 1, _MAX_CORRECTIONS, in_force.code, ran.step_s * 1000,
                         len(self._samples[in_force.code]), profile.tokens, in_force.predicted.step_s * 1000,
                         better.code,
                         "expected at" if better.measured is None else "measured at", expected_s * 1000,
                         "" if better.measured is None or better.measured.peak_bytes is None
-                        else f" with a peak of {better.measured.peak_bytes} bytes")  # fmt: skip
+                        else f" with a peak of {better.measured.peak_bytes} bytes",
+                        self.calibration.describe())  # fmt: skip
             return better
 
         new_plan = _same_on_every_rank(make_plan)
@@ -548,15 +660,42 @@ class MemoryBudgetController:
             self._corrections += 1
             self._use(new_plan, profile, budget_bytes, margin_bytes)
 
+    def _end_trial(self) -> None:
+        """The trial's steps are measured: plans with them (not a correction), and says in one line of the log what
+        was measured and learned."""
+        trial = self.plan
+        self._trialled.add(trial.code)
+        profile = self._profile_now(trial.tokens)
+        budget_bytes = self._budget_bytes()
+        margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
+
+        def make_plan() -> Plan:
+            measured = self._measured_plans(profile)
+            calibrated = self._calibrated(profile, measured)
+            try:
+                plan = choose_plan(calibrated, budget_bytes, margin_bytes, measured)
+            except InfeasibleBudgetError as error:  # the trial ran over the budget, and the safe plan too
+                plan = error.lowest_plan
+            times = ", ".join(f"{step.code!r} {step.step_s * 1000:.2f} ms" for step in measured)
+            logger.info("hf_offload: closed loop, trial of plain checkpointing (every input kept) over %d steps at %d "
+                        "tokens: measured %s; learned: %s; plan %r, %s %.2f ms", _TRIAL_MEASURED_STEPS,
+                        profile.tokens, times, self.calibration.describe(), plan.code,
+                        "expected at" if plan.measured is None else "measured at",
+                        plan.expected_step_s * 1000)  # fmt: skip
+            return plan
+
+        self._use(_same_on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
+
     def _measured_plans(self, profile: StepProfile) -> list[MeasuredStep]:
         """What each plan run so far measured, scaled to `profile`: per plan, the median of its steps' times and the
         largest of their peaks, each step scaled from its own tokens. Only plans with `_MEASURED_STEPS` steps count
-        (one step is noise), and the safe plan, whose profiled step the model is calibrated on. Plans that tile MLPs
-        where `profile` cannot are left out."""
+        (one step is noise), the safe plan, whose profiled step the model is calibrated on, and the trial's
+        `_TRIAL_MEASURED_STEPS`. Plans that tile MLPs where `profile` cannot are left out."""
         at_tokens: dict[int, StepProfile] = {}
         measured = []
         for code, samples in self._samples.items():
-            enough = len(samples) >= _MEASURED_STEPS or any(sample.profiled for sample in samples)
+            enough = (len(samples) >= _MEASURED_STEPS or any(sample.profiled for sample in samples)
+                      or (code in self._trialled and len(samples) >= _TRIAL_MEASURED_STEPS))  # fmt: skip
             if not enough or (set(code) & {"T", "t"} and not tiling_available(profile)):
                 continue
             steps = []
@@ -580,6 +719,11 @@ class MemoryBudgetController:
             self._over_budget(new_plan, profile, budget_bytes, margin_bytes)
         self.plan, self._profile = new_plan, profile
         engine = self._engine()
+        if engine is not None:
+            # A plan chosen by its measured peak keeps no more of the engine's tail than its measured steps did (the
+            # tail only grows, and a budget at that peak would not hold it); a predicted plan counts a whole window.
+            samples = self._samples.get(new_plan.code) if new_plan.measured is not None else None
+            engine.cap_tail(max(sample.tail_bytes for sample in samples) if samples else None)
         forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
         self._apply(new_plan.layers, new_plan.code, (forward_window, new_plan.prefetch_window_bytes or None,
                                                      new_plan.head_prefetch_window_bytes or None),
@@ -623,9 +767,10 @@ class MemoryBudgetController:
         self._applied = apply_layer_actions(model, engine, in_registration_order, tile_tokens)
         if windows is not None:
             engine.use_windows(*windows)
-        # A plan that keeps every layer moves nothing: the engine stands aside, so that such a step costs what it
-        # costs without the library (no region around each layer, no bookkeeping per saved tensor).
-        if all(entry.action == KEEP for entry in actions):
+        # A plan that moves nothing (every layer kept, or checkpointed with its input kept): the engine stands aside,
+        # so that such a step costs what it costs without the library (no saved-tensor hooks pushed, no region around
+        # each layer): plain checkpointing, the trial, runs as transformers runs it.
+        if not any(entry.action in (OFFLOAD, SELECTIVE_OFFLOAD) or entry.offload_input for entry in actions):
             if engine.standing_aside is None:
                 engine.stand_aside("planned")
         elif engine.standing_aside == "planned":

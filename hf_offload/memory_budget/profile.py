@@ -100,7 +100,8 @@ class StepProfile:
             gradient accumulation step starts with them).
         gradient_bytes: gradients that backward creates: absent in the forward and at the head's peak; at a layer's
             backward, all but those of the layers before it (`LayerProfile.parameter_gradient_bytes`).
-        head_bytes: the head's and loss's peak on top of everything held when the forward ends.
+        head_bytes: the head's and loss's peak on top of static memory and what the plan's layers hold (and the
+            engine's tail): what the forward leaves besides (its last hidden states) is part of it.
         backward_working_bytes: transient gradient buffers of one layer's backward, on top of its activations.
         head_s: the head and loss, forward and backward.
         other_s: the rest of the step: embedding, optimizer step, and so on.
@@ -113,6 +114,15 @@ class StepProfile:
         tiled_backward_working_bytes: `backward_working_bytes` of a layer whose MLP is tiled, less one chunk's share.
         tile_chunk_bytes: one chunk's MLP intermediates and their gradients, at `tile_tokens` tokens: the part of
             a tiled layer's memory that does not grow with the step's tokens.
+        late_gradient_bytes: the part of `gradient_bytes` that backward creates after every layer's backward (the
+            input embeddings', unless tied to the head): absent at every layer's backward.
+        optimizer_bytes: what the step needs after backward on top of static memory and every gradient (the
+            optimizer's temporaries), where measured.
+        tail_bytes: the most that the engine's tail (the last offloaded tensors of the forward, kept on the GPU)
+            holds through the head, on top of `head_bytes`.
+        input_offload_s: host time each layer that sends its input to the host (`C`, `S`, `T`) adds to the step,
+            beyond its copies: learned from measured steps (`calibrate`), as the model of the GPU's time has none.
+        saved_offload_s: the same for each layer that sends its saved tensors to the host (`O`, `X`).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -129,15 +139,24 @@ class StepProfile:
     tile_tokens: int = 0
     tiled_backward_working_bytes: int = 0
     tile_chunk_bytes: int = 0
+    late_gradient_bytes: int = 0
+    optimizer_bytes: int = 0
+    tail_bytes: int = 0
+    input_offload_s: float = 0.0
+    saved_offload_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers or not all(isinstance(layer, LayerProfile) for layer in self.layers):
             raise ValueError(f"StepProfile.layers must be one or more LayerProfile, got {self.layers!r}")
         for name in ("static_bytes", "gradient_bytes", "head_bytes", "backward_working_bytes", "host_cap_bytes",
-                     "tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes"):  # fmt: skip
+                     "tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes", "late_gradient_bytes",
+                     "optimizer_bytes", "tail_bytes"):  # fmt: skip
             check_bytes("StepProfile", name, getattr(self, name))
-        for name in ("head_s", "other_s"):
+        if self.late_gradient_bytes > self.gradient_bytes:
+            raise ValueError(f"StepProfile.late_gradient_bytes is part of gradient_bytes, so it cannot exceed it: "
+                             f"{self.late_gradient_bytes!r} > {self.gradient_bytes!r}")  # fmt: skip
+        for name in ("head_s", "other_s", "input_offload_s", "saved_offload_s"):
             check_seconds("StepProfile", name, getattr(self, name))
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
             check_seconds("StepProfile", name, getattr(self, name), positive=True)
@@ -147,9 +166,9 @@ class StepProfile:
     def scaled(self, tokens: int) -> StepProfile:
         """The same step at another number of tokens.
 
-        Activation bytes grow in proportion to the tokens (rounded up), static and gradient bytes do not, nor does a
-        tiled MLP's chunk (`tile_tokens`, `tile_chunk_bytes`); times grow in proportion too, except the attention
-        parts, which grow with the square.
+        Activation bytes grow in proportion to the tokens (rounded up), static, gradient and optimizer bytes do not,
+        nor does a tiled MLP's chunk (`tile_tokens`, `tile_chunk_bytes`) or the tail's bound; times grow in proportion
+        too, except the attention parts, which grow with the square, and the host's time per offloading layer.
 
         Args:
             tokens: the tokens per step to predict for.

@@ -23,12 +23,13 @@ from .simulate import (
     SimulatedStep,
     check_code,
     describe_peak,
+    gradients_at_backward,
     layer_options,
     prediction_of,
     simulate_step,
 )
 
-__all__ = ["InfeasibleBudgetError", "choose_plan"]
+__all__ = ["InfeasibleBudgetError", "choose_plan", "plan_of"]
 
 
 # The actions the planner chooses among: all but the selective offload (`X`). On S1 and S2 (H100) its layers cost
@@ -41,8 +42,9 @@ def _own_seconds(profile: StepProfile, options: list[dict[str, LayerOption]]) ->
     """Per layer and action, the time it adds as if every other layer kept everything.
 
     Recompute, plus the part of its copy that the later layers' forwards cannot hide, plus the part of its reload
-    that the next layer's backward (the head, for the last layer) cannot hide. The planner orders its changes by
-    these; every candidate plan is then judged by `simulate_step`, which also sees copies queueing behind each other.
+    that the next layer's backward (the head, for the last layer) cannot hide, plus the host's time for it. The
+    planner orders its changes by these; every candidate plan is then judged by `simulate_step`, which also sees
+    copies queueing behind each other.
     """
     layers = profile.layers
     later_forward_s = 0.0
@@ -52,7 +54,7 @@ def _own_seconds(profile: StepProfile, options: list[dict[str, LayerOption]]) ->
         for letter, option in options[i].items():
             copy_exposed = max(0.0, option.offloaded / profile.d2h_bytes_per_s - later_forward_s)
             reload_exposed = max(0.0, option.offloaded / profile.h2d_bytes_per_s - reload_cover_s)
-            seconds[i][letter] = option.recompute_s + copy_exposed + reload_exposed
+            seconds[i][letter] = option.recompute_s + copy_exposed + reload_exposed + option.host_s
         later_forward_s += layers[i].forward_s
     return seconds
 
@@ -150,9 +152,15 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowe
                 chosen: Sequence[LayerOption], run: SimulatedStep) -> InfeasibleBudgetError:  # fmt: skip
     """The error for a budget below the lowest-memory plan's peak, with what that peak is made of."""
     code = lowest_plan.code
-    static = profile.static_bytes + (profile.gradient_bytes if run.peak_phase == "backward" else 0)
+    static = profile.static_bytes
+    if run.peak_phase == "optimizer":
+        static += profile.gradient_bytes
+    elif run.peak_phase == "backward":
+        static += gradients_at_backward(profile)[run.peak_layer]
     if run.peak_phase == "head":
         at_peak = ("the head and loss", profile.head_bytes)
+    elif run.peak_phase == "optimizer":
+        at_peak = ("the optimizer step's temporaries", profile.optimizer_bytes)
     else:
         layer = chosen[run.peak_layer]
         working = layer.saved + (layer.working if run.peak_phase == "backward" else 0)
@@ -264,7 +272,9 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
     Raises:
         InfeasibleBudgetError: if even the lowest-memory plan (every layer fully checkpointed, its MLP tiled where
             tiling is available, inputs offloaded as far as the host cap allows) does not fit, nor does any measured
-            plan: the message names its peak, what dominates it, and the budget; the error carries that plan.
+            plan: the message names its peak (the lower of the tiled and untiled plans': on a 7B shape at 8K
+            tokens in two chunks, tiling measured higher), what dominates it, and the budget; the error carries that
+            plan.
         ValueError: `budget_bytes` is not an int > 0.
 
     Example:
@@ -337,10 +347,12 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
     if not fits(lowest_run) and measured_fitting:  # the model over-predicts a peak that a measurement met
         return fastest(exact_measured or measured_fitting)
     if not fits(lowest_run) and tiling_available(profile):
-        lowest = list(_lowest_memory_code(profile, tiled=True))
-        lowest_run = run_of(lowest)
-        if fits(lowest_run):
-            return finish(*_polish(lowest, lowest_run, seconds, run_of, fits, planned=_PLANNED + "Tt"))
+        tiled = list(_lowest_memory_code(profile, tiled=True))
+        tiled_run = run_of(tiled)
+        if fits(tiled_run):
+            return finish(*_polish(tiled, tiled_run, seconds, run_of, fits, planned=_PLANNED + "Tt"))
+        if tiled_run.peak_bytes < lowest_run.peak_bytes:  # the refusal names the lower (tiling can cost memory)
+            lowest, lowest_run = tiled, tiled_run
     if not fits(lowest_run):
         chosen = [layer[letter] for layer, letter in zip(options, lowest)]
         error = _infeasible(profile, budget_bytes, margin_bytes, finish(lowest, lowest_run), chosen, lowest_run)
@@ -361,3 +373,20 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
     # A plan the model fits that measured over the budget is no candidate; the polished lowest-memory plan stays
     # one whatever it measured, the last resort.
     return fastest([_polish(lowest, lowest_run, seconds, run_of, fits), *filter(admissible, others)])
+
+
+def plan_of(profile: StepProfile, code: str, budget_bytes: int, margin_bytes: int = 0) -> Plan:
+    """The plan `code` as `choose_plan` would make it, for a plan it did not choose (a closed loop's trial): its
+    prediction with the widest prefetch window that keeps the peak within the budget less the margin.
+
+    Raises:
+        ValueError: `code` does not have one valid letter per layer, or `budget_bytes` is not an int > 0.
+    """
+    if not is_int(budget_bytes) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be an int > 0, got {budget_bytes!r}")
+    check_code(profile, code)
+    options = [layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
+    run = simulate_step(profile, options, limit=budget_bytes - margin_bytes)
+    return Plan(budget_bytes=budget_bytes, tokens=profile.tokens, predicted=prediction_of(code, options, run),
+                tile_tokens=profile.tile_tokens if "T" in code or "t" in code else 0,
+                host_cap_bytes=profile.host_cap_bytes)  # fmt: skip

@@ -38,17 +38,26 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     widens it as far as the budget allows, which hides long reloads behind several layers' backward. While the
     head runs, the window stays at its narrowest: the loss's peak is then still close.
   * Head. Memory = static + what every layer holds + `head_bytes` + the reloads outstanding, counted as
-    min(narrowest window, every reload): the engine fills its window copy by copy, not layer by layer.
+    min(narrowest window, every reload): the engine fills its window copy by copy, not layer by layer; + the
+    engine's tail, the last offloaded bytes it keeps on the GPU instead (at most `tail_bytes`, and with those
+    reloads at most every offloaded byte: a plan that offloads nothing has no tail).
   * Backward, layer i from the last to the first. Its backward starts when layer i+1's has ended and its reload
     has finished (the difference is a stall), and lasts `backward_s` + its recompute (full: `forward_s`,
     selective: `selective_recompute_s`, tiled: `forward_s` + `tiled_extra_s`). Memory = static + the gradients that
-    exist by then (`gradient_bytes` less the `parameter_gradient_bytes` of the layers before it, whose backward is
-    still to come) + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it
+    exist by then + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it
     exists during its backward) + `backward_working_bytes` + min(window, the reloads of the layers before it). For
     `T`/`t`: its bytes in the forward above, and `tiled_backward_working_bytes` in place of `backward_working_bytes`.
+    The gradients that exist are `gradient_bytes` less those still to come: the layers' before it
+    (`parameter_gradient_bytes`), the late ones (`late_gradient_bytes`: the input embeddings', created after every
+    layer's backward), and its own, which its backward creates and `backward_working_bytes` counts (the probe
+    measures a layer's backward with its parameters' gradients).
+  * After backward: static + every gradient + `optimizer_bytes` (where the step's peak is when a large vocabulary's
+    embedding gradient comes last, as on a 256K-vocabulary model at 2K tokens).
   * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`.
   * Step time = `other_s` + the layers' forwards + the drain + `head_s` + the layers' backwards, recomputes and
-    stalls. Peak = the largest memory of all the points above.
+    stalls + the host's time per offloading layer (`input_offload_s` for `C`, `S`, `T`; `saved_offload_s` for `O`,
+    `X`: what the engine's host work costs a short step that the host, not the GPU, paces; learned from measured
+    steps by `calibrate`). Peak = the largest memory of all the points above.
 Where the engine can do better than the model says, the model takes the worse: a copy could start when the tensor
 is saved rather than when the layer ends, and memory inside a layer's forward only reaches `saved_bytes` at its end.
 """
@@ -109,6 +118,7 @@ class PlannedLayer:
         offloaded_bytes: bytes it sends to the host.
         recompute_s: recomputation in its backward.
         stall_s: time its backward waits for its reload.
+        host_s: host time its offloading adds (`StepProfile.input_offload_s`, `saved_offload_s`).
     """
 
     action: str
@@ -117,6 +127,7 @@ class PlannedLayer:
     offloaded_bytes: int
     recompute_s: float
     stall_s: float
+    host_s: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.action, self.offload_input) not in _CODE_OF_ACTION:
@@ -131,7 +142,7 @@ class PlannedLayer:
     @property
     def added_s(self) -> float:
         """Time this layer adds to the step compared with keeping it."""
-        return self.recompute_s + self.stall_s
+        return self.recompute_s + self.stall_s + self.host_s
 
 
 @dataclass(frozen=True)
@@ -173,15 +184,27 @@ class LayerOption(NamedTuple):
     saved: int
     forward_s: float
     backward_s: float
-    working: int  # its backward's gradient buffers on top of `saved`
+    working: int  # its backward's gradient buffers on top of `saved`, its own parameters' gradients included
+    host_s: float = 0.0  # host time its offloading adds to the step (`StepProfile.input_offload_s`, `saved_offload_s`)
+
+
+def gradients_at_backward(profile: StepProfile) -> list[int]:
+    """Per layer, the gradient bytes that exist as its backward starts: all of the step's but those still to come,
+    which are the late ones (the embeddings', after every layer), those of the layers before it, and its own: its
+    backward creates them, and they are part of its working bytes (the probe measures its backward with them)."""
+    existing, to_come = [], profile.late_gradient_bytes
+    for layer in profile.layers:
+        to_come += layer.parameter_gradient_bytes
+        existing.append(profile.gradient_bytes - min(profile.gradient_bytes, to_come))
+    return existing
 
 
 class SimulatedStep(NamedTuple):
     """The step-level results of `simulate_step`, without per-layer objects, for the planner's inner loop."""
 
     peak_bytes: int
-    peak_phase: str  # "forward", "head" or "backward"
-    peak_layer: int  # -1 for the head
+    peak_phase: str  # "forward", "head", "backward" or "optimizer"
+    peak_layer: int  # -1 for the head and the optimizer step
     step_s: float
     drain_s: float
     host_bytes: int
@@ -194,19 +217,20 @@ def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerO
     """The layer under each action code (the tiled ones only when `tiling_available`)."""
     saved, selective, inputs = layer.saved_bytes, layer.selective_bytes, layer.input_bytes
     times = (saved, layer.forward_s, layer.backward_s, profile.backward_working_bytes)
+    sends_input, sends_saved = (profile.input_offload_s,), (profile.saved_offload_s,)
     options = {
         "K": LayerOption(saved, 0, 0.0, *times),
-        "O": LayerOption(0, saved, 0.0, *times),
-        "S": LayerOption(selective, inputs, layer.selective_recompute_s, *times),
+        "O": LayerOption(0, saved, 0.0, *times, *sends_saved),
+        "S": LayerOption(selective, inputs, layer.selective_recompute_s, *times, *sends_input),
         "s": LayerOption(selective + inputs, 0, layer.selective_recompute_s, *times),
-        "X": LayerOption(0, selective + inputs, layer.selective_recompute_s, *times),
-        "C": LayerOption(0, inputs, layer.forward_s, *times),
+        "X": LayerOption(0, selective + inputs, layer.selective_recompute_s, *times, *sends_saved),
+        "C": LayerOption(0, inputs, layer.forward_s, *times, *sends_input),
         "c": LayerOption(inputs, 0, layer.forward_s, *times),
     }
     if tiling_available(profile):
         tiled = (layer.forward_s + layer.tiled_extra_s, layer.tiled_saved_bytes + profile.tile_chunk_bytes,
                  layer.forward_s, layer.backward_s, profile.tiled_backward_working_bytes)  # fmt: skip
-        options["T"] = LayerOption(0, inputs, *tiled)
+        options["T"] = LayerOption(0, inputs, *tiled, *sends_input)
         options["t"] = LayerOption(inputs, 0, *tiled)
     return options
 
@@ -228,7 +252,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     copying_bytes = 0
     copies_done_at = 0.0
     forward_window = 0
-    for i, (held, offloaded, _, saved, forward_s, _, _) in enumerate(options):
+    for i, (held, offloaded, _, saved, forward_s, _, _, _) in enumerate(options):
         memory = static + held_before + copying_bytes + saved
         if memory > peak:
             peak, peak_phase, peak_layer = memory, "forward", i
@@ -247,18 +271,19 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     reloads_total = sum(option.offloaded for option in options)
     narrowest = max(option.offloaded for option in options)
     # The head's reloads stay within the narrowest window (the engine widens it once the layers' backward begins),
-    # so that they never pile onto the loss's peak.
-    points = [(static + held_before + profile.head_bytes, min(narrowest, reloads_total), "head", -1)]
+    # so that they never pile onto the loss's peak. The engine's tail keeps some of the last offloaded bytes instead:
+    # those are not reloaded, and with the reloads they are at most every offloaded byte.
+    tail = min(profile.tail_bytes, max(0, reloads_total - narrowest))
+    points = [(static + held_before + profile.head_bytes + tail, min(narrowest, reloads_total), "head", -1)]
     below = reloads_total
-    # Gradients still to come at layer i's backward: those of the layers before it, as far as they are pending.
-    gradients_to_come = min(profile.gradient_bytes, sum(layer.parameter_gradient_bytes for layer in profile.layers))
-    after_forward = static + profile.gradient_bytes
+    gradients = gradients_at_backward(profile)
     for i in range(len(options) - 1, -1, -1):
-        held, offloaded, _, saved, _, _, working = options[i]
+        held, offloaded, _, saved, _, _, working, _ = options[i]
         held_before -= held
         below -= offloaded
-        gradients_to_come = max(0, gradients_to_come - profile.layers[i].parameter_gradient_bytes)
-        points.append((after_forward - gradients_to_come + held_before + saved + working, below, "backward", i))
+        points.append((static + gradients[i] + held_before + saved + working, below, "backward", i))
+    # After backward: every gradient, and the optimizer's temporaries.
+    points.append((static + profile.gradient_bytes + profile.optimizer_bytes, 0, "optimizer", -1))
     if window is None:
         window = narrowest
         if limit is not None:
@@ -294,9 +319,12 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
             next_reload += 1
 
     issue(head_start, narrowest)
+    # The host's time per offloading layer is added to the step's, outside the GPU's timeline (where it would
+    # overlap with the reloads it delays no less).
+    host_total_s = 0.0
     previous_end = head_start + profile.head_s  # end of the backward after this layer's (the head's, first)
     for i in range(len(options) - 1, -1, -1):
-        _, offloaded, recompute_s, _, _, backward_s, _ = options[i]
+        _, offloaded, recompute_s, _, _, backward_s, _, host_s = options[i]
         start = previous_end
         if offloaded:
             issue(start, window)  # a no-op unless every earlier reload is used: then this one goes now
@@ -306,12 +334,13 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         stalls[i] = start - previous_end
         issue(start, window)
         previous_end = start + backward_s + recompute_s
+        host_total_s += host_s
 
     return SimulatedStep(
         peak_bytes=peak,
         peak_phase=peak_phase,
         peak_layer=peak_layer,
-        step_s=profile.other_s + previous_end,
+        step_s=profile.other_s + previous_end + host_total_s,
         drain_s=drain,
         host_bytes=reloads_total,
         forward_window_bytes=forward_window,
@@ -321,7 +350,9 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
 
 
 def describe_peak(run: SimulatedStep) -> str:
-    return "head" if run.peak_phase == "head" else f"{run.peak_phase} layer {run.peak_layer}"
+    if run.peak_phase in ("head", "optimizer"):
+        return {"head": "head", "optimizer": "the optimizer step"}[run.peak_phase]
+    return f"{run.peak_phase} layer {run.peak_layer}"
 
 
 def check_code(profile: StepProfile, code: str) -> None:
@@ -370,6 +401,7 @@ def prediction_of(code: str, options: Sequence[LayerOption], run: SimulatedStep)
             offloaded_bytes=option.offloaded,
             recompute_s=option.recompute_s,
             stall_s=stall,
+            host_s=option.host_s,
         )  # fmt: skip
         for letter, option, stall in zip(code, options, run.stall_s)
     )
@@ -442,6 +474,8 @@ class Plan:
             the measurement and the prediction disagree, the measurement is what `choose_plan` chose by.
         time_scale: the measured plans' median ratio of measured to predicted step time, by which `choose_plan` scaled
             the predictions of the plans that never ran, to compare them with measured ones (1 without any).
+        trial: a simple plan run for a few steps to be measured, before the plan is chosen with what it measured
+            (the controller's closed loop).
     """
 
     budget_bytes: int
@@ -451,6 +485,7 @@ class Plan:
     host_cap_bytes: int = 0
     measured: MeasuredStep | None = None
     time_scale: float = 1.0
+    trial: bool = False
 
     @property
     def expected_step_s(self) -> float:
@@ -511,6 +546,8 @@ class Plan:
             f"{format_bytes(predicted.peak_bytes)} ({predicted.peak_at}), step {predicted.step_s * 1000:.1f} ms (copy "
             f"wait {predicted.drain_s * 1000:.1f} ms), {format_bytes(predicted.host_bytes)} on the host",
         ]
+        if self.trial:
+            lines.append("A trial: measured for a few steps, then the plan is chosen with what it measured")
         if self.measured is not None:
             peak = self.measured.peak_bytes
             lines.append(

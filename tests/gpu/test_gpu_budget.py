@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -112,8 +113,9 @@ def test_offloaded_layers_reload_ahead_within_the_planned_windows(record):
     dispose(ctx)
 
 
-def step_peaks(model, batch, ctx, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """The peak allocated memory of each training step (forward, backward, optimizer), and the losses."""
+def step_peaks(model, batch, ctx, steps: int, seen: list | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """The peak allocated memory of each training step (forward, backward, optimizer), and the losses; with `seen`,
+    after each step the plan in force (code, whether a trial) and whether the engine stood aside."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     peaks, losses = [], []
     for step in range(steps):
@@ -131,6 +133,9 @@ def step_peaks(model, batch, ctx, steps: int) -> tuple[list[int], list[torch.Ten
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated())
         losses.append(loss.detach())
+        if seen is not None:
+            plan = ctx.memory_plan
+            seen.append((plan.code if plan else None, plan.trial if plan else None, ctx.standing_aside))
     return peaks, losses
 
 
@@ -142,7 +147,7 @@ def medium_model():
 @pytest.mark.parametrize("share", [0.45, 0.6, 0.75, 0.9, 1.2])
 def test_a_budget_is_never_exceeded_and_changes_no_arithmetic(share, record):
     batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"])
-    steps = 6  # two profiled, then four planned (the first of them plans)
+    steps = 8  # two profiled, three of the trial of plain checkpointing where it runs, then the plan
     none_peaks, reference = step_peaks(medium_model(), batch, None, steps)
     assert torch.equal(torch.stack(reference), torch.stack(step_peaks(medium_model(), batch, None, steps)[1]))
     budget = int(share * max(none_peaks))
@@ -159,6 +164,7 @@ def test_a_budget_is_never_exceeded_and_changes_no_arithmetic(share, record):
     record(f"budget_{share}", {
         "budget": budget, "none_peak": max(none_peaks), "step_peaks": peaks, "plan": plan.code,
         "predicted_peak": plan.predicted.peak_bytes, "predicted_step_s": plan.predicted.step_s,
+        "learned": ctx.budget_controller.calibration.describe(),
     }, show=True)  # fmt: skip
     assert max(peaks) <= budget, f"plan {plan.code}: step peaks {peaks} over the budget {budget}"
     assert torch.equal(torch.stack(losses), torch.stack(reference))
@@ -208,4 +214,79 @@ def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, reco
     assert tiled < untiled and "T" in plan.code and plan.tile_tokens == LONG["hidden"]
     assert max(peaks) <= budget, f"plan {plan.code}: step peaks {peaks} over the budget {budget}"
     assert difference < 2e-2  # bf16, chunked weight-gradient sums: close, not bitwise
+    dispose(ctx)
+
+
+def test_plain_checkpointing_is_tried_and_the_plan_chosen_after_it_is_no_slower(record):
+    """Issue 20, target 2 (a): under a budget that full checkpointing with every input kept fits and keeping every
+    layer does not, the three steps after the profiled ones run it as a trial, with the engine standing aside (plain
+    checkpointing, as transformers runs it); the plan chosen after it is expected no slower than the trial measured
+    (the closed loop then checks it against that measurement). Every step under the budget, exact."""
+    from hf_offload.memory_budget.simulate import simulate
+
+    batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"])
+    steps = 10
+    _, reference = step_peaks(medium_model(), batch, None, steps)
+    model = medium_model()
+    roomy = make_ctx(model, memory_budget=10**12)
+    step_peaks(model, batch, roomy, 3)
+    profile = roomy.budget_controller.profile
+    dispose(roomy)
+    del model, roomy
+    gc.collect()
+    torch.cuda.empty_cache()
+    layers = MEDIUM["layers"]
+    kept_inputs, keep_all = (simulate(profile, letter * layers).peak_bytes for letter in "cK")
+    budget = (kept_inputs + keep_all) // 2
+    assert kept_inputs <= budget * 0.995 < keep_all
+    model = medium_model()
+    ctx = make_ctx(model, memory_budget=budget)
+    seen: list = []
+    peaks, losses = step_peaks(model, batch, ctx, steps, seen)
+    controller = ctx.budget_controller
+    measured = {code: [round(sample.seconds * 1000, 2) for sample in samples]
+                for code, samples in controller._samples.items()}  # fmt: skip
+    record("trial", {"budget": budget, "plans": seen, "step_peaks": peaks, "measured_ms": measured,
+                     "learned": controller.calibration.describe(), "plan": ctx.memory_plan.code,
+                     "expected_ms": ctx.memory_plan.expected_step_s * 1000}, show=True)  # fmt: skip
+    assert seen[2:5] == [("c" * layers, True, "planned")] * 3
+    assert not ctx.memory_plan.trial
+    trial_s = sorted(sample.seconds for sample in controller._samples["c" * layers])
+    assert ctx.memory_plan.expected_step_s <= trial_s[len(trial_s) // 2]
+    assert max(peaks) <= budget, f"step peaks {peaks} over the budget {budget}"
+    assert torch.equal(torch.stack(losses), torch.stack(reference))
+    dispose(ctx)
+
+
+def test_a_budget_at_the_lowest_plans_measured_peak_is_met_on_every_step(record):
+    """Issue 20, target 2 (c): the zoo's budgets at the safe plan's measured peak were refused by 0.3-1.6% (the
+    measured peak was recorded with a forward window of the engine's tail on top, which the profiled step already
+    held, and the model counted each layer's gradients twice). The smallest budget a refusal names, where it is a
+    measured peak, trains: the plan chosen by that measurement keeps no more tail than its steps did, and every step
+    peaks within it. The counter is reset at each step, as benchmarks do."""
+    batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"])
+    steps = 7
+    _, reference = step_peaks(medium_model(), batch, None, steps)
+    model = medium_model()
+    ctx = make_ctx(model, memory_budget=1)
+    with pytest.raises(ValueError, match="below the smallest peak") as refused:
+        step_peaks(model, batch, ctx, 3)
+    minimum, message = refused.value.minimum_bytes, str(refused.value)
+    dispose(ctx)
+    del model, ctx, refused  # the traceback holds the run's frames, and with them its model and optimizer
+    gc.collect()
+    torch.cuda.empty_cache()
+    # A measured minimum is met as it is; a predicted one needs the plans' margin on top (0.5% of the budget).
+    measured = "the smallest budget known to work" in message
+    budget = minimum if measured else int(minimum * 1.006)
+    model = medium_model()
+    ctx = make_ctx(model, memory_budget=budget)
+    peaks, losses = step_peaks(model, batch, ctx, steps)
+    plan = ctx.memory_plan
+    record("at_the_minimum", {"budget": budget, "by_measurement": measured, "plan": plan.code,
+                              "predicted_peak": plan.predicted.peak_bytes, "step_peaks": peaks,
+                              "tail_bound": ctx._planner.max_tail_bytes}, show=True)  # fmt: skip
+    assert max(peaks) <= budget, f"plan {plan.code}: step peaks {peaks} over the budget {budget}"
+    if "T" not in plan.code:
+        assert torch.equal(torch.stack(losses), torch.stack(reference))
     dispose(ctx)

@@ -19,7 +19,7 @@ from hf_offload.model import find_decoder_layers, unwrap_model
 
 SIZE = dict(hidden=512, layers=2, vocab=128)
 SEQ = 1024  # the layers' activations (tens of MB) must dwarf what differs between two runs in one process (MBs)
-STEPS = 4  # two profiled under the safe plan, two under the budget's plan
+STEPS = 6  # two profiled under the safe plan, three of the closed loop's trial where it runs, then the budget's plan
 ROOMY = 60 * 2**30
 ARCHS = ("qwen2_vl", "llava", "mixtral", "qwen3_moe", "jamba", "t5", "bart")
 

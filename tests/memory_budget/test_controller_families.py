@@ -43,7 +43,7 @@ transformers.logging.set_verbosity_error()
 
 SIZE = dict(hidden=32, layers=2, vocab=128)
 SEQ = 24
-STEPS = 4  # two profiled under the safe plan, two under the budget's plan
+STEPS = 6  # two profiled under the safe plan, three of the closed loop's trial where it runs, then the budget's plan
 ROOMY = 10 * 2**30
 
 # Every family, with and without LoRA on every linear layer (a trainable parameter a call does not use, such as an
@@ -126,7 +126,8 @@ def test_the_plan_follows_the_order_the_layers_are_called_in():
     in_call_order = [layer for name, layer in find_decoder_layers(model) if "vision" in name] + [
         layer for name, layer in find_decoder_layers(model) if "vision" not in name
     ]
-    kept = [getattr(layer._gradient_checkpointing_func, "function", None) is _run_as_is for layer in in_call_order]
+    functions = [vars(layer).get("_gradient_checkpointing_func") for layer in in_call_order]  # none for offload (O)
+    kept = [getattr(function, "function", None) is _run_as_is for function in functions]
     assert kept == [letter == "K" for letter in code]
 
 

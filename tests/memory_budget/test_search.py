@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 from step_profiles import long_profile, s1_profile
 
-from hf_offload.memory_budget import checks, search, spec
+from hf_offload.memory_budget import calibrate, checks, search, spec
 from hf_offload.memory_budget import profile as step_profile
 from hf_offload.memory_budget import simulate as step_model
 from hf_offload.memory_budget.profile import LayerProfile, StepProfile
-from hf_offload.memory_budget.search import InfeasibleBudgetError, choose_plan
+from hf_offload.memory_budget.search import InfeasibleBudgetError, choose_plan, plan_of
 from hf_offload.memory_budget.simulate import MeasuredStep, Plan, simulate
 from hf_offload.units import GIB, MIB
 
 # The part of the budget that plans: the standard library and `units` only, so that plans are computed anywhere.
-PURE_MODULES = (checks, spec, step_profile, step_model, search)
-PURE_NAMES = {"checks", "spec", "profile", "simulate", "search"}
+PURE_MODULES = (checks, spec, step_profile, step_model, search, calibrate)
+PURE_NAMES = {"checks", "spec", "profile", "simulate", "search", "calibrate"}
 
 
 def random_profile(rng: random.Random, layers: int) -> StepProfile:
@@ -140,6 +140,24 @@ def test_budget_below_the_minimum_names_it() -> None:
 
     with pytest.raises(ValueError, match="dominated by the head and loss 30.00 GiB"):
         choose_plan(s1_profile(head_bytes=30 * GIB), 20 * GIB)
+
+
+def test_the_refusal_counts_at_a_layers_backward_only_the_gradients_that_exist_then() -> None:
+    """Full fine-tuning: at the first layer's backward, the gradients of the other layers exist, not its own (in its
+    working bytes) nor the embeddings' (created after every layer). Counting every gradient as static made the rest
+    of the peak negative in the message ("copies in flight -176.50 KiB")."""
+    base = s1_profile(layers=4)
+    layer = dataclasses.replace(base.layers[0], parameter_gradient_bytes=GIB)
+    profile = dataclasses.replace(base, layers=(layer,) * 4, gradient_bytes=6 * GIB, late_gradient_bytes=GIB,
+                                  head_bytes=MIB)  # fmt: skip
+    lowest = simulate(profile, "CCCC")
+    assert lowest.peak_at == "backward layer 0"
+    with pytest.raises(ValueError) as error:
+        choose_plan(profile, lowest.peak_bytes // 2)
+    message = str(error.value)
+    static = profile.static_bytes + 4 * GIB  # 6 GiB of gradients less layer 0's and the embeddings'
+    assert f"static memory (parameters, gradients, optimizer state) {static / GIB:.2f} GiB" in message
+    assert " -" not in message  # every part of the peak is a size
 
 
 def test_no_host_room_means_no_offloading() -> None:
@@ -276,6 +294,26 @@ def test_tiling_is_not_enough_names_what_dominates() -> None:
     assert "plan 'CCCC" in str(error.value) and "tiled" not in str(error.value)
 
 
+def test_the_refusal_names_the_untiled_plan_where_tiling_peaks_higher() -> None:
+    # On the issue's Mistral-7B shape (8K tokens, MLP chunks of 4K: two), the tiled profiled steps measured 16.72 GiB
+    # and the untiled ones 16.51: tiling can cost memory. The refusal names the lower of the two.
+    profile = long_profile(tiled_backward_working_bytes=60 * GIB)
+    untiled, tiled = (simulate(profile, letter * 32).peak_bytes for letter in "CT")
+    assert tiled > untiled
+    with pytest.raises(InfeasibleBudgetError) as error:
+        choose_plan(profile, 30 * GIB)
+    assert error.value.lowest_plan.code == "C" * 32 and f"({untiled} bytes; plan 'CCCC" in str(error.value)
+
+
+def test_a_plan_of_any_code_gets_the_widest_window_that_fits() -> None:
+    profile = s1_profile()
+    chosen = choose_plan(profile, 20 * GIB)
+    same = plan_of(profile, chosen.code, 20 * GIB)
+    assert same.predicted == chosen.predicted and not same.trial and same.measured is None
+    with pytest.raises(ValueError, match="one letter per layer"):
+        plan_of(profile, "CC", 20 * GIB)
+
+
 def test_a_full_host_is_said() -> None:
     profile = long_profile(host_cap_bytes=40 * GIB)  # room for 20 of the 32 inputs
     result = choose_plan(profile, 70 * GIB)
@@ -342,7 +380,7 @@ def test_the_plan_is_never_slower_than_a_measured_plan_that_fits() -> None:
     assert choose_plan(profile, budget, measured=[over]).code != chosen.code
 
 
-# The pure modules themselves (spec, profile, simulate, search)
+# The pure modules themselves (spec, profile, simulate, search, calibrate)
 
 
 def test_docstring_examples() -> None:
