@@ -7,6 +7,7 @@ One module per purpose, imported one way (each only from those listed before it,
 - `profile`: what a step costs (`LayerProfile`, `StepProfile`) and how that scales with its tokens.
 - `simulate`: the plan as data (`Plan`, action letters, `MeasuredStep`) and the step model (`simulate`).
 - `search`: choosing a plan (`choose_plan`), or refusing the budget (`InfeasibleBudgetError`).
+- `tiling`: what the sequence-tiled ops share (chunk bounds, autocast replay, layer indices).
 - `tiled_mlp`: a decoder layer's MLP run over chunks of tokens (the plans' `T`/`t`, and the option `tile_mlp=True`).
 - `layer_actions`: a plan's actions set on the decoder layers (`apply_layer_actions`).
 - `probes`: one layer measured on the arguments of its own call (`probe_layer`), the link's bandwidth, the meter.
