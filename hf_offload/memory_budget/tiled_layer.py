@@ -266,6 +266,12 @@ class _Answer:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _group_edges(kv_heads: int) -> list[int]:
+    """Where the head groups start and end, in key/value heads: at most `MAX_HEAD_GROUPS` groups, as even as can be."""
+    count = min(kv_heads, MAX_HEAD_GROUPS)
+    return [kv_heads * g // count for g in range(count + 1)]
+
+
 @dataclass(frozen=True)
 class _HeadGroups:
     """Attention's heads in groups that run one after another: consecutive key/value heads with the query heads that
@@ -286,10 +292,8 @@ class _HeadGroups:
             raise RuntimeError(f"{type(layer).__name__} passed query, key and value of shapes {shapes} to its "
                                "attention function; a tiled layer expects (batch, heads, sequence, head dim), with "
                                "the query heads a multiple of the key/value heads")  # fmt: skip
-        kv_heads = key.shape[1]
-        share = query.shape[1] // kv_heads
-        count = min(kv_heads, MAX_HEAD_GROUPS)
-        edges = [kv_heads * g // count for g in range(count + 1)]
+        share = query.shape[1] // key.shape[1]
+        edges = _group_edges(key.shape[1])
         return cls(query=tuple(slice(a * share, b * share) for a, b in zip(edges, edges[1:])),
                    key_value=tuple(slice(a, b) for a, b in zip(edges, edges[1:])))  # fmt: skip
 
@@ -713,10 +717,8 @@ def backward_bytes_per_token(hidden_size: int, num_heads: int, num_kv_heads: int
         num_heads, num_kv_heads, head_dim: attention's query heads, key/value heads and head dimension.
         element_size: bytes per element of the activations (2 for bf16).
     """
-    kv_heads = num_kv_heads
-    share = num_heads // kv_heads
-    count = min(kv_heads, MAX_HEAD_GROUPS)
-    edges = [kv_heads * g // count for g in range(count + 1)]
+    share = num_heads // num_kv_heads
+    edges = _group_edges(num_kv_heads)
     kv_sizes = [b - a for a, b in zip(edges, edges[1:])]
     hidden = hidden_size * element_size
     query = [n * share * head_dim * element_size for n in kv_sizes]  # attention's output per group has this size too
@@ -725,7 +727,7 @@ def backward_bytes_per_token(hidden_size: int, num_heads: int, num_kv_heads: int
     # At group g: the gradient of `a` for groups g.., dq, dk, dv of groups before g, and the group's q, k, v, output and
     # dq, dk, dv.
     phase_4 = max(3 * hidden + sum(query[g:]) + sum(query[j] + kv[j] for j in range(g)) + 2 * (query[g] + kv[g])
-                  + query[g] for g in range(count))  # fmt: skip
+                  + query[g] for g in range(len(kv_sizes)))  # fmt: skip
     phase_5 = 3 * hidden + sum(query) + sum(kv)
     return max(phase_3, phase_4, phase_5)
 

@@ -230,10 +230,11 @@ def test_attention_interface_is_ours_only_during_chunk_runs_and_on_their_thread(
     assert AttentionInterface.__dict__["get_interface"] is real
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 3), (10, 10)], ids=["mha-4", "gqa-6-3", "mha-10"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 4), (6, 3), (10, 10)], ids=["mqa", "mha", "gqa", "mha-10"])
 def test_head_groups(heads, kv_heads):
     """Attention runs by groups of key/value heads with their query heads: one group per key/value head up to
-    MAX_HEAD_GROUPS, then groups of unequal size (10 heads in 8 groups)."""
+    MAX_HEAD_GROUPS, then groups of unequal size (10 heads in 8 groups); one group, whose output's chunk rows are views
+    of it, for multi-query attention."""
     model = tiny("llama", attn="sdpa", hidden_size=16 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads)
     embeds, labels = batch(model)
     ref = assert_baseline_repeats(model, embeds, labels)
