@@ -69,7 +69,6 @@ than any tolerance, as two seeds do.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -81,6 +80,7 @@ from torch.autograd.function import once_differentiable
 from ..engine import NoOpManager
 from ..model import find_decoder_layers, unwrap_model
 from ..random_state import random_state, random_state_untouched, set_random_state
+from .tiling import LOW_PRECISION, autocast_states, check_tokens_per_chunk, chunk_bounds, layer_indices
 
 __all__ = ["tiled_mlp", "apply_tiled_mlp", "TiledMLPHandle"]
 
@@ -93,26 +93,9 @@ _MLP_NAMES: tuple[str, ...] = ("mlp",)
 # the last chunk's logits. Recognised by a descendant called `experts`, and refused.
 _EXPERTS_NAME = "experts"
 
-# Weight gradients of these dtypes are summed over the chunks in fp32 (see `_TiledMLPFunction.backward`).
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # The op
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _autocast_states(device_type: str) -> list[tuple[str, bool, torch.dtype, bool]]:
-    """Autocast as the forward saw it, for the device of the input and for the CPU, so that the recompute in backward
-    (which runs outside any `torch.autocast` block of the user's) computes in the same dtypes. Without it an MLP run
-    under bf16 autocast would be recomputed in fp32: other numbers and twice the memory."""
-    return [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
-            for kind in dict.fromkeys((device_type, "cpu"))
-            if torch.amp.is_autocast_available(kind)]  # fmt: skip
-
-
-def _chunk_bounds(tokens: int, tokens_per_chunk: int) -> list[tuple[int, int]]:
-    return [(start, min(start + tokens_per_chunk, tokens)) for start in range(0, tokens, tokens_per_chunk)]
 
 
 class _TiledMLPFunction(torch.autograd.Function):
@@ -133,7 +116,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         flat = x.reshape(-1, hidden)  # a view when x is contiguous, which it is in a decoder layer
         # Each chunk keeps x's number of dimensions, (1, ..., n, hidden): an MLP that unpacks a 3-d input still works.
         chunk_lead = (1,) * (x.dim() - 2)
-        bounds = _chunk_bounds(flat.shape[0], tokens_per_chunk)
+        bounds = chunk_bounds(flat.shape[0], tokens_per_chunk)
         rng = []
         out = out_flat = None
         # Autograd runs a Function's forward without grad already; said again because it is the point: nothing a
@@ -159,7 +142,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         ctx.bounds = bounds
         ctx.chunk_lead = chunk_lead
         ctx.rng = rng
-        ctx.autocast = _autocast_states(x.device.type)
+        ctx.autocast = autocast_states(x.device.type)
         # Saved: x, which the untiled MLP's first projections save as well (the same tensor, so an offloading engine
         # or a checkpoint sees the same bytes as without tiling), and the parameters, through `save_for_backward` so
         # that an in-place change to them before backward is caught by autograd's version check as it would be
@@ -219,7 +202,7 @@ class _TiledMLPFunction(torch.autograd.Function):
                         continue
                     if sums[j] is None:
                         # A copy, never `g` itself: autograd may hand back a tensor it also holds elsewhere.
-                        sums[j] = g.to(torch.float32 if p.dtype in _LOW_PRECISION else p.dtype, copy=True)
+                        sums[j] = g.to(torch.float32 if p.dtype in LOW_PRECISION else p.dtype, copy=True)
                     else:
                         sums[j].add_(g)
                 del grads
@@ -328,20 +311,6 @@ class TiledMLPHandle:
         return len(self._tiled)
 
 
-def _layer_indices(layers: Iterable[int] | None, count: int) -> list[int]:
-    if layers is None:
-        return list(range(count))
-    indices: list[int] = []
-    for index in layers:
-        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not -count <= index < count:
-            raise ValueError(f"layers must name decoder layers by index, from 0 to {count - 1} (or -{count} to -1), "
-                             f"got {index!r}")  # fmt: skip
-        index = int(index) % count
-        if index not in indices:
-            indices.append(index)
-    return indices
-
-
 def default_tokens_per_chunk(model: nn.Module) -> int:
     """Tokens per chunk when the user names none: the model's hidden size (`config.hidden_size`; 4096 without one).
 
@@ -388,20 +357,14 @@ def apply_tiled_mlp(model: nn.Module, tokens_per_chunk: int, layers: Iterable[in
     handle.remove()  # the model computes exactly as before
     ```
     """
-    if (
-        isinstance(tokens_per_chunk, bool)
-        or not isinstance(tokens_per_chunk, numbers.Integral)
-        or tokens_per_chunk <= 0
-    ):
-        raise ValueError(f"tokens_per_chunk must be a positive int, got {tokens_per_chunk!r}")
-    tokens_per_chunk = int(tokens_per_chunk)
+    tokens_per_chunk = check_tokens_per_chunk(tokens_per_chunk)
     inner = unwrap_model(model)
     decoder_layers = find_decoder_layers(inner)
     if not decoder_layers:
         raise ValueError(f"{type(inner).__name__} has no decoder layers (modules of a GradientCheckpointingLayer "
                          "class): apply_tiled_mlp finds the MLPs in transformers' decoder layers")  # fmt: skip
     chosen: list[tuple[str, nn.Module]] = []
-    for index in _layer_indices(layers, len(decoder_layers)):
+    for index in layer_indices(layers, len(decoder_layers)):
         layer_name, layer = decoder_layers[index]
         found = [(attr, layer._modules[attr]) for attr in _MLP_NAMES if layer._modules.get(attr) is not None]
         if not found:
