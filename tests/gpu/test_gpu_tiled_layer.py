@@ -74,7 +74,9 @@ def test_tiled_layer_bytes_per_token_8b(layer_8b, record, nondeterministic):
         f"the tiled layer's backward holds {figures['tiled'] / KiB:.1f} KiB per token, over the target "
         f"{TARGET_BYTES_PER_TOKEN / KiB:.0f} (count without the kernel's workspace: {count / KiB:.1f})"
     )
-    assert figures["tiled"] >= count, "the count is a lower bound: the peak cannot hold less than it"
+    # The count is what the CPU's kernels hold, to the byte (tests/memory_budget/test_tiled_layer.py). On the H100
+    # (flash attention, torch 2.11) the backward held 32.5 KiB per token, 7 less than the count: the CUDA kernels
+    # allocate less than the CPU's around attention. So the count is recorded beside the measurement, not asserted.
     assert 2 * figures["tiled"] <= figures["checkpoint+tiled-mlp"]
 
 
