@@ -152,7 +152,14 @@ from transformers.utils.output_capturing import _active_collector
 from ..engine import NoOpManager
 from ..model import find_decoder_layers, unwrap_model
 from ..random_state import RandomState, random_state, random_state_untouched, set_random_state
-from .tiling import LOW_PRECISION, autocast_states, check_tokens_per_chunk, chunk_bounds, layer_indices
+from .tiling import (
+    LOW_PRECISION,
+    ForwardsReplaced,
+    autocast_states,
+    check_tokens_per_chunk,
+    chunk_bounds,
+    layer_indices,
+)
 
 __all__ = ["apply_tiled_layer", "TiledLayerHandle", "MAX_HEAD_GROUPS", "backward_bytes_per_token"]
 
@@ -736,8 +743,6 @@ def backward_bytes_per_token(hidden_size: int, num_heads: int, num_kv_heads: int
 # Model integration
 # --------------------------------------------------------------------------------------------------------------------
 
-_NOT_SET = object()
-
 
 def _calls_attention_interface(module: nn.Module) -> bool:
     """Whether the module's forward looks its attention function up in transformers' AttentionInterface (the name
@@ -803,46 +808,8 @@ class _TiledLayerForward:
         return _TiledLayerFunction.apply(call, hidden, *params)
 
 
-class TiledLayerHandle:
-    """What `apply_tiled_layer` changed; `remove()` gives every tiled layer its previous `forward` back.
-
-    Also a context manager: `with apply_tiled_layer(model, 4096): ...` tiles inside the block only.
-    """
-
-    def __init__(self) -> None:
-        self._tiled: list[tuple[str, nn.Module, _TiledLayerForward, Any]] = []
-
-    @property
-    def names(self) -> list[str]:
-        """The tiled layers' names, relative to the unwrapped model (`model.layers.0`, ...)."""
-        return [name for name, *_ in self._tiled]
-
-    def remove(self) -> None:
-        """Restore each layer's `forward` exactly (no instance attribute again, or the one it had); idempotent.
-
-        If something replaced a layer's `forward` after us (and wraps ours), that attribute is left to its owner and
-        ours is switched off instead: from then on it passes every call through untiled.
-        """
-        for _, layer, tiled, previous in reversed(self._tiled):
-            tiled.active = False
-            if layer.__dict__.get("forward") is tiled:
-                if previous is _NOT_SET:
-                    del layer.forward
-                else:
-                    layer.forward = previous
-        self._tiled.clear()
-
-    def __enter__(self) -> TiledLayerHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self._tiled)
+class TiledLayerHandle(ForwardsReplaced):
+    """What `apply_tiled_layer` changed; `remove()` gives every tiled module its previous `forward` back."""
 
 
 def apply_tiled_layer(model: nn.Module, tokens_per_chunk: int, layers: Iterable[int] | None = None) -> TiledLayerHandle:
@@ -904,8 +871,5 @@ def apply_tiled_layer(model: nn.Module, tokens_per_chunk: int, layers: Iterable[
         chosen.append((name, layer))
     handle = TiledLayerHandle()
     for name, layer in chosen:
-        previous = layer.__dict__.get("forward", _NOT_SET)
-        tiled = _TiledLayerForward(layer, layer.forward, tokens_per_chunk)
-        layer.forward = tiled
-        handle._tiled.append((name, layer, tiled, previous))
+        handle.replace(name, layer, _TiledLayerForward(layer, layer.forward, tokens_per_chunk))
     return handle

@@ -69,7 +69,7 @@ than any tolerance, as two seeds do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from typing import Any
 
@@ -80,7 +80,14 @@ from torch.autograd.function import once_differentiable
 from ..engine import NoOpManager
 from ..model import find_decoder_layers, unwrap_model
 from ..random_state import random_state, random_state_untouched, set_random_state
-from .tiling import LOW_PRECISION, autocast_states, check_tokens_per_chunk, chunk_bounds, layer_indices
+from .tiling import (
+    LOW_PRECISION,
+    ForwardsReplaced,
+    autocast_states,
+    check_tokens_per_chunk,
+    chunk_bounds,
+    layer_indices,
+)
 
 __all__ = ["tiled_mlp", "apply_tiled_mlp", "TiledMLPHandle"]
 
@@ -239,8 +246,6 @@ def tiled_mlp(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
 # Model integration
 # --------------------------------------------------------------------------------------------------------------------
 
-_NOT_SET = object()
-
 
 class _TiledForward:
     """The `forward` installed on one tiled MLP (an instance attribute, which `nn.Module.__call__` finds first).
@@ -269,46 +274,8 @@ class _TiledForward:
         return tiled_mlp(self.previous, args[0], self.tokens_per_chunk, params)
 
 
-class TiledMLPHandle:
-    """What `apply_tiled_mlp` changed; `remove()` gives every tiled MLP its previous `forward` back.
-
-    Also a context manager: `with apply_tiled_mlp(model, 4096): ...` tiles inside the block only.
-    """
-
-    def __init__(self) -> None:
-        self._tiled: list[tuple[str, nn.Module, _TiledForward, Any]] = []
-
-    @property
-    def names(self) -> list[str]:
-        """The tiled MLPs' names, relative to the unwrapped model (`model.layers.0.mlp`, ...)."""
-        return [name for name, *_ in self._tiled]
-
-    def remove(self) -> None:
-        """Restore each MLP's `forward` exactly (no instance attribute again, or the one it had); idempotent.
-
-        If something replaced an MLP's `forward` after us (and wraps ours), that attribute is left to its owner and
-        ours is switched off instead: from then on it passes every call through untiled.
-        """
-        for _, module, tiled, previous in reversed(self._tiled):
-            tiled.active = False
-            if module.__dict__.get("forward") is tiled:
-                if previous is _NOT_SET:
-                    del module.forward
-                else:
-                    module.forward = previous
-        self._tiled.clear()
-
-    def __enter__(self) -> TiledMLPHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self._tiled)
+class TiledMLPHandle(ForwardsReplaced):
+    """What `apply_tiled_mlp` changed; `remove()` gives every tiled module its previous `forward` back."""
 
 
 def default_tokens_per_chunk(model: nn.Module) -> int:
@@ -381,8 +348,5 @@ def apply_tiled_mlp(model: nn.Module, tokens_per_chunk: int, layers: Iterable[in
         chosen.append((name, mlp))
     handle = TiledMLPHandle()
     for name, mlp in chosen:
-        previous = mlp.__dict__.get("forward", _NOT_SET)
-        tiled = _TiledForward(mlp, mlp.forward, tokens_per_chunk)
-        mlp.forward = tiled
-        handle._tiled.append((name, mlp, tiled, previous))
+        handle.replace(name, mlp, _TiledForward(mlp, mlp.forward, tokens_per_chunk))
     return handle

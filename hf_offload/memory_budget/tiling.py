@@ -4,11 +4,20 @@ recompute replays, the dtypes whose gradients they sum in fp32, and the decoder 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["LOW_PRECISION", "autocast_states", "chunk_bounds", "layer_indices", "check_tokens_per_chunk"]
+__all__ = [
+    "LOW_PRECISION",
+    "autocast_states",
+    "chunk_bounds",
+    "layer_indices",
+    "check_tokens_per_chunk",
+    "ForwardsReplaced",
+]
 
 # Weight gradients of these dtypes are summed over the chunks in fp32: the untiled backward rounds each weight
 # gradient once, at the end of one fp32-accumulating matrix product; a sum of the chunks' rounded products in bf16
@@ -57,3 +66,55 @@ def layer_indices(layers: Iterable[int] | None, count: int) -> list[int]:
         if index not in indices:
             indices.append(index)
     return indices
+
+
+_NOT_SET = object()
+
+
+class ForwardsReplaced:
+    """What an `apply_tiled_*` changed: the modules whose `forward` it replaced; `remove()` gives each its own back.
+
+    Also a context manager: `with apply_tiled_mlp(model, 4096): ...` tiles inside the block only. A replacement has
+    an `active` attribute: switched off, it passes every call through.
+    """
+
+    def __init__(self) -> None:
+        self._replaced: list[tuple[str, nn.Module, Any, Any]] = []
+
+    def replace(self, name: str, module: nn.Module, forward: Any) -> None:
+        """Makes `forward` the module's, remembering the instance attribute it had (or that it had none)."""
+        previous = module.__dict__.get("forward", _NOT_SET)
+        module.forward = forward
+        self._replaced.append((name, module, forward, previous))
+
+    @property
+    def names(self) -> list[str]:
+        """The modules' names, relative to the unwrapped model (`model.layers.0.mlp`, ...)."""
+        return [name for name, *_ in self._replaced]
+
+    def remove(self) -> None:
+        """Restore each module's `forward` exactly (no instance attribute again, or the one it had); idempotent.
+
+        If something replaced a module's `forward` after us (and wraps ours), that attribute is left to its owner and
+        ours is switched off instead: from then on it passes every call through untiled.
+        """
+        for _, module, forward, previous in reversed(self._replaced):
+            forward.active = False
+            if module.__dict__.get("forward") is forward:
+                if previous is _NOT_SET:
+                    del module.forward
+                else:
+                    module.forward = previous
+        self._replaced.clear()
+
+    def __enter__(self) -> ForwardsReplaced:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self._replaced)
