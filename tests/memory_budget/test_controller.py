@@ -3,6 +3,7 @@
 import logging
 import re
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,8 +25,10 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).train()
 
 
-def train(model, context, steps: int = 5, lengths: tuple[int, ...] = (16,)) -> list[torch.Tensor]:
-    """Losses and, at the end, every gradient of a few AdamW steps (each step the next sequence length)."""
+def train(model, context, steps: int = 5, lengths: tuple[int, ...] = (16,),
+          after_step: Callable[[], None] | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Losses and, at the end, every gradient of a few AdamW steps (each step the next sequence length);
+    `after_step` is called after each."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(1)
     results = []
@@ -39,6 +42,8 @@ def train(model, context, steps: int = 5, lengths: tuple[int, ...] = (16,)) -> l
             results += [p.grad.clone() for p in model.parameters() if p.grad is not None]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
     return results
 
 
@@ -159,16 +164,8 @@ def test_a_plan_that_moves_nothing_stands_aside_until_a_longer_step_needs_offloa
     budget = int(roomy.memory_plan.predicted.peak_bytes * 1.2)
     context = get_act_offloading_ctx_manager(model, device_type="cpu", tile_mlp=False, memory_budget=budget)
     steps = []
-
-    class PerStep:
-        def __enter__(self):
-            context.__enter__()
-
-        def __exit__(self, *exc):
-            context.__exit__(*exc)
-            steps.append(dict(context.get_stats()))
-
-    assert_bitwise_equal(train(model, PerStep(), steps=len(lengths), lengths=lengths), baseline)
+    results = train(model, context, len(lengths), lengths, after_step=lambda: steps.append(context.get_stats()))
+    assert_bitwise_equal(results, baseline)
     assert steps[3]["steps_stood_aside_planned"] == 1 and steps[3]["bytes_offloaded"] == 0
     assert steps[4]["steps_stood_aside_planned"] == 0 and steps[4]["bytes_offloaded"] > 0
     assert context.standing_aside is None and context.memory_plan.code != "K" * LAYERS
@@ -478,23 +475,14 @@ def budget_for_the_trial() -> int:
 def train_recording(model, context, steps: int, lengths=(16,)):
     """`train`, recording after each step the plan in force, whether it was a trial, whether the engine stood aside,
     and what it offloaded."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    torch.manual_seed(1)
-    results, seen = [], []
-    for step in range(steps):
-        ids = torch.randint(VOCAB, (2, lengths[min(step, len(lengths) - 1)]))
-        with context:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        results.append(loss.detach())
-        if step == steps - 1:
-            results += [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    seen = []
+
+    def record() -> None:
         plan = context.memory_plan
         seen.append((plan.code if plan else None, plan.trial if plan else None, context.standing_aside,
                      context.get_stats()["bytes_offloaded"]))  # fmt: skip
-    return results, seen
+
+    return train(model, context, steps, lengths, after_step=record), seen
 
 
 def test_plain_checkpointing_is_tried_where_it_fits_before_the_plan_is_chosen(caplog):
