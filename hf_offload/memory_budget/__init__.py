@@ -8,7 +8,7 @@ One module per purpose, imported one way (each only from those listed before it,
 - `simulate`: the plan as data (`Plan`, action letters, `MeasuredStep`) and the step model (`simulate`).
 - `search`: choosing a plan (`choose_plan`), or refusing the budget (`InfeasibleBudgetError`).
 - `calibrate`: what the plans that ran teach the step model (the scale of its times, the host's time per offload).
-- `tiling`: what the sequence-tiled ops share (chunk bounds, autocast replay, layer indices).
+- `tiling`: what the sequence-tiled ops share (chunks, autocast replay, the layers selected, replaced forwards).
 - `tiled_mlp`: a decoder layer's MLP run over chunks of tokens (the plans' `T`/`t`, and the option `tile_mlp=True`).
 - `tiled_layer`: a whole decoder layer run over chunks of tokens, attention on the whole sequence by head groups.
 - `layer_actions`: a plan's actions set on the decoder layers (`apply_layer_actions`).

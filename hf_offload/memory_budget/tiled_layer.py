@@ -150,7 +150,6 @@ from transformers.modeling_utils import AttentionInterface
 from transformers.utils.output_capturing import _active_collector
 
 from ..engine import NoOpManager
-from ..model import find_decoder_layers, unwrap_model
 from ..random_state import RandomState, random_state, random_state_untouched, set_random_state
 from .tiling import (
     LOW_PRECISION,
@@ -158,7 +157,7 @@ from .tiling import (
     autocast_states,
     check_tokens_per_chunk,
     chunk_bounds,
-    layer_indices,
+    selected_decoder_layers,
 )
 
 __all__ = ["apply_tiled_layer", "TiledLayerHandle", "MAX_HEAD_GROUPS", "backward_bytes_per_token"]
@@ -850,14 +849,9 @@ def apply_tiled_layer(model: nn.Module, tokens_per_chunk: int, layers: Iterable[
     ```
     """
     tokens_per_chunk = check_tokens_per_chunk(tokens_per_chunk)
-    inner = unwrap_model(model)
-    decoder_layers = find_decoder_layers(inner)
-    if not decoder_layers:
-        raise ValueError(f"{type(inner).__name__} has no decoder layers (modules of a GradientCheckpointingLayer "
-                         "class): apply_tiled_layer tiles transformers' decoder layers")  # fmt: skip
     chosen: list[tuple[str, nn.Module]] = []
-    for index in layer_indices(layers, len(decoder_layers)):
-        name, layer = decoder_layers[index]
+    for index, name, layer in selected_decoder_layers(model, layers, "apply_tiled_layer tiles transformers' decoder "
+                                                      "layers"):  # fmt: skip
         callers = [sub for sub, module in layer.named_modules() if _calls_attention_interface(module)]
         if len(callers) != 1:
             found = f"{len(callers)} ({', '.join(callers)})" if callers else "no module"

@@ -78,7 +78,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..engine import NoOpManager
-from ..model import find_decoder_layers, unwrap_model
+from ..model import unwrap_model
 from ..random_state import random_state, random_state_untouched, set_random_state
 from .tiling import (
     LOW_PRECISION,
@@ -86,7 +86,7 @@ from .tiling import (
     autocast_states,
     check_tokens_per_chunk,
     chunk_bounds,
-    layer_indices,
+    selected_decoder_layers,
 )
 
 __all__ = ["tiled_mlp", "apply_tiled_mlp", "TiledMLPHandle"]
@@ -325,14 +325,9 @@ def apply_tiled_mlp(model: nn.Module, tokens_per_chunk: int, layers: Iterable[in
     ```
     """
     tokens_per_chunk = check_tokens_per_chunk(tokens_per_chunk)
-    inner = unwrap_model(model)
-    decoder_layers = find_decoder_layers(inner)
-    if not decoder_layers:
-        raise ValueError(f"{type(inner).__name__} has no decoder layers (modules of a GradientCheckpointingLayer "
-                         "class): apply_tiled_mlp finds the MLPs in transformers' decoder layers")  # fmt: skip
     chosen: list[tuple[str, nn.Module]] = []
-    for index in layer_indices(layers, len(decoder_layers)):
-        layer_name, layer = decoder_layers[index]
+    for index, layer_name, layer in selected_decoder_layers(model, layers, "apply_tiled_mlp finds the MLPs in "
+                                                            "transformers' decoder layers"):  # fmt: skip
         found = [(attr, layer._modules[attr]) for attr in _MLP_NAMES if layer._modules.get(attr) is not None]
         if not found:
             raise ValueError(f"decoder layer {index} ({layer_name!r}, {type(layer).__name__}) has no MLP: looked for "

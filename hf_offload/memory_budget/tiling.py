@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..model import find_decoder_layers, unwrap_model
+
 __all__ = [
     "LOW_PRECISION",
     "autocast_states",
@@ -17,6 +19,7 @@ __all__ = [
     "layer_indices",
     "check_tokens_per_chunk",
     "ForwardsReplaced",
+    "selected_decoder_layers",
 ]
 
 # Weight gradients of these dtypes are summed over the chunks in fp32: the untiled backward rounds each weight
@@ -118,3 +121,20 @@ class ForwardsReplaced:
 
     def __len__(self) -> int:
         return len(self._replaced)
+
+
+def selected_decoder_layers(
+    model: nn.Module, layers: Iterable[int] | None, purpose: str
+) -> list[tuple[int, str, nn.Module]]:
+    """The decoder layers an `apply_tiled_*` call selects: (index, name, layer), `layers` checked by `layer_indices`.
+
+    Raises:
+        ValueError: the model has no decoder layers (`purpose` says what the caller needed them for), or an index is
+            out of range.
+    """
+    inner = unwrap_model(model)
+    decoder_layers = find_decoder_layers(inner)
+    if not decoder_layers:
+        raise ValueError(f"{type(inner).__name__} has no decoder layers (modules of a GradientCheckpointingLayer "
+                         f"class): {purpose}")  # fmt: skip
+    return [(index, *decoder_layers[index]) for index in layer_indices(layers, len(decoder_layers))]
