@@ -55,7 +55,7 @@ from .stats import STAND_ASIDE_REASONS, StatsRecorder
 if TYPE_CHECKING:  # `memory_plan`'s annotation only
     from .memory_budget.simulate import Plan
 
-__all__ = ["OffloadActivations", "NoOpManager", "top_saved_tensors_pack_hook"]
+__all__ = ["OffloadActivations", "NoOpManager", "default_prefetch_window_bytes", "top_saved_tensors_pack_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,16 @@ logger = logging.getLogger(__name__)
 _PREFETCH_WINDOW_COPIES = 4
 
 _IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
+
 # Without `min_peak_reduction`, a measured step whose peak offloading lowers by less than this share gets a warning
 # that says so, with the figures.
 _NOTICE_BELOW = 0.05
+
+
+def default_prefetch_window_bytes(largest_copy_bytes: int) -> int:
+    """The prefetch window of a step whose window is not set (`prefetch_window_bytes=None`): four of its largest
+    copies, and at least the default window."""
+    return max(DEFAULT_WINDOW_BYTES, _PREFETCH_WINDOW_COPIES * largest_copy_bytes)
 
 
 @dataclasses.dataclass
@@ -922,7 +929,7 @@ class OffloadActivations(saved_tensors_hooks):
         step.prefetch_window_bytes = self.prefetch_window_bytes
         if step.prefetch_window_bytes is None:
             largest = max((copy.nbytes for copy in (ref() for ref in step.copies) if copy is not None), default=0)
-            step.prefetch_window_bytes = max(DEFAULT_WINDOW_BYTES, _PREFETCH_WINDOW_COPIES * largest)
+            step.prefetch_window_bytes = default_prefetch_window_bytes(largest)
         if prefetch:
             self._prefetch(step)
 

@@ -123,6 +123,9 @@ class StepProfile:
         input_offload_s: host time each layer that sends its input to the host (`C`, `S`, `T`) adds to the step,
             beyond its copies: learned from measured steps (`calibrate`), as the model of the GPU's time has none.
         saved_offload_s: the same for each layer that sends its saved tensors to the host (`O`, `X`).
+        peak_correction_bytes: what every point of the step's memory is raised by: the most that a plan that ran
+            peaked above the model's prediction of it (learned by the controller from the peaks it measured
+            exactly), so that the plans that did not run are predicted no lower than the model has been wrong.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -144,6 +147,7 @@ class StepProfile:
     tail_bytes: int = 0
     input_offload_s: float = 0.0
     saved_offload_s: float = 0.0
+    peak_correction_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -151,7 +155,7 @@ class StepProfile:
             raise ValueError(f"StepProfile.layers must be one or more LayerProfile, got {self.layers!r}")
         for name in ("static_bytes", "gradient_bytes", "head_bytes", "backward_working_bytes", "host_cap_bytes",
                      "tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes", "late_gradient_bytes",
-                     "optimizer_bytes", "tail_bytes"):  # fmt: skip
+                     "optimizer_bytes", "tail_bytes", "peak_correction_bytes"):  # fmt: skip
             check_bytes("StepProfile", name, getattr(self, name))
         if self.late_gradient_bytes > self.gradient_bytes:
             raise ValueError(f"StepProfile.late_gradient_bytes is part of gradient_bytes, so it cannot exceed it: "
@@ -167,8 +171,9 @@ class StepProfile:
         """The same step at another number of tokens.
 
         Activation bytes grow in proportion to the tokens (rounded up), static, gradient and optimizer bytes do not,
-        nor does a tiled MLP's chunk (`tile_tokens`, `tile_chunk_bytes`) or the tail's bound; times grow in proportion
-        too, except the attention parts, which grow with the square, and the host's time per offloading layer.
+        nor does a tiled MLP's chunk (`tile_tokens`, `tile_chunk_bytes`), the tail's bound or the peak's correction;
+        times grow in proportion too, except the attention parts, which grow with the square, and the host's time per
+        offloading layer.
 
         Args:
             tokens: the tokens per step to predict for.

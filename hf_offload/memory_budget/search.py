@@ -165,14 +165,18 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowe
         layer = chosen[run.peak_layer]
         working = layer.saved + (layer.working if run.peak_phase == "backward" else 0)
         at_peak = (f"layer {run.peak_layer}'s working set (its activations and gradient buffers)", working)
+    correction = profile.peak_correction_bytes
     parts = [
         ("static memory (parameters, gradients, optimizer state)", static),
         at_peak,
-        ("the layers' held inputs, reloads and copies in flight", run.peak_bytes - static - at_peak[1]),
+        ("the layers' held inputs, reloads and copies in flight", run.peak_bytes - static - at_peak[1] - correction),
     ]
+    if correction:
+        parts.append(("what measured plans peaked above their prediction", correction))
     parts.sort(key=lambda part: -part[1])
     (largest_name, largest_bytes), *others = parts
-    rest = " and ".join(f"{name} {format_bytes(nbytes)}" for name, nbytes in others)
+    named = [f"{name} {format_bytes(nbytes)}" for name, nbytes in others]
+    rest = " and ".join([", ".join(named[:-1]), named[-1]] if len(named) > 2 else named)
     message = (
         f"the memory budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the smallest peak this "
         f"step can reach, {format_bytes(run.peak_bytes)} ({run.peak_bytes} bytes; plan {code!r}, peak at "

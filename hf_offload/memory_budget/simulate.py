@@ -53,6 +53,8 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     measures a layer's backward with its parameters' gradients).
   * After backward: static + every gradient + `optimizer_bytes` (where the step's peak is when a large vocabulary's
     embedding gradient comes last, as on a 256K-vocabulary model at 2K tokens).
+  * Correction. Every point above is raised by `peak_correction_bytes`: the most a plan that ran peaked above this
+    model's prediction of it, which the closed loop measures.
   * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`.
   * Step time = `other_s` + the layers' forwards + the drain + `head_s` + the layers' backwards, recomputes and
     stalls + the host's time per offloading layer (`input_offload_s` for `C`, `S`, `T`; `saved_offload_s` for `O`,
@@ -243,7 +245,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     that keeps the peak within it, or else the narrowest: the peak's points are computed before the reloads are
     timed, and each bounds the window by the room it leaves.
     """
-    static = profile.static_bytes
+    static = profile.static_bytes + profile.peak_correction_bytes
     peak, peak_phase, peak_layer = -1, "", -1
 
     held_before = 0  # held by the layers before the current one
@@ -423,7 +425,7 @@ class MeasuredStep:
 
     Args:
         code: the plan's code (see `ACTION_CODES`).
-        step_s: its step's time, the median of its steps.
+        step_s: its step's time, the fastest of its steps (the host's stalls only add to some).
         peak_bytes: its steps' largest peak; None where nothing counts peaks (the CPU test mode): its predicted
             peak then stands for it.
     """

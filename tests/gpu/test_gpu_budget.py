@@ -283,9 +283,12 @@ def test_a_budget_at_the_lowest_plans_measured_peak_is_met_on_every_step(record)
     ctx = make_ctx(model, memory_budget=budget)
     peaks, losses = step_peaks(model, batch, ctx, steps)
     plan = ctx.memory_plan
+    controller = ctx.budget_controller
     record("at_the_minimum", {"budget": budget, "by_measurement": measured, "plan": plan.code,
-                              "predicted_peak": plan.predicted.peak_bytes, "step_peaks": peaks,
-                              "tail_bound": ctx._planner.max_tail_bytes}, show=True)  # fmt: skip
+                              "predicted_peak": plan.predicted.peak_bytes, "peak_at": plan.predicted.peak_at,
+                              "step_peaks": peaks, "tail_bound": ctx._planner.max_tail_bytes,
+                              "peak_correction": controller.profile.peak_correction_bytes,
+                              "measurements": controller.measurements}, show=True)  # fmt: skip
     assert max(peaks) <= budget, f"plan {plan.code}: step peaks {peaks} over the budget {budget}"
     if "T" not in plan.code:
         assert torch.equal(torch.stack(losses), torch.stack(reference))

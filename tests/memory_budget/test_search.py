@@ -160,6 +160,19 @@ def test_the_refusal_counts_at_a_layers_backward_only_the_gradients_that_exist_t
     assert " -" not in message  # every part of the peak is a size
 
 
+def test_the_refusal_names_the_peaks_correction_as_a_part_of_its_own() -> None:
+    """A correction learned from measured plans is its own part of the refused peak, not hidden in another."""
+    profile = s1_profile(layers=4, peak_correction_bytes=3 * MIB)
+    lowest = simulate(profile, "CCCC")
+    with pytest.raises(ValueError) as error:
+        choose_plan(profile, lowest.peak_bytes // 2)
+    message = str(error.value)
+    assert "what measured plans peaked above their prediction 3.00 MiB" in message
+    assert " -" not in message
+    without = str(pytest.raises(ValueError, choose_plan, s1_profile(layers=4), lowest.peak_bytes // 2).value)
+    assert "what measured plans peaked" not in without
+
+
 def test_no_host_room_means_no_offloading() -> None:
     profile = s1_profile(host_cap_bytes=0)
     assert search._lowest_memory_code(profile) == "c" * 16

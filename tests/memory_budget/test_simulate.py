@@ -182,6 +182,20 @@ def test_the_host_time_of_offloading_layers_is_added_to_the_step():
     assert costed.layers[0].added_s == pytest.approx(base.layers[0].added_s + 0.5)
 
 
+@pytest.mark.parametrize("code", ["KK", "CC", "cc", "OK"])
+def test_the_peak_correction_raises_every_point_and_changes_no_time(code):
+    """What measured plans peaked above their prediction raises the peak wherever it is, and the budget the search
+    fits plans in lowers by as much; the step's time is the model's."""
+    base = simulate(tiny_profile(), code)
+    corrected = simulate(tiny_profile(peak_correction_bytes=300), code)
+    assert corrected.peak_bytes == base.peak_bytes + 300 and corrected.peak_at == base.peak_at
+    assert corrected.step_s == base.step_s
+    plan = choose_plan(tiny_profile(), base.peak_bytes)
+    corrected_plan = choose_plan(tiny_profile(peak_correction_bytes=300), base.peak_bytes + 300)
+    assert corrected_plan.code == plan.code
+    assert corrected_plan.predicted.peak_bytes == plan.predicted.peak_bytes + 300
+
+
 def test_selective_offloaded_layer_holds_nothing_and_sends_its_outputs():
     predicted = simulate(tiny_profile(), "XK")
     first = predicted.layers[0]
