@@ -155,6 +155,7 @@ def _summarise(per_step: list[dict[str, Any]], warmup: int, offloader: str, res:
     res["median_s"] = statistics.median(times)
     res["mean_s"] = statistics.fmean(times)
     res["min_s"] = min(times)
+    res["p25_s"] = lower_quartile(times)
     if "peak_bytes" in per_step[0]:
         res["peak_bytes"] = max(r["peak_bytes"] for r in timed)
         res["peak_gib"] = res["peak_bytes"] / GIB
@@ -180,6 +181,13 @@ def _summarise(per_step: list[dict[str, Any]], warmup: int, offloader: str, res:
     rss = [r["rss_gib"] for r in per_step if r.get("rss_gib") is not None]
     if rss:
         res["rss_step1_gib"], res["rss_last_gib"] = rss[0], rss[-1]
+
+
+def lower_quartile(times: list[float]) -> float:
+    """The lower quartile of step times (the time itself for one step): where the host paces a short step, its
+    stalls only ever add time, to some steps and not others, so a low quantile measures the plan and a median the
+    host as well (benchmarks/results/2026-11-24-*-M36-short-steps-2.md)."""
+    return statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]
 
 
 def grad_fingerprint(params: list[torch.nn.Parameter]) -> str:
