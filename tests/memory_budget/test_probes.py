@@ -66,3 +66,27 @@ def test_a_probe_drops_the_cache_under_any_name():
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=64)  # fmt: skip
     assert is_cache(transformers.DynamicCache(config=config))
     assert not is_cache(torch.zeros(2)) and not is_cache(None)
+
+
+def test_a_probe_keeps_the_fastest_of_its_runs_after_the_first():
+    """The host's stalls add time to some runs: of the probe's runs after the first (kernel selection, allocator
+    growth), the fastest forward, backward and selective recompute are kept. A clock that reads each interval as
+    scripted: the first run slowest, then a slow and a fast one."""
+    from hf_offload.memory_budget import probes
+
+    layer = build_model("llama", dtype="fp32", device="cpu", **SIZE).model.layers[0]
+    hidden = torch.randn(1, SEQ, SIZE["hidden"])
+    position = torch.arange(SEQ)[None]
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(layer.self_attn.config)
+    # Per run, in the order measured: forward, backward, backward of the selective checkpoint.
+    intervals = iter([9.0, 9.0, 9.0, 3.0, 6.0, 7.0, 2.0, 4.0, 5.0])
+
+    class ScriptedMeter(probes.Meter):
+        def seconds(self, start, end):
+            return next(intervals)
+
+    probe = probes.probe_layer(layer, (hidden,), {"position_embeddings": rotary(hidden, position)},
+                               ScriptedMeter("cpu"))  # fmt: skip
+    assert probes._PROBE_RUNS == 3
+    assert (probe.profile.forward_s, probe.profile.backward_s) == (2.0, 4.0)
+    assert probe.profile.selective_recompute_s == 5.0 - 4.0
