@@ -311,8 +311,9 @@ def write_summary(out: Path, stem: str, shapes: list[str]) -> bool:
         f"{settings['grid_step']:g}% of none's peak (timed steps) from the minimum the library names (refusing "
         f"{zoo.PROBE_MODE}) to {settings['top']:g}%, and at each simple plan's peak (every step's)"
         + (f"; CPU: budgets are shares of {settings['cpu_reference_bytes']} bytes" if meta["device"] == "cpu" else ""),
-        "- checks per budget: (a) median step <= "
-        f"{zoo.TIME_TOLERANCE:.2f}x the fastest simple plan whose peak fits; (b) every step's peak <= the budget, the "
+        "- checks per budget: (a) step <= "
+        f"{zoo.TIME_TOLERANCE:.2f}x the fastest simple plan's whose peak fits (each the lower quartile of the mode's "
+        "timed steps); (b) every step's peak <= the budget, the "
         "library's profiled steps included (the counter is reset before each step and read after it); (c) no "
         "budget refused that a simple plan's peak fits",
         "- per shape: `<stem>-<shape>.md` (run.py's report and the checks), `.json`, `-pareto.png`",
