@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -60,7 +61,7 @@ from ..engine import OffloadActivations
 from ..model import find_decoder_layers
 from ..random_state import RandomState, random_state, set_random_state
 from .simulate import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, TILED_LAYER
-from .tiled_layer import apply_tiled_layer
+from .tiled_layer import apply_tiled_layer, tiled_forward
 from .tiled_mlp import apply_tiled_mlp
 from .tiling import ForwardsReplaced
 
@@ -127,6 +128,36 @@ def _layer_function(action: str, offload_input: bool, engine: OffloadActivations
     function = {KEEP: _run_as_is, SELECTIVE: selective_checkpoint_function(), FULL: full, FULL_TILED: full,
                 TILED_LAYER: full}[action]  # fmt: skip
     return _InKeepingRegion(function, engine) if action == KEEP or not offload_input else function
+
+
+class _TiledLayerCheckpoint:
+    """The `_gradient_checkpointing_func` of a layer tiled whole.
+
+    The tiled forward is the layer's `forward` and its own checkpoint: transformers (5.24, which checkpoints a
+    layer's `forward`, handing this function `partial(forward, layer, **kwargs)`) calls this function only where the
+    tiled forward runs the layer untiled (a call of at most one chunk), and where the call looked the layer's forward
+    up before the plan tiled it: the controller applies the profiled steps' plan from the pre-hook of the first
+    layer called, which then runs this call under its class's forward. The first is checkpointed (`function`, as a
+    full checkpoint, its input kept for `l`); the second goes to the tiled forward, so that no layer runs its long
+    first step untiled (at long context that alone would not fit).
+    """
+
+    def __init__(self, layer: nn.Module, function: Callable[..., Any]) -> None:
+        self._layer = weakref.ref(layer)
+        self.function = function
+        self._redirected = threading.local()
+
+    def __call__(self, function: Callable[..., Any], *args: Any) -> Any:
+        layer = self._layer()
+        tiled = tiled_forward(layer) if layer is not None else None
+        bound = isinstance(function, functools.partial) and len(function.args) == 1 and function.args[0] is layer
+        if tiled is None or not bound or getattr(self._redirected, "active", False):
+            return self.function(function, *args)
+        self._redirected.active = True  # the tiled forward's own untiled calls come back here: checkpointed
+        try:
+            return tiled(*args, **function.keywords)
+        finally:
+            self._redirected.active = False
 
 
 class _InKeepingRegion:
@@ -449,5 +480,7 @@ def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: S
         applied._restore.append((layer, _layer_attributes(layer)))
         layer.gradient_checkpointing = entry.action != OFFLOAD
         if entry.action != OFFLOAD:
-            layer._gradient_checkpointing_func = _layer_function(entry.action, entry.offload_input, engine)
+            function = _layer_function(entry.action, entry.offload_input, engine)
+            layer._gradient_checkpointing_func = (_TiledLayerCheckpoint(layer, function)
+                                                  if entry.action == TILED_LAYER else function)  # fmt: skip
     return applied

@@ -274,7 +274,9 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         probe.profile = dataclasses.replace(probe.profile, tiled_saved_bytes=quarter.saved_bytes,
                                             tiled_extra_s=max(0.0, quarter.backward_s - kept.backward_s))  # fmt: skip
         probe.tiled_working_bytes, probe.chunk_bytes_per_token = less_a_chunk(quarter, per_token), per_token
-    if tile_layer is not None:
+    if tile_layer is not None and hidden.dim() != 3:  # packed sequences (a vision tower's): run untiled, not tiled
+        probe.layer_tiling_error = f"its calls' hidden states are {hidden.dim()}-d, not (batch, sequence, hidden)"
+    elif tile_layer is not None:
         try:
             half, quarter, per_token = run_tiled(tile_layer)
         except ValueError as error:

@@ -168,6 +168,7 @@ __all__ = [
     "forward_bytes_per_token",
     "layer_bytes_per_token",
     "recorded_outputs",
+    "tiled_forward",
 ]
 
 # Attention runs on the whole sequence for at most this many groups of heads, one at a time. More groups make one
@@ -855,6 +856,12 @@ class _TiledLayerForward:
         if self.call_op is not None:
             return self.call_op(_TiledLayerFunction.apply, call, hidden, *params)
         return _TiledLayerFunction.apply(call, hidden, *params)
+
+
+def tiled_forward(layer: nn.Module) -> Callable[..., Any] | None:
+    """The layer's tiled `forward` (what `apply_tiled_layer` installed, and not removed since); None if untiled."""
+    forward = layer.__dict__.get("forward")
+    return forward if isinstance(forward, _TiledLayerForward) and forward.active else None
 
 
 class TiledLayerHandle(ForwardsReplaced):

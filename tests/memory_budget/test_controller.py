@@ -277,12 +277,14 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
-def test_layers_are_tiled_whole_when_nothing_else_fits():
+def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
     """A budget between the lowest plan with tiled MLPs and the lowest with whole layers tiled: the profiled steps
-    and the plan tile every layer whole (no layer can do without here), the predicted peak keeps under it, and the
+    and the plan tile every layer whole (no layer can do without here), the first layer of the first step too,
+    from whose pre-hook the profiled steps' plan was applied; the predicted peak keeps under the budget, and the
     losses stay within the tiled layer's tolerance of the untiled run (fp32: 1e-5 of each tensor's largest value),
     not bitwise. Without the action, the same budget is refused."""
     from hf_offload.memory_budget.simulate import simulate
+    from hf_offload.memory_budget.tiled_layer import _TiledLayerFunction
 
     baseline, roomy, seen, _ = long_run(10 * 2**30, record=tiled_whole)
     assert roomy.memory_plan.code == "K" * LAYERS and not any(map(any, seen))
@@ -291,7 +293,13 @@ def test_layers_are_tiled_whole_when_nothing_else_fits():
     untiled, mlps, whole = (simulate(profile, letter * LAYERS).peak_bytes for letter in "CTL")
     assert whole < mlps < untiled
     budget = (whole + mlps) // 2
+    calls = []
+    monkeypatch.setattr(_TiledLayerFunction, "apply", lambda *args, apply=_TiledLayerFunction.apply: calls.append(1)
+                        or apply(*args))  # fmt: skip
     results, context, seen, model = long_run(budget, record=tiled_whole)
+    # Each step's every layer ran tiled, the first step's first layer too; and the probe, in chunks of a half and a
+    # quarter of the tokens, twice each.
+    assert len(calls) == 4 * LAYERS + 4
     plan = context.memory_plan
     assert plan.code == "L" * LAYERS and plan.layer_tile_tokens == 64 and plan.tile_tokens == 0
     assert plan.predicted.peak_bytes <= budget
