@@ -217,6 +217,55 @@ def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, reco
     dispose(ctx)
 
 
+def test_a_budget_only_layers_tiled_whole_reach_is_kept_on_every_step(record, monkeypatch, nondeterministic):
+    """The same model at 1 x 16384 tokens, under a budget halfway between the lowest plan with tiled MLPs and the
+    lowest with whole layers tiled (each predicted from a roomy run's profile): the plan tiles whole layers, the
+    profiled steps too, and every step's peak, the profiled ones included, stays under the budget; the losses are
+    close to the untiled run's (bf16, sums over chunks), not bitwise.
+
+    The probes run on the first 4096 tokens and scale: a layer probed kept at 16384 tokens would alone exceed this
+    budget in the first step (at long context the probes are cut to `PROBE_MAX_TOKENS` for that reason). Written
+    without a GPU run: on CPU the same test (tests/memory_budget/test_controller.py) plans every layer tiled whole.
+    """
+    from hf_offload.memory_budget import probes
+    from hf_offload.memory_budget.simulate import simulate
+
+    monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", 4096)
+    batch = make_batch("llama", batch=1, seq=LONG["seq"], vocab=LONG["vocab"])
+    steps = 5
+    _, reference = step_peaks(long_model(), batch, None, steps)
+    model = long_model()
+    roomy = make_ctx(model, memory_budget=10**12)
+    step_peaks(model, batch, roomy, 3)
+    profile = roomy.budget_controller.profile
+    dispose(roomy)
+    del model
+    untiled, mlps, whole = (simulate(profile, letter * LONG["layers"]).peak_bytes for letter in "CTL")
+    budget = (mlps + whole) // 2
+    model = long_model()
+    ctx = make_ctx(model, memory_budget=budget)
+    seen: list = []
+    peaks, losses = step_peaks(model, batch, ctx, steps, seen)
+    plan = ctx.memory_plan
+    difference = ((torch.stack(losses) - torch.stack(reference)).abs() / torch.stack(reference).abs()).max().item()
+    layer = profile.layers[0]
+    record("tiled_layer_plan", {
+        "budget": budget, "untiled_lowest_predicted": untiled, "tiled_mlp_lowest_predicted": mlps,
+        "tiled_layer_lowest_predicted": whole, "plan": plan.code, "plans_per_step": seen, "step_peaks": peaks,
+        "predicted_peak": plan.predicted.peak_bytes, "predicted_step_s": plan.predicted.step_s,
+        "loss_relative_difference": difference, "layer_tiled_saved_bytes": layer.layer_tiled_saved_bytes,
+        "layer_tiled_backward_working_bytes": profile.layer_tiled_backward_working_bytes,
+        "layer_tile_chunk_bytes": profile.layer_tile_chunk_bytes, "layer_tiled_extra_s": layer.layer_tiled_extra_s,
+        "forward_s": layer.forward_s,
+    }, show=True)  # fmt: skip
+    assert whole < mlps < untiled and profile.layer_tile_tokens == LONG["hidden"]
+    assert set(plan.code) & set("Ll") and plan.layer_tile_tokens == LONG["hidden"], plan.code
+    assert max(peaks) <= budget, f"plan {plan.code}: step peaks {peaks} over the budget {budget}"
+    assert difference < 2e-2  # bf16, chunked weight-gradient sums: close, not bitwise
+    assert difference > 0
+    dispose(ctx)
+
+
 def test_plain_checkpointing_is_tried_and_the_plan_chosen_after_it_is_no_slower(record):
     """Issue 20, target 2 (a): under a budget that full checkpointing with every input kept fits and keeping every
     layer does not, the three steps after the profiled ones run it as a trial, with the engine standing aside (plain
