@@ -20,6 +20,7 @@ from .allocator import LongContextCheck
 from .engine import OffloadActivations
 from .memory_budget.controller import MemoryBudgetController
 from .memory_budget.spec import parse_memory_budget
+from .memory_budget.tiled_layer import apply_tiled_layer
 from .memory_budget.tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 from .model import (
     HEAD_PATHS,
@@ -178,6 +179,8 @@ def get_act_offloading_ctx_manager(
     install_step_tokens_hook(engine, unwrapped)
     if engine.options.tile_mlp is True:
         engine.track_hook(apply_tiled_mlp(unwrapped, default_tokens_per_chunk(unwrapped)))
+    if engine.options.tile_layer is True:
+        engine.track_hook(apply_tiled_layer(unwrapped, default_tokens_per_chunk(unwrapped)))
     if engine.options.memory_budget is not None and engine.active:
         engine.budget_controller = MemoryBudgetController(
             unwrapped, engine, parse_memory_budget(engine.options.memory_budget)

@@ -334,6 +334,14 @@ class OffloadOptions:
         "gradients are summed chunk by chunk (equal within rounding). `'auto'`: only in the layers where the "
         "memory_budget planner finds that no plan without it fits (never without a memory_budget); `True`: every "
         "layer; `False`: never.", argument="tile_mlp")  # fmt: skip
+    tile_layer: str | bool = _option(
+        AUTO, Rule(_AUTO_FLAG), "Run each whole decoder layer over chunks of as many tokens as the hidden size, and "
+        "its attention on the whole sequence one group of heads at a time, in forward and backward (a checkpoint of "
+        "its own): about a third of the memory per token of a checkpointed layer with its MLP tiled, for one more "
+        "attention forward. Not bitwise (weight gradients summed chunk by chunk). `'auto'`: only in the layers where "
+        "the memory_budget planner finds that no plan fits without it, not even with tiled MLPs (never without a "
+        "memory_budget, nor for models whose layers cannot be tiled, which the log says); `True`: every layer, "
+        "without a memory_budget; `False`: never.", argument="tile_layer")  # fmt: skip
 
     def __post_init__(self) -> None:
         # Each value is stored as its rule reads it: the command line's spellings ("4096", "true") as what they mean.
@@ -345,6 +353,10 @@ class OffloadOptions:
             raise ValueError(f"min_peak_reduction={self.min_peak_reduction:g} and memory_budget={self.memory_budget!r} "
                              "cannot be combined: under a memory budget the plan decides what moves (a plan that "
                              "keeps every layer moves nothing). Set one of them to None.")  # fmt: skip
+        if self.tile_layer is True and self.memory_budget is not None:
+            raise ValueError(f"tile_layer=True and memory_budget={self.memory_budget!r} cannot be combined: a layer "
+                             "tiled whole is its own checkpoint, so the plan's actions would not apply to it. Use "
+                             "tile_layer='auto' (the default): it tiles layers where the plan needs it.")  # fmt: skip
 
     @classmethod
     def rule(cls, name: str) -> Rule:

@@ -284,8 +284,9 @@ def test_a_second_context_nested_inside_another_warns(caplog):
     assert len(caplog.records) == 1 and "inside another one" in caplog.records[0].getMessage()
 
 
+@pytest.mark.parametrize("option", ["tile_mlp", "tile_layer"])
 @pytest.mark.parametrize(("text", "value"), [("auto", "auto"), ("true", True), ("False", False)])
-def test_tile_mlp_from_the_command_line(text, value):
-    args = parse("--activation_offloading", "--activation_offloading_tile_mlp", text)
-    assert args.offload_options().tile_mlp == value
-    assert OffloadOptions(tile_mlp=text).tile_mlp == value
+def test_tiling_from_the_command_line(option, text, value):
+    args = parse("--activation_offloading", f"--activation_offloading_{option}", text)
+    assert getattr(args.offload_options(), option) == value
+    assert getattr(OffloadOptions(**{option: text}), option) == value

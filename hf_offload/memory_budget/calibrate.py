@@ -11,8 +11,8 @@ run it. Two things it does not see, measured on the H100 shape zoo (benchmarks/r
   inputs offloaded ran 40 ms slower than with them kept on the first shape (36 layers), 70 ms on the second (26).
 
 `calibrate` learns both from `MeasuredStep`s, in the order that separates them: the time of a plan that offloads
-nothing (`Kcst` only: plain checkpointing, the closed loop's trial) is compute alone, and scales every time of the
-model (`time_scale`); what a plan that offloads only inputs (`CST`, the profiled safe plan) ran beyond the scaled
+nothing (`Kcstl` only: plain checkpointing, the closed loop's trial) is compute alone, and scales every time of the
+model (`time_scale`); what a plan that offloads only inputs (`CSTL`, the profiled safe plan) ran beyond the scaled
 model is the host's time per layer that offloads its input (`input_offload_s`); what a plan with whole-layer or
 selective offloads (`OX`) ran beyond that is the time per such layer (`saved_offload_s`: the host's, and copies that
 the model thought hidden). The answer is a profile with those times (`StepProfile.input_offload_s`,
@@ -26,13 +26,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .profile import StepProfile, tiling_available
-from .simulate import MeasuredStep, simulate
+from .profile import StepProfile
+from .simulate import MeasuredStep, simulate, unavailable_tiling
 
 __all__ = ["Calibration", "calibrate"]
 
-_NOTHING_SENT = frozenset("Kcst")
-_INPUTS_SENT = frozenset("CST")
+_NOTHING_SENT = frozenset("Kcstl")
+_INPUTS_SENT = frozenset("CSTL")
 _SAVED_SENT = frozenset("OX")
 
 
@@ -43,7 +43,7 @@ class Calibration:
     Args:
         time_scale: the factor on every time of the model (layers, head, the rest of the step), from the plans that
             offload nothing; 1 without one (the profile's `other_s` then holds what the safe plan's time adds).
-        input_offload_s: host time per layer that sends its input to the host (`C`, `S`, `T`).
+        input_offload_s: host time per layer that sends its input to the host (`C`, `S`, `T`, `L`).
         saved_offload_s: time per layer that sends its saved tensors to the host (`O`, `X`), beyond the model's.
         learned_from: the codes of the measured plans each figure came from, in that order.
     """
@@ -71,6 +71,7 @@ def _times_scaled(profile: StepProfile, scale: float) -> StepProfile:
             attention_forward_s=layer.attention_forward_s * scale,
             attention_backward_s=layer.attention_backward_s * scale,
             tiled_extra_s=layer.tiled_extra_s * scale,
+            layer_tiled_extra_s=layer.layer_tiled_extra_s * scale,
         )
         for layer in profile.layers
     )
@@ -89,8 +90,8 @@ def calibrate(profile: StepProfile, measured: Sequence[MeasuredStep]) -> tuple[S
     Args:
         profile: the measured step; its `input_offload_s` and `saved_offload_s` are the floors of what is learned (a
             layer's offload never costs the host less than its hooks).
-        measured: plans that ran, at `profile`'s tokens (see `MeasuredStep.scaled`); those that tile MLPs where
-            `profile` cannot are left out.
+        measured: plans that ran, at `profile`'s tokens (see `MeasuredStep.scaled`); those that tile MLPs or layers
+            where `profile` cannot are left out.
 
     Returns:
         `(calibrated profile, Calibration)`; the profile as it is (and a neutral calibration) without measured plans.
@@ -109,7 +110,7 @@ def calibrate(profile: StepProfile, measured: Sequence[MeasuredStep]) -> tuple[S
         >>> round(learned.time_scale, 3), round(learned.input_offload_s * 1000, 3)
         (0.5, 1.0)
     """
-    usable = [step for step in measured if tiling_available(profile) or not set(step.code) & {"T", "t"}]
+    usable = [step for step in measured if not unavailable_tiling(profile, step.code)]
     quiet = [step for step in usable if set(step.code) <= _NOTHING_SENT]
     inputs = [step for step in usable if set(step.code) & _INPUTS_SENT and not set(step.code) & _SAVED_SENT]
     saved = [step for step in usable if set(step.code) & _SAVED_SENT]

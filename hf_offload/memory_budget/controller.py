@@ -7,10 +7,12 @@ training forwards of the model (grad enabled, model in training mode) and:
    memory that works without a plan) and, when the first layer of each kind is called, probes it on the very
    arguments it receives (`probes.probe_layer`, which leaves no trace in the step): the bytes it saves, the bytes a
    selective checkpoint would keep, the times of its forward, backward and selective recompute, and with
-   `tile_mlp="auto"` the same with its MLP tiled. Every stack of layers is probed so, each kind in its own call: a
-   vision tower's blocks on theirs, a language model's or a decoder's layers on theirs (with the encoder's states).
+   `tile_mlp="auto"` the same with its MLP tiled, and with `tile_layer="auto"` the layer tiled whole. Every stack of
+   layers is probed so, each kind in its own call: a vision tower's blocks on theirs, a language model's or a
+   decoder's layers on theirs (with the encoder's states).
    Once every kind is probed it measures the link's bandwidth; if the safe plan is predicted not to fit the budget
-   and tiling would, the safe plan tiles every layer's MLP.
+   and tiling would lower its peak, the safe plan tiles every layer's MLP, or, where even that is predicted not to
+   fit and tiling whole layers is lower still, every layer whole.
 2. Second forward, still safe: measures the step: memory held before it starts, the head and loss's peak over what
    the forward leaves, the head's time, and the whole step's time (the rest of the step, embedding and optimizer,
    is what the model of the safe step does not explain).
@@ -57,18 +59,26 @@ from ..random_state import random_state_untouched
 from .calibrate import Calibration, calibrate
 from .layer_actions import AppliedActions, apply_layer_actions
 from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_bandwidth, probe_layer
-from .profile import StepProfile, in_proportion, tiling_available
+from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
 from .search import InfeasibleBudgetError, choose_plan, plan_of
-from .simulate import FULL, FULL_TILED, OFFLOAD, SELECTIVE_OFFLOAD, MeasuredStep, Plan, simulate
+from .simulate import (
+    ACTION_CODES,
+    OFFLOAD,
+    SELECTIVE_OFFLOAD,
+    MeasuredStep,
+    Plan,
+    chunk_sizes,
+    simulate,
+    unavailable_tiling,
+)
 from .spec import MemoryBudget
+from .tiled_layer import apply_tiled_layer, recorded_outputs
 from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
 __all__ = ["MemoryBudgetController"]
 
 logger = logging.getLogger(__name__)
 
-_SAFE_ACTION = SimpleNamespace(action=FULL, offload_input=True)
-_SAFE_TILED_ACTION = SimpleNamespace(action=FULL_TILED, offload_input=True)
 # Re-plan when the memory held between steps grows by more than this (optimizer state appearing); smaller changes
 # are the allocator's noise and within the planner's margin.
 _STATIC_GROWTH_TOLERANCE = 0.02
@@ -201,13 +211,9 @@ class MemoryBudgetController:
         # of the measured step's backward (`_peak_since_own_reset`).
         self._peak_floor = 0
         self._peak_at_backward_end: int | None = None
-        self._tile_tokens = default_tokens_per_chunk(model) if engine.options.tile_mlp == "auto" else 0
-        if self._tile_tokens:
-            try:  # checks every layer's MLP, changes nothing when one cannot be tiled
-                apply_tiled_mlp(model, self._tile_tokens).remove()
-            except ValueError as error:
-                logger.info("hf_offload: the planner cannot tile the MLPs: %s", error)
-                self._tile_tokens = 0
+        # Tokens per chunk of a tiled MLP and of a layer tiled whole; 0 where the planner may not tile so.
+        self._tile_tokens = _tile_tokens(model, engine.options.tile_mlp, apply_tiled_mlp, "the MLPs")
+        self._layer_tile_tokens = _tile_tokens(model, engine.options.tile_layer, apply_tiled_layer, "whole layers")
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
@@ -247,7 +253,7 @@ class MemoryBudgetController:
         self._forwards += 1
         self._previous_step_tokens, self._step_tokens = self._step_tokens, 0
         if self._forwards == 1:
-            self._apply([_SAFE_ACTION] * len(self._layers), "C" * len(self._layers), windows=None)
+            self._apply(_actions("C" * len(self._layers)), "C" * len(self._layers), windows=None)
         elif self._forwards == 2:
             if not self._probes_finished:
                 self._finish_probes()
@@ -405,17 +411,32 @@ class MemoryBudgetController:
         """Probes the kind of layer `index` on the arguments of its call, from its pre-hook; once every kind is
         probed, finishes the profiled steps' set-up."""
         engine, model = self._engine(), self._model()
-        tile = None
+        tile = tile_layer = None
         if self._tile_tokens and model is not None:
             tile = functools.partial(apply_tiled_mlp, model, layers=[index])
+        if self._layer_tile_tokens and model is not None:
+            # The probe runs outside the step's output recorders; a tiled layer refuses to run inside them.
+            recorded = recorded_outputs()
+            if recorded:
+                self._no_layer_tiling(f"this forward records {', '.join(recorded)} inside its layers")
+            else:
+                tile_layer = functools.partial(apply_tiled_layer, model, layers=[index])
         self._probing = True
         try:
             with random_state_untouched(args[0].device), engine.set_aside() if engine else contextlib.nullcontext():
-                self._measured.probes[self._kinds[index]] = probe_layer(layer, args, kwargs, self._meter, tile)
+                probe = probe_layer(layer, args, kwargs, self._meter, tile, tile_layer)
         finally:
             self._probing = False
+        self._measured.probes[self._kinds[index]] = probe
+        if probe.layer_tiling_error is not None:
+            self._no_layer_tiling(f"{self._names[index]}: {probe.layer_tiling_error}")
         if self._measured.probes.keys() >= set(self._kinds):
             self._finish_probes()
+
+    def _no_layer_tiling(self, reason: str) -> None:
+        """The planner does not tile whole layers in this run, and says why in the log."""
+        logger.info("hf_offload: the planner cannot tile whole layers: %s", reason)
+        self._layer_tile_tokens = 0
 
     def _finish_probes(self) -> None:
         """Once every kind of layer is probed, or the first step is over: the kinds that did not run get an empty
@@ -449,24 +470,26 @@ class MemoryBudgetController:
             engine.track_hook(self._layers[self._called[0]].register_forward_hook(self._first_layer_ends))
 
     def _apply_safe_plan(self, tokens: int) -> None:
-        """The first two steps' plan, once the probes are in: every layer fully checkpointed, its input offloaded,
-        and its MLP tiled too if it is predicted not to fit the budget untiled and tiling is predicted to lower its
-        peak (at long context an untiled layer's recompute alone can exceed the device). The layers that ran before
+        """The first two steps' plan, once the probes are in: every layer fully checkpointed, its input offloaded;
+        its MLP tiled too if it is predicted not to fit the budget untiled and tiling is predicted to lower its peak
+        (at long context an untiled layer's recompute alone can exceed the device); the whole layer tiled if even
+        that is predicted not to fit and tiling whole layers is predicted lower still. The layers that ran before
         the last kind was probed keep the untiled safe plan in the first step."""
         profile = self._profile_now(tokens)
         budget_bytes = self._budget_bytes()
-        untiled = simulate(profile, "C" * len(self._layers))
-        lower = tiling_available(profile) and simulate(profile, "T" * len(self._layers)).peak_bytes < untiled.peak_bytes
-        if untiled.peak_bytes > budget_bytes and lower:  # tiling can cost memory (two chunks of 4K on a 7B shape)
-            logger.info("hf_offload: the profiled steps tile every MLP: untiled, full checkpointing is predicted to "
-                        "peak at %.2f GiB, over the budget of %.2f GiB", untiled.peak_bytes / 2**30,
-                        budget_bytes / 2**30)  # fmt: skip
-            self._apply(
-                [_SAFE_TILED_ACTION] * len(self._layers),
-                "T" * len(self._layers),
-                windows=None,
-                tile_tokens=profile.tile_tokens,
-            )
+        count = len(self._layers)
+        code, peak = "C" * count, simulate(profile, "C" * count).peak_bytes
+        for letter, available, what in (("T", tiling_available, "every MLP"), ("L", layer_tiling_available,
+                                                                                 "every layer whole")):  # fmt: skip
+            if peak <= budget_bytes or not available(profile):
+                continue
+            tiled = simulate(profile, letter * count).peak_bytes
+            if tiled < peak:  # tiling can cost memory (two chunks of 4K on a 7B shape)
+                logger.info("hf_offload: the profiled steps tile %s: plan %r is predicted to peak at %.2f GiB, over "
+                            "the budget of %.2f GiB", what, code, peak / 2**30, budget_bytes / 2**30)  # fmt: skip
+                code, peak = letter * count, tiled
+        if code != "C" * count:
+            self._apply(_actions(code), code, windows=None, **chunk_sizes(profile, code))
 
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._forwards != 2 or not self._training_forward(module):
@@ -543,7 +566,6 @@ class MemoryBudgetController:
         measured = self._measured
         engine = self._engine()
         probes = [measured.probes[self._kinds[index]] for index in self._order]
-        tiled = all(probe.tiled_working_bytes is not None for probe in probes)
         head_bytes = measured.head_bytes
         if head_bytes is None:  # CPU test mode: what the head and loss saved (nothing known before the second step)
             head_bytes = measured.head_saved_bytes or 0
@@ -560,11 +582,8 @@ class MemoryBudgetController:
             h2d_bytes_per_s=measured.h2d_bytes_per_s,
             host_cap_bytes=engine._host_pool().cap_bytes if engine is not None else 0,
             tokens=measured.step_tokens,
-            tile_tokens=self._tile_tokens if tiled else 0,
-            tiled_backward_working_bytes=max(probe.at_step(probe.tiled_working_bytes) for probe in probes) if tiled
-            else 0,
-            tile_chunk_bytes=math.ceil(max(probe.chunk_bytes_per_token for probe in probes) * self._tile_tokens)
-            if tiled else 0,
+            **_tiled_fields(probes, self._tile_tokens, *_MLP_TILING),
+            **_tiled_fields(probes, self._layer_tile_tokens, *_LAYER_TILING),
             late_gradient_bytes=min(measured.late_gradient_bytes, gradient_bytes),
             optimizer_bytes=measured.optimizer_bytes,
             tail_bytes=self._tail_bound_bytes(),
@@ -737,19 +756,19 @@ class MemoryBudgetController:
         next (on the H100 zoo, plain checkpointing's steps spanned 0.167-0.246 s within one run), and are no
         property of the plan. Only plans with `_MEASURED_STEPS` steps count
         (one step is noise), the safe plan, whose profiled step the model is calibrated on, and the trial's
-        `_TRIAL_MEASURED_STEPS`. Plans that tile MLPs where `profile` cannot are left out."""
+        `_TRIAL_MEASURED_STEPS`. Plans that tile MLPs or layers where `profile` cannot are left out."""
         at_tokens: dict[int, StepProfile] = {}
         measured = []
         for code, samples in self._samples.items():
             enough = (len(samples) >= _MEASURED_STEPS or any(sample.profiled for sample in samples)
                       or (code in self._trialled and len(samples) >= _TRIAL_MEASURED_STEPS))  # fmt: skip
-            if not enough or (set(code) & {"T", "t"} and not tiling_available(profile)):
+            if not enough or unavailable_tiling(profile, code):
                 continue
             steps = []
             for sample in samples:
                 if sample.tokens not in at_tokens:
                     at_tokens[sample.tokens] = self._profile_now(sample.tokens)
-                if set(code) & {"T", "t"} and not tiling_available(at_tokens[sample.tokens]):
+                if unavailable_tiling(at_tokens[sample.tokens], code):
                     continue  # a step shorter than one chunk ran its tiled MLPs untiled: the model has no such step
                 steps.append(MeasuredStep(code, sample.seconds, sample.peak_bytes).scaled(at_tokens[sample.tokens],
                                                                                           profile))  # fmt: skip
@@ -777,7 +796,7 @@ class MemoryBudgetController:
         forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
         self._apply(new_plan.layers, new_plan.code, (forward_window, new_plan.prefetch_window_bytes or None,
                                                      new_plan.head_prefetch_window_bytes or None),
-                    new_plan.tile_tokens)  # fmt: skip
+                    tile_tokens=new_plan.tile_tokens, layer_tile_tokens=new_plan.layer_tile_tokens)  # fmt: skip
         release_unusable_cache(new_plan.predicted.peak_bytes)
         logger.info("hf_offload: memory budget %s\n%s", self.memory_budget, new_plan.format_table())
         if profile.peak_correction_bytes:
@@ -807,7 +826,7 @@ class MemoryBudgetController:
             logger.warning(message)
 
     def _apply(self, actions: list[Any], code: str, windows: tuple[int, int | None, int | None] | None,
-               tile_tokens: int = 0) -> None:  # fmt: skip
+               tile_tokens: int = 0, layer_tile_tokens: int = 0) -> None:  # fmt: skip
         """Applies `actions` (the plan `code`), in the plan's order, to the layers."""
         engine, model = self._engine(), self._model()
         if engine is None or model is None:
@@ -818,7 +837,7 @@ class MemoryBudgetController:
             in_registration_order[index] = actions[position]
         if self._applied is not None:
             self._applied.remove()
-        self._applied = apply_layer_actions(model, engine, in_registration_order, tile_tokens)
+        self._applied = apply_layer_actions(model, engine, in_registration_order, tile_tokens, layer_tile_tokens)
         if windows is not None:
             engine.use_windows(*windows)
         # A plan that moves nothing (every layer kept, or checkpointed with its input kept): the engine stands aside,
@@ -829,6 +848,52 @@ class MemoryBudgetController:
                 engine.stand_aside("planned")
         elif engine.standing_aside == "planned":
             engine.rejoin()
+
+
+# A tiling's fields of the step's profile (its chunk's tokens, its backward's working bytes, one chunk's bytes) and
+# the probe's fields they come from (the working bytes, the chunk's bytes per token).
+_MLP_TILING = ("tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes", "tiled_working_bytes",
+               "chunk_bytes_per_token")  # fmt: skip
+_LAYER_TILING = ("layer_tile_tokens", "layer_tiled_backward_working_bytes", "layer_tile_chunk_bytes",
+                 "layer_tiled_working_bytes", "layer_chunk_bytes_per_token")  # fmt: skip
+
+
+def _tiled_fields(
+    probes: list[LayerProbe],
+    tile_tokens: int,
+    tokens_field: str,
+    working_field: str,
+    chunk_field: str,
+    probe_working: str,
+    probe_per_token: str,
+) -> dict[str, int]:
+    """A tiling's three fields of the step's profile (`StepProfile.tile_tokens`, `tiled_backward_working_bytes`,
+    `tile_chunk_bytes`, or those of a layer tiled whole) from the probes: zeros unless every probe measured it."""
+    if not tile_tokens or any(getattr(probe, probe_working) is None for probe in probes):
+        return {tokens_field: 0, working_field: 0, chunk_field: 0}
+    return {tokens_field: tile_tokens,
+            working_field: max(probe.at_step(getattr(probe, probe_working)) for probe in probes),
+            chunk_field: math.ceil(max(getattr(probe, probe_per_token) for probe in probes) * tile_tokens)}  # fmt: skip
+
+
+def _actions(code: str) -> list[SimpleNamespace]:
+    """The layer actions of a plan code, for plans applied without a `Plan` (the profiled steps' safe plan)."""
+    return [SimpleNamespace(action=ACTION_CODES[letter][0], offload_input=ACTION_CODES[letter][1]) for letter in code]
+
+
+def _tile_tokens(model: nn.Module, option: str | bool, apply: Callable[..., Any], what: str) -> int:
+    """Tokens per chunk for the planner's tiling of one kind (`apply_tiled_mlp`, `apply_tiled_layer`): the model's
+    hidden size under the option's "auto", where every decoder layer can be tiled so (checked by tiling and untiling
+    them, which changes nothing when one cannot); else 0, and the log says why."""
+    if option != "auto":
+        return 0
+    tokens = default_tokens_per_chunk(model)
+    try:
+        apply(model, tokens).remove()
+    except ValueError as error:
+        logger.info("hf_offload: the planner cannot tile %s: %s", what, error)
+        return 0
+    return tokens
 
 
 def _same_on_every_rank(make_plan: Callable[[], Plan]) -> Plan:

@@ -15,7 +15,11 @@ model's code. For each layer, with the engine's offloading context around the mo
   and backward, and backward reloads the outputs and recomputes only the cheap ops (`_SelectiveOffload`);
 * full: a non-reentrant checkpoint, which saves only the layer's input;
 * full with the MLP tiled: the same checkpoint, and the layer's MLP runs over chunks of tokens
-  (`tiled_mlp`), so that its intermediates exist one chunk at a time in the recompute and backward.
+  (`tiled_mlp`), so that its intermediates exist one chunk at a time in the recompute and backward;
+* tiled layer: the whole layer runs over chunks of tokens, attention on the whole sequence by head groups
+  (`tiled_layer`). It is its own checkpoint (it saves only its input, through the hooks, and recomputes the layer in
+  backward), set on the layer's `forward`; the layer's checkpointing attributes are those of a full checkpoint, for
+  the calls it runs untiled (at most one chunk of tokens).
 
 A checkpointed layer's input is saved by the checkpoint itself, before its own hooks take over, so the engine sees
 it: it is offloaded unless the plan keeps it (`offload_input=False`), in which case the checkpoint call runs inside
@@ -26,9 +30,9 @@ function" that runs it unchanged inside the keeping region. A plan may then be r
 hook of the first layer while its call is being dispatched (the controller re-plans there), since the attributes are
 read only inside the layer's forward.
 
-Every action but the tiled MLP only decides where bytes live and what is recomputed: the arithmetic is the same, so
-losses and gradients are bitwise equal under any plan without tiling (with deterministic kernels). A tiled MLP sums
-its weight gradients chunk by chunk: equal within rounding.
+Every action but the tiled ones only decides where bytes live and what is recomputed: the arithmetic is the same, so
+losses and gradients are bitwise equal under any plan without tiling (with deterministic kernels). A tiled MLP or
+layer sums its weight gradients chunk by chunk: equal within rounding.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -55,8 +60,10 @@ from torch.utils.checkpoint import (
 from ..engine import OffloadActivations
 from ..model import find_decoder_layers
 from ..random_state import RandomState, random_state, set_random_state
-from .simulate import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD
-from .tiled_mlp import TiledMLPHandle, apply_tiled_mlp
+from .simulate import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, TILED_LAYER
+from .tiled_layer import apply_tiled_layer, tiled_forward
+from .tiled_mlp import apply_tiled_mlp
+from .tiling import ForwardsReplaced
 
 __all__ = [
     "ACTIONS",
@@ -68,7 +75,7 @@ __all__ = [
     "selective_checkpoint_function",
 ]
 
-ACTIONS = (KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL, FULL_TILED)
+ACTIONS = (KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL, FULL_TILED, TILED_LAYER)
 
 # What a selective checkpoint saves: the outputs of the ops that cost the most to recompute per byte they occupy.
 # Everything else (norms, activations, rotary embeddings, residual adds) is recomputed.
@@ -115,9 +122,42 @@ def _layer_function(action: str, offload_input: bool, engine: OffloadActivations
     """The `_gradient_checkpointing_func` of a kept or checkpointed layer."""
     if action == SELECTIVE_OFFLOAD:  # it keeps its input itself: a keeping region around it would hide the engine
         return _SelectiveOffload(engine, offload_input)
-    full = functools.partial(checkpoint, use_reentrant=False)  # the MLP's tiling is set on the MLP itself
-    function = {KEEP: _run_as_is, SELECTIVE: selective_checkpoint_function(), FULL: full, FULL_TILED: full}[action]
+    # The MLP's tiling is set on the MLP itself, the layer's on the layer's `forward`: a checkpoint for what it runs
+    # untiled.
+    full = functools.partial(checkpoint, use_reentrant=False)
+    function = {KEEP: _run_as_is, SELECTIVE: selective_checkpoint_function(), FULL: full, FULL_TILED: full,
+                TILED_LAYER: full}[action]  # fmt: skip
     return _InKeepingRegion(function, engine) if action == KEEP or not offload_input else function
+
+
+class _TiledLayerCheckpoint:
+    """The `_gradient_checkpointing_func` of a layer tiled whole.
+
+    The tiled forward is the layer's `forward` and its own checkpoint: transformers (5.24, which checkpoints a
+    layer's `forward`, handing this function `partial(forward, layer, **kwargs)`) calls this function only where the
+    tiled forward runs the layer untiled (a call of at most one chunk), and where the call looked the layer's forward
+    up before the plan tiled it: the controller applies the profiled steps' plan from the pre-hook of the first
+    layer called, which then runs this call under its class's forward. The first is checkpointed (`function`, as a
+    full checkpoint, its input kept for `l`); the second goes to the tiled forward, so that no layer runs its long
+    first step untiled (at long context that alone would not fit).
+    """
+
+    def __init__(self, layer: nn.Module, function: Callable[..., Any]) -> None:
+        self._layer = weakref.ref(layer)
+        self.function = function
+        self._redirected = threading.local()
+
+    def __call__(self, function: Callable[..., Any], *args: Any) -> Any:
+        layer = self._layer()
+        tiled = tiled_forward(layer) if layer is not None else None
+        bound = isinstance(function, functools.partial) and len(function.args) == 1 and function.args[0] is layer
+        if tiled is None or not bound or getattr(self._redirected, "active", False):
+            return self.function(function, *args)
+        self._redirected.active = True  # the tiled forward's own untiled calls come back here: checkpointed
+        try:
+            return tiled(*args, **function.keywords)
+        finally:
+            self._redirected.active = False
 
 
 class _InKeepingRegion:
@@ -380,20 +420,21 @@ class AppliedActions:
 
     def __init__(self) -> None:
         self._restore: list[tuple[nn.Module, dict[str, Any]]] = []
-        self._tiled: TiledMLPHandle | None = None
+        self._tiled: list[ForwardsReplaced] = []
 
     def remove(self) -> None:
-        """Restore each layer's `gradient_checkpointing` and `_gradient_checkpointing_func`, and untile the MLPs the
-        plan tiled; idempotent."""
+        """Restore each layer's `gradient_checkpointing` and `_gradient_checkpointing_func`, and untile the MLPs and
+        layers the plan tiled; idempotent."""
         for layer, attributes in reversed(self._restore):
             _restore_layer(layer, attributes)
         self._restore.clear()
-        if self._tiled is not None:
-            self._tiled.remove()
+        for handle in reversed(self._tiled):
+            handle.remove()
+        self._tiled.clear()
 
 
 def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction],
-                        tile_tokens: int = 0) -> AppliedActions:  # fmt: skip
+                        tile_tokens: int = 0, layer_tile_tokens: int = 0) -> AppliedActions:  # fmt: skip
     """Set each decoder layer of `model` to its action in `actions` (one per layer, in forward order).
 
     Args:
@@ -402,13 +443,15 @@ def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: S
         actions: one entry per decoder layer, each with `action` (one of `ACTIONS`) and `offload_input` (for the
             checkpointing actions: whether the checkpoint's input goes to the host).
         tile_tokens: tokens per chunk of the MLPs of the `FULL_TILED` layers (the plan's `tile_tokens`).
+        layer_tile_tokens: tokens per chunk of the `TILED_LAYER` layers (the plan's `layer_tile_tokens`).
 
     Returns:
-        An `AppliedActions` whose `remove()` restores the layers' checkpointing and MLPs.
+        An `AppliedActions` whose `remove()` restores the layers' checkpointing, MLPs and forwards.
 
     Raises:
         ValueError: the number of actions differs from the number of decoder layers, an action is unknown, or a
-            layer's MLP cannot be tiled (see `apply_tiled_mlp`). Nothing is changed then.
+            layer's MLP or the layer itself cannot be tiled (see `apply_tiled_mlp`, `apply_tiled_layer`). Nothing is
+            changed then.
     """
     layers = [module for _, module in find_decoder_layers(model)]
     if len(actions) != len(layers):
@@ -418,12 +461,26 @@ def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: S
     if unknown:
         raise ValueError(f"unknown layer actions {unknown}: a layer's action is one of {list(ACTIONS)}")
     applied = AppliedActions()
-    tiled = [i for i, entry in enumerate(actions) if entry.action == FULL_TILED]
-    if tiled:  # first: it checks every layer before it changes any
-        applied._tiled = apply_tiled_mlp(model, tile_tokens, layers=tiled)
+    # First, as each apply_tiled_* checks every layer it tiles before it changes any: one that raises undoes the others.
+    tiled_mlps = [i for i, entry in enumerate(actions) if entry.action == FULL_TILED]
+    kept_input = _InKeepingRegion(_run_as_is, engine)  # a tiled layer's op is its checkpoint: its input kept there
+    try:
+        if tiled_mlps:
+            applied._tiled.append(apply_tiled_mlp(model, tile_tokens, layers=tiled_mlps))
+        for offload_input in (True, False):
+            tiled_layers = [i for i, entry in enumerate(actions)
+                            if entry.action == TILED_LAYER and entry.offload_input == offload_input]  # fmt: skip
+            if tiled_layers:
+                applied._tiled.append(apply_tiled_layer(model, layer_tile_tokens, layers=tiled_layers,
+                                                        call_op=None if offload_input else kept_input))  # fmt: skip
+    except ValueError:
+        applied.remove()
+        raise
     for layer, entry in zip(layers, actions):
         applied._restore.append((layer, _layer_attributes(layer)))
         layer.gradient_checkpointing = entry.action != OFFLOAD
         if entry.action != OFFLOAD:
-            layer._gradient_checkpointing_func = _layer_function(entry.action, entry.offload_input, engine)
+            function = _layer_function(entry.action, entry.offload_input, engine)
+            layer._gradient_checkpointing_func = (_TiledLayerCheckpoint(layer, function)
+                                                  if entry.action == TILED_LAYER else function)  # fmt: skip
     return applied

@@ -2,9 +2,10 @@
 
 The controller probes one layer of each kind in the first training step, from the layer's forward pre-hook, on the
 very arguments it receives (on the first `PROBE_MAX_TOKENS` of them at long context, `first_tokens`): `probe_layer`
-runs it kept, then selectively checkpointed, then (when the planner may tile MLPs) kept with its MLP tiled, and
-returns the bytes it saves, the bytes a selective checkpoint would keep, and the times of its forward, backward and
-selective recompute (a `LayerProbe`, whose `LayerProfile` the step's profile is made of). `measure_link_bandwidth`
+runs it kept, then selectively checkpointed, then (when the planner may tile MLPs) kept with its MLP tiled, then (when
+it may tile whole layers) tiled whole, and returns the bytes it saves, the bytes a selective checkpoint would keep, and
+the times of its forward, backward and selective recompute (a `LayerProbe`, whose `LayerProfile` the step's profile is
+made of). `measure_link_bandwidth`
 times the copies between the device and the host. A `Meter` reads time and memory on the engine's device, or the host
 clock in the CPU test mode, which has no memory counters.
 
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..model import first_tensor
 from .layer_actions import checkpointing_as, saved_by_selective_checkpoint, selective_checkpoint_function
 from .profile import LayerProfile, in_proportion
+from .tiled_layer import layer_bytes_per_token
 
 __all__ = [
     "PROBE_MAX_TOKENS",
@@ -130,6 +132,7 @@ class _Kept:
     forward_s: float
     backward_s: float
     working_bytes: int  # the backward's peak over what was allocated when it began
+    forward_working_bytes: int | None  # the forward's peak over what was allocated when it began; None uncounted
 
 
 @dataclasses.dataclass
@@ -143,6 +146,11 @@ class LayerProbe:
     # With its MLP tiled (None when not measured): the same less one chunk's share, and that share per chunk token.
     tiled_working_bytes: int | None = None
     chunk_bytes_per_token: float = 0.0
+    # Tiled whole (None when not measured): its backward's working bytes over `profile.layer_tiled_saved_bytes`, less
+    # one chunk's share, and that share per chunk token; or why it cannot be tiled (the error it raised).
+    layer_tiled_working_bytes: int | None = None
+    layer_chunk_bytes_per_token: float = 0.0
+    layer_tiling_error: str | None = None
 
     def at_step(self, nbytes: int) -> int:
         """`nbytes` measured by this probe, grown to the call it was cut from."""
@@ -152,7 +160,8 @@ class LayerProbe:
 # A kind of layer that did not run in the first step: it held and cost nothing there.
 NOT_CALLED = LayerProbe(LayerProfile(saved_bytes=0, selective_bytes=0, input_bytes=0, forward_s=0.0, backward_s=0.0,
                                        selective_recompute_s=0.0),
-                          working_bytes=0, tokens=1, step_tokens=1, tiled_working_bytes=0)  # fmt: skip
+                          working_bytes=0, tokens=1, step_tokens=1, tiled_working_bytes=0,
+                          layer_tiled_working_bytes=0)  # fmt: skip
 
 
 def _gradients(out: torch.Tensor, x: torch.Tensor, parameters: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -168,10 +177,13 @@ def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], po
     """Runs the layer once without a checkpoint and measures it."""
     counter, selective = _CountSavedBytes(pointers), _CountSelectiveOutputs()
     with checkpointing_as(layer, None):
+        before_forward = meter.allocated()
+        meter.reset_peak()
         start = meter.mark()
         with counter, selective:
             x, out = forward()
         forward_end = meter.mark()
+        forward_peak = meter.peak()
     before_backward = meter.allocated()
     meter.reset_peak()
     backward_start = meter.mark()
@@ -184,7 +196,8 @@ def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], po
         working = peak - before_backward
     return _Kept(saved_bytes=counter.nbytes, selective_bytes=selective.nbytes,
                  forward_s=meter.seconds(start, forward_end), backward_s=meter.seconds(backward_start, backward_end),
-                 working_bytes=working)  # fmt: skip
+                 working_bytes=working,
+                 forward_working_bytes=None if forward_peak is None else forward_peak - before_forward)  # fmt: skip
 
 
 def _fastest(runs: list[_Kept]) -> _Kept:
@@ -193,27 +206,32 @@ def _fastest(runs: list[_Kept]) -> _Kept:
                                backward_s=min(run.backward_s for run in runs[1:]))  # fmt: skip
 
 
-def probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: Meter,
-                 tile: Callable[[int], Any] | None = None) -> LayerProbe:  # fmt: skip
+def probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: Meter, tile: Callable[[int], Any] | None = None,
+                tile_layer: Callable[[int], Any] | None = None) -> LayerProbe:  # fmt: skip
     """Measures one decoder layer on the arguments it was called with (their first `PROBE_MAX_TOKENS` tokens):
     kept, then selectively checkpointed, then (with `tile`, which tiles this layer's MLP in chunks of the tokens it
-    is given, as a context manager) kept with its MLP tiled in chunks of a half and a quarter of the tokens.
+    is given, as a context manager) kept with its MLP tiled in chunks of a half and a quarter of the tokens, then
+    (with `tile_layer`, which tiles this layer whole likewise) tiled whole in the same chunks.
 
     Each measurement runs `_PROBE_RUNS` times and keeps the fastest run after the first (the first pays for kernel
     selection and allocator growth; the bytes are the last run's).
     The two tiled runs separate what a tiled layer's backward needs into a part that grows with the tokens and one
     that grows with the chunk (the chunk's intermediates and their gradients): their difference is the chunk's.
+    Without a memory counter (the CPU test mode) a layer tiled whole is counted by `tiled_layer`'s formulas
+    (`layer_bytes_per_token`) instead. A layer that refuses to be tiled whole (a `ValueError`: an attention function
+    with learned sinks, an argument it cannot cut) is probed without it, and the probe says why.
 
     The probe runs in an empty `contextvars` context. transformers (5.x) records router logits, attentions and
     hidden states with forward hooks that append to a collector held in a context variable while the model's
     forward runs; the probe's layer calls would be collected too, and an auxiliary loss built from them would
     backpropagate into graphs the probe has already freed. Outside that context the hooks see no collector.
     """
-    return contextvars.Context().run(_probe_outside_the_step, layer, args, kwargs, meter, tile)
+    return contextvars.Context().run(_probe_outside_the_step, layer, args, kwargs, meter, tile, tile_layer)
 
 
 def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: Meter,
-                            tile: Callable[[int], Any] | None) -> LayerProbe:  # fmt: skip
+                            tile: Callable[[int], Any] | None,
+                            tile_layer: Callable[[int], Any] | None) -> LayerProbe:  # fmt: skip
     step_tokens = args[0].shape[:-1].numel()
     args, kwargs = first_tokens(args, kwargs, PROBE_MAX_TOKENS)
     parameters = [p for p in layer.parameters() if p.requires_grad]
@@ -247,20 +265,70 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         parameter_gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
     )
     tokens = hidden.shape[:-1].numel()
-    if tile is None or tokens < 4:
-        return LayerProbe(profile, kept.working_bytes, tokens, step_tokens)
-    tiled = {}
-    for chunk in (tokens // 2, tokens // 4):
-        with tile(chunk):
-            runs = [_run_kept(layer, forward, parameters, pointers, meter) for _ in range(_PROBE_RUNS)]
-            tiled[chunk] = _fastest(runs)
-    half, quarter = tiled[tokens // 2], tiled[tokens // 4]
-    per_token = max(0.0, (half.working_bytes - quarter.working_bytes) / (tokens // 2 - tokens // 4))
-    profile = dataclasses.replace(profile, tiled_saved_bytes=quarter.saved_bytes,
-                                  tiled_extra_s=max(0.0, quarter.backward_s - kept.backward_s))  # fmt: skip
-    return LayerProbe(profile, kept.working_bytes, tokens, step_tokens,
-                       tiled_working_bytes=max(0, round(quarter.working_bytes - per_token * (tokens // 4))),
-                       chunk_bytes_per_token=per_token)  # fmt: skip
+    probe = LayerProbe(profile, kept.working_bytes, tokens, step_tokens)
+    if tokens < 4:
+        return probe
+
+    def run_tiled(tiling: Callable[[int], Any]) -> tuple[_Kept, _Kept, float]:
+        """The layer tiled in chunks of a half and of a quarter of the tokens, and the backward's working bytes per
+        chunk token (the difference of the two)."""
+        runs = {}
+        for chunk in (tokens // 2, tokens // 4):
+            with tiling(chunk):
+                runs[chunk] = _fastest([_run_kept(layer, forward, parameters, pointers, meter)
+                                        for _ in range(_PROBE_RUNS)])  # fmt: skip
+        half, quarter = runs[tokens // 2], runs[tokens // 4]
+        return half, quarter, max(0.0, (half.working_bytes - quarter.working_bytes) / (tokens // 2 - tokens // 4))
+
+    def less_a_chunk(run: _Kept, per_token: float) -> int:
+        return max(0, round(run.working_bytes - per_token * (tokens // 4)))
+
+    if tile is not None:
+        _, quarter, per_token = run_tiled(tile)
+        probe.profile = dataclasses.replace(probe.profile, tiled_saved_bytes=quarter.saved_bytes,
+                                            tiled_extra_s=max(0.0, quarter.backward_s - kept.backward_s))  # fmt: skip
+        probe.tiled_working_bytes, probe.chunk_bytes_per_token = less_a_chunk(quarter, per_token), per_token
+    if tile_layer is not None and hidden.dim() != 3:  # packed sequences (a vision tower's): run untiled, not tiled
+        probe.layer_tiling_error = f"its calls' hidden states are {hidden.dim()}-d, not (batch, sequence, hidden)"
+    elif tile_layer is not None:
+        try:
+            half, quarter, per_token = run_tiled(tile_layer)
+        except ValueError as error:
+            probe.layer_tiling_error = str(error)
+            return probe
+        _tiled_whole(probe, kept, half, quarter, per_token, less_a_chunk(quarter, per_token), layer, hidden)
+    return probe
+
+
+def _tiled_whole(probe: LayerProbe, kept: _Kept, half: _Kept, quarter: _Kept, per_token: float, working: int,
+                 layer: nn.Module, hidden: torch.Tensor) -> None:  # fmt: skip
+    """Sets in `probe` what the layer tiled whole measured (`probe_layer`), less a chunk's share: what its forward
+    holds at its peak (its input, its output and attention's sequence-long tensors: `layer_tiled_saved_bytes`), what
+    its backward needs on top of that (`working`, over its input and output, is measured on top of its input), and
+    its time beyond a full checkpoint's, which runs the layer's forward twice. Without a memory counter (the CPU test
+    mode), `layer_bytes_per_token`'s counts instead; where the config does not give attention's shape, nothing (the
+    action is then not offered)."""
+    tokens, input_bytes = probe.tokens, probe.profile.input_bytes
+    if quarter.forward_working_bytes is not None and half.forward_working_bytes is not None:
+        forward_per_token = max(0.0, (half.forward_working_bytes - quarter.forward_working_bytes)
+                                / (tokens // 2 - tokens // 4))  # fmt: skip
+        saved = max(input_bytes, round(quarter.forward_working_bytes - forward_per_token * (tokens // 4)))
+        per_token = max(per_token, forward_per_token)
+    else:
+        counts = layer_bytes_per_token(layer, hidden.element_size())
+        if counts is None:
+            probe.layer_tiling_error = (f"{type(layer).__name__}'s attention module has no config that gives its "
+                                        "shape, and nothing here measures memory")  # fmt: skip
+            return
+        saved = input_bytes + counts[0] * tokens
+        # The backward's count holds the input, the output's gradient and the input's; here the working bytes are the
+        # gradients of the input and of the weights.
+        working = counts[1] * tokens - input_bytes + max(0, working - input_bytes)
+    extra = quarter.forward_s + quarter.backward_s - 2 * kept.forward_s - kept.backward_s
+    probe.profile = dataclasses.replace(probe.profile, layer_tiled_saved_bytes=saved,
+                                        layer_tiled_extra_s=max(0.0, extra))  # fmt: skip
+    probe.layer_tiled_working_bytes = max(0, input_bytes + working - saved)
+    probe.layer_chunk_bytes_per_token = per_token
 
 
 def layer_kind(layer: nn.Module) -> tuple:

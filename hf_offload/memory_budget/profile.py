@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .checks import check_bytes, check_seconds, is_int
 
-__all__ = ["LayerProfile", "StepProfile", "in_proportion", "tiling_available"]
+__all__ = ["LayerProfile", "StepProfile", "in_proportion", "tiling_available", "layer_tiling_available"]
 
 
 def in_proportion(amount: int, measured_tokens: int, tokens: int) -> int:
@@ -41,6 +41,14 @@ class LayerProfile:
         tiled_extra_s: what tiling its MLP adds to a full checkpoint's backward: one more forward of the MLP (the
             recompute runs the tiled forward just to save its input, the backward recomputes each chunk again) and
             the chunks' smaller matrix products.
+        layer_tiled_saved_bytes: what `saved_bytes` becomes with the whole layer tiled (`tiled_layer`): its input and
+            the sequence-long tensors its forward holds at once (the output, attention's query, key, value and
+            output), less one chunk's share (the step's `layer_tile_chunk_bytes`). Used only when the step's
+            `layer_tile_tokens` is set.
+        layer_tiled_extra_s: what tiling the whole layer adds to a full checkpoint's forward, recompute and backward:
+            one more attention forward and (3 + G) forwards of the projections before attention (G head groups),
+            and the chunks' smaller matrix products. Its attention part, at most `attention_forward_s`, grows with the
+            square of the tokens.
     """
 
     saved_bytes: int
@@ -54,13 +62,15 @@ class LayerProfile:
     parameter_gradient_bytes: int = 0
     tiled_saved_bytes: int = 0
     tiled_extra_s: float = 0.0
+    layer_tiled_saved_bytes: int = 0
+    layer_tiled_extra_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("saved_bytes", "selective_bytes", "input_bytes", "parameter_gradient_bytes",
-                     "tiled_saved_bytes"):  # fmt: skip
+                     "tiled_saved_bytes", "layer_tiled_saved_bytes"):  # fmt: skip
             check_bytes("LayerProfile", name, getattr(self, name))
         for name in ("forward_s", "backward_s", "selective_recompute_s", "attention_forward_s",
-                     "attention_backward_s", "tiled_extra_s"):  # fmt: skip
+                     "attention_backward_s", "tiled_extra_s", "layer_tiled_extra_s"):  # fmt: skip
             check_seconds("LayerProfile", name, getattr(self, name))
         for part, whole in (("attention_forward_s", "forward_s"), ("attention_backward_s", "backward_s")):
             if getattr(self, part) > getattr(self, whole):
@@ -87,6 +97,11 @@ class LayerProfile:
             attention_backward_s=self.attention_backward_s * ratio * ratio,
             tiled_saved_bytes=in_proportion(self.tiled_saved_bytes, measured_tokens, tokens),
             tiled_extra_s=self.tiled_extra_s * ratio,  # the MLP's work, per token
+            layer_tiled_saved_bytes=in_proportion(self.layer_tiled_saved_bytes, measured_tokens, tokens),
+            # One more attention forward, and per-token work.
+            layer_tiled_extra_s=grow_time(
+                self.layer_tiled_extra_s, min(self.layer_tiled_extra_s, self.attention_forward_s)
+            ),  # fmt: skip
         )
 
 
@@ -114,6 +129,13 @@ class StepProfile:
         tiled_backward_working_bytes: `backward_working_bytes` of a layer whose MLP is tiled, less one chunk's share.
         tile_chunk_bytes: one chunk's MLP intermediates and their gradients, at `tile_tokens` tokens: the part of
             a tiled layer's memory that does not grow with the step's tokens.
+        layer_tile_tokens: tokens per chunk of a tiled layer (`tiled_layer`); 0 when tiling whole layers is not an
+            option (not measured, switched off, or a layer cannot be tiled). Offered only for steps of more tokens.
+        layer_tiled_backward_working_bytes: what a tiled layer's backward needs on top of its
+            `LayerProfile.layer_tiled_saved_bytes`, less one chunk's share: the output's and the input's gradients,
+            attention's gradients, one head group's attention state, the weights' gradients.
+        layer_tile_chunk_bytes: one chunk's working set in a tiled layer (the layer's activations and their
+            gradients for `layer_tile_tokens` tokens): the part of its memory that does not grow with the step's tokens.
         late_gradient_bytes: the part of `gradient_bytes` that backward creates after every layer's backward (the
             input embeddings', unless tied to the head): absent at every layer's backward.
         optimizer_bytes: what the step needs after backward on top of static memory and every gradient (the
@@ -142,6 +164,9 @@ class StepProfile:
     tile_tokens: int = 0
     tiled_backward_working_bytes: int = 0
     tile_chunk_bytes: int = 0
+    layer_tile_tokens: int = 0
+    layer_tiled_backward_working_bytes: int = 0
+    layer_tile_chunk_bytes: int = 0
     late_gradient_bytes: int = 0
     optimizer_bytes: int = 0
     tail_bytes: int = 0
@@ -154,7 +179,8 @@ class StepProfile:
         if not self.layers or not all(isinstance(layer, LayerProfile) for layer in self.layers):
             raise ValueError(f"StepProfile.layers must be one or more LayerProfile, got {self.layers!r}")
         for name in ("static_bytes", "gradient_bytes", "head_bytes", "backward_working_bytes", "host_cap_bytes",
-                     "tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes", "late_gradient_bytes",
+                     "tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes", "layer_tile_tokens",
+                     "layer_tiled_backward_working_bytes", "layer_tile_chunk_bytes", "late_gradient_bytes",
                      "optimizer_bytes", "tail_bytes", "peak_correction_bytes"):  # fmt: skip
             check_bytes("StepProfile", name, getattr(self, name))
         if self.late_gradient_bytes > self.gradient_bytes:
@@ -171,9 +197,9 @@ class StepProfile:
         """The same step at another number of tokens.
 
         Activation bytes grow in proportion to the tokens (rounded up), static, gradient and optimizer bytes do not,
-        nor does a tiled MLP's chunk (`tile_tokens`, `tile_chunk_bytes`), the tail's bound or the peak's correction;
-        times grow in proportion too, except the attention parts, which grow with the square, and the host's time per
-        offloading layer.
+        nor does a tiled MLP's or layer's chunk (`tile_tokens`, `tile_chunk_bytes`, `layer_tile_tokens`,
+        `layer_tile_chunk_bytes`), the tail's bound or the peak's correction; times grow in proportion too, except the
+        attention parts, which grow with the square, and the host's time per offloading layer.
 
         Args:
             tokens: the tokens per step to predict for.
@@ -201,6 +227,7 @@ class StepProfile:
             head_bytes=grow(self.head_bytes),
             backward_working_bytes=grow(self.backward_working_bytes),
             tiled_backward_working_bytes=grow(self.tiled_backward_working_bytes),
+            layer_tiled_backward_working_bytes=grow(self.layer_tiled_backward_working_bytes),
             head_s=self.head_s * ratio,
             other_s=self.other_s * ratio,
             tokens=tokens,
@@ -211,3 +238,9 @@ def tiling_available(profile: StepProfile) -> bool:
     """Whether the layers' MLPs can be tiled (`T`, `t`) in this step: tiling was measured, and the step has more
     tokens than one chunk (with fewer, a tiled MLP runs untiled)."""
     return 0 < profile.tile_tokens < profile.tokens
+
+
+def layer_tiling_available(profile: StepProfile) -> bool:
+    """Whether whole layers can be tiled (`L`, `l`) in this step: the tiled layer was measured, and the step has more
+    tokens than one chunk (with fewer, a tiled layer runs untiled)."""
+    return 0 < profile.layer_tile_tokens < profile.tokens

@@ -15,13 +15,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ..units import format_bytes
 from .checks import is_int
-from .profile import StepProfile, tiling_available
+from .profile import StepProfile, layer_tiling_available, tiling_available
 from .simulate import (
     LayerOption,
     MeasuredStep,
     Plan,
     SimulatedStep,
     check_code,
+    chunk_sizes,
     describe_peak,
     gradients_at_backward,
     layer_options,
@@ -117,16 +118,22 @@ def _greedy_plans(
     return plans
 
 
-def _lowest_memory_code(profile: StepProfile, tiled: bool = False) -> str:
-    """Every layer fully checkpointed (its MLP tiled if `tiled`), inputs offloaded from the first layer on while the
-    host has room."""
+def _lowest_memory_code(profile: StepProfile, letters_of: str = "Cc") -> str:
+    """Every layer fully checkpointed (`Cc`; its MLP tiled, `Tt`; or tiled whole, `Ll`), inputs offloaded from the
+    first layer on while the host has room."""
     letters, host_bytes = [], 0
-    offloaded, kept = ("T", "t") if tiled else ("C", "c")
+    offloaded, kept = letters_of
     for layer in profile.layers:
         offload = host_bytes + layer.input_bytes <= profile.host_cap_bytes
         host_bytes += layer.input_bytes if offload else 0
         letters.append(offloaded if offload else kept)
     return "".join(letters)
+
+
+def _tiling_kind(code: Sequence[str]) -> int:
+    """0 for an exact plan, 1 for one that tiles MLPs (`T`, `t`), 2 for one that tiles whole layers (`L`, `l`): the
+    order in which `choose_plan` turns to them."""
+    return 2 if set(code) & set("Ll") else 1 if set(code) & set("Tt") else 0
 
 
 class InfeasibleBudgetError(ValueError):
@@ -182,6 +189,7 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowe
         f"step can reach, {format_bytes(run.peak_bytes)} ({run.peak_bytes} bytes; plan {code!r}, peak at "
         f"{describe_peak(run)}), dominated by {largest_name} {format_bytes(largest_bytes)}, then {rest}"
         + (", with every layer's MLP tiled" if "T" in code or "t" in code else "")
+        + (", with every layer tiled whole" if "L" in code or "l" in code else "")
         + (
             f"; plans keep {format_bytes(margin_bytes)} below the budget for the prediction's error, so the smallest "
             f"budget that works is {format_bytes(run.peak_bytes + margin_bytes)}"
@@ -251,7 +259,10 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
 
     Tiled MLPs (`T`, `t`) are not exact, so they are chosen only when no plan without them fits (and the profile
     measured them, see `tiling_available`): then every layer starts fully checkpointed with its MLP tiled, and
-    polishing moves each layer that can do without back to a faster action.
+    polishing moves each layer that can do without back to a faster action. Layers tiled whole (`L`, `l`, see
+    `layer_tiling_available`), not exact either and slower, come only after that: when no plan with tiled MLPs
+    fits either, every layer starts tiled whole, and polishing moves each layer that can do without to a tiled MLP
+    or an exact action.
 
     A heuristic: on uniform layers it matches an exhaustive search (see the tests); with layers of different
     sizes and slow links, where copies queue behind each other, it can miss the fastest plan by a few percent.
@@ -274,11 +285,11 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
         The plan. When keeping everything fits, every layer keeps.
 
     Raises:
-        InfeasibleBudgetError: if even the lowest-memory plan (every layer fully checkpointed, its MLP tiled where
-            tiling is available, inputs offloaded as far as the host cap allows) does not fit, nor does any measured
-            plan: the message names its peak (the lower of the tiled and untiled plans': on a 7B shape at 8K
-            tokens in two chunks, tiling measured higher), what dominates it, and the budget; the error carries that
-            plan.
+        InfeasibleBudgetError: if even the lowest-memory plan (every layer fully checkpointed, its MLP tiled or the
+            whole layer tiled where that is available, inputs offloaded as far as the host cap allows) does not fit,
+            nor does any measured plan: the message names its peak (the lowest of the untiled and tiled plans': on a
+            7B shape at 8K tokens in two chunks, tiling measured higher), what dominates it, and the budget; the
+            error carries that plan.
         ValueError: `budget_bytes` is not an int > 0.
 
     Example:
@@ -323,9 +334,9 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
             budget_bytes=budget_bytes,
             tokens=profile.tokens,
             predicted=predicted,
-            tile_tokens=profile.tile_tokens if "T" in code or "t" in code else 0,
             host_cap_bytes=profile.host_cap_bytes,
             measured=by_code.get(code),
+            **chunk_sizes(profile, code),
             time_scale=time_scale,
         )
 
@@ -337,8 +348,9 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
 
     measured_fitting = [candidate for candidate in ((list(code), run_of(code)) for code in by_code)
                         if admissible(candidate)]  # fmt: skip
-    # Tiling is not exact: a measured plan that tiles is a candidate only where no exact plan fits.
-    exact_measured = [candidate for candidate in measured_fitting if not {"T", "t"} & set(candidate[0])]
+    # Tiling is not exact: a measured plan that tiles is a candidate only where no exact plan fits (and one that tiles
+    # whole layers only where no plan with tiled MLPs fits either).
+    exact_measured = [candidate for candidate in measured_fitting if not _tiling_kind(candidate[0])]
     if measured_only and exact_measured:
         return fastest(exact_measured)
     keep_all = ["K"] * len(options)
@@ -348,14 +360,27 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
     lowest = list(_lowest_memory_code(profile))
     lowest_run = run_of(lowest)
     seconds = _own_seconds(profile, options)
-    if not fits(lowest_run) and measured_fitting:  # the model over-predicts a peak that a measurement met
-        return fastest(exact_measured or measured_fitting)
-    if not fits(lowest_run) and tiling_available(profile):
-        tiled = list(_lowest_memory_code(profile, tiled=True))
+    if not fits(lowest_run) and exact_measured:  # the model over-predicts a peak that a measurement met
+        return fastest(exact_measured)
+    # Where no exact plan fits: the MLPs tiled, then (slower, and lower at long context) whole layers tiled, each kind
+    # only where the one before does not fit, by measurement or by the model. The model's starts from its
+    # lowest-memory plan, and polishing moves the layers that can do without to faster actions (a layer tiled whole
+    # may go back to a tiled MLP, or to an exact action).
+    planned = _PLANNED
+    for kind, (letters, available) in enumerate((("Tt", tiling_available), ("Ll", layer_tiling_available)), start=1):
+        if fits(lowest_run):
+            break
+        measured_here = [candidate for candidate in measured_fitting if _tiling_kind(candidate[0]) == kind]
+        if measured_here:
+            return fastest(measured_here)
+        if not available(profile):
+            continue
+        planned += letters
+        tiled = list(_lowest_memory_code(profile, letters))
         tiled_run = run_of(tiled)
         if fits(tiled_run):
-            return finish(*_polish(tiled, tiled_run, seconds, run_of, fits, planned=_PLANNED + "Tt"))
-        if tiled_run.peak_bytes < lowest_run.peak_bytes:  # the refusal names the lower (tiling can cost memory)
+            return finish(*_polish(tiled, tiled_run, seconds, run_of, fits, planned=planned))
+        if tiled_run.peak_bytes < lowest_run.peak_bytes:  # the refusal names the lowest (tiling can cost memory)
             lowest, lowest_run = tiled, tiled_run
     if not fits(lowest_run):
         chosen = [layer[letter] for layer, letter in zip(options, lowest)]
@@ -392,5 +417,4 @@ def plan_of(profile: StepProfile, code: str, budget_bytes: int, margin_bytes: in
     options = [layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
     run = simulate_step(profile, options, limit=budget_bytes - margin_bytes)
     return Plan(budget_bytes=budget_bytes, tokens=profile.tokens, predicted=prediction_of(code, options, run),
-                tile_tokens=profile.tile_tokens if "T" in code or "t" in code else 0,
-                host_cap_bytes=profile.host_cap_bytes)  # fmt: skip
+                host_cap_bytes=profile.host_cap_bytes, **chunk_sizes(profile, code))  # fmt: skip

@@ -18,19 +18,24 @@ Actions, one per decoder layer, each with a one-letter code:
     over chunks of `StepProfile.tile_tokens` tokens (`tiled_mlp`), so that its intermediates exist for one
     chunk at a time, in the recompute and the backward too. The only action that is not bitwise exact (the weight
     gradients are summed chunk by chunk), so the planner chooses it only when no plan without it fits.
+  * the whole layer tiled (`L` input offloaded, `l` input kept): the layer runs over chunks of
+    `StepProfile.layer_tile_tokens` tokens, attention on the whole sequence one head group at a time (`tiled_layer`),
+    in its forward and again in its backward, which recomputes it: a full checkpoint of its own, which saves only
+    its input. Not exact either (sums over chunks), and slower than `T`: chosen only when no exact plan and no plan
+    with tiled MLPs fits.
 
 The model, which the GPU measurements must confirm (bytes, seconds; layer i's numbers from its `LayerProfile`):
   * Bytes. Between its forward and its backward a layer holds on the GPU: keep `saved_bytes`; offload and `X` 0;
     selective `selective_bytes` (+ `input_bytes` if it keeps its input); full 0 (+ `input_bytes` if kept). It sends
     to the host: offload `saved_bytes`; `X` `selective_bytes + input_bytes`; `S` and `C` `input_bytes`; the others
-    nothing. `T`/`t` hold and send what `C`/`c` do.
+    nothing. `T`/`t` and `L`/`l` hold and send what `C`/`c` do.
   * Forward. Layers run in order. A layer's offloaded bytes are queued on one device-to-host stream when its
     forward ends (FIFO, at `d2h_bytes_per_s`) and leave the GPU when their copy finishes. Compute never waits for
     a copy except at the end of the forward, where every copy is drained before the head runs: that wait is
     exposed time. Memory while layer i computes = static + what the layers before it hold + their copies not
     finished when layer i starts + layer i's `saved_bytes` (all its activations exist while it computes, even
     when it is checkpointed). For `T`/`t` that is its `tiled_saved_bytes` + the step's `tile_chunk_bytes` (one
-    chunk's MLP intermediates).
+    chunk's MLP intermediates); for `L`/`l` its `layer_tiled_saved_bytes` + the step's `layer_tile_chunk_bytes`.
   * Reloads. The offloaded layers come back one after another, from the last to the first, on one host-to-device
     stream (FIFO, at `h2d_bytes_per_s`), as far ahead as the prefetch window allows: a layer's reload is issued
     when the head starts or a layer's backward starts, if the reloads issued and not yet used fit the window with
@@ -43,10 +48,14 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     reloads at most every offloaded byte: a plan that offloads nothing has no tail).
   * Backward, layer i from the last to the first. Its backward starts when layer i+1's has ended and its reload
     has finished (the difference is a stall), and lasts `backward_s` + its recompute (full: `forward_s`,
-    selective: `selective_recompute_s`, tiled: `forward_s` + `tiled_extra_s`). Memory = static + the gradients that
+    selective: `selective_recompute_s`, tiled MLP: `forward_s` + `tiled_extra_s`, tiled layer: `forward_s` +
+    `layer_tiled_extra_s`). Memory = static + the gradients that
     exist by then + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it
     exists during its backward) + `backward_working_bytes` + min(window, the reloads of the layers before it). For
-    `T`/`t`: its bytes in the forward above, and `tiled_backward_working_bytes` in place of `backward_working_bytes`.
+    `T`/`t`: its bytes in the forward above, and `tiled_backward_working_bytes` in place of `backward_working_bytes`;
+    for `L`/`l` likewise with `layer_tiled_backward_working_bytes`. (A tiled layer's backward at the 8B shape holds
+    3X + (Q + KV)(1 + 1/G) + 2A/G bytes per token, X a hidden state, Q a query, KV a key and a value, A attention's
+    output, G head groups: about 40 KiB against about 127 for `T`; the probe measures it, see `tiled_layer`.)
     The gradients that exist are `gradient_bytes` less those still to come: the layers' before it
     (`parameter_gradient_bytes`), the late ones (`late_gradient_bytes`: the input embeddings', created after every
     layer's backward), and its own, which its backward creates and `backward_working_bytes` counts (the probe
@@ -57,7 +66,7 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     model's prediction of it, which the closed loop measures.
   * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`.
   * Step time = `other_s` + the layers' forwards + the drain + `head_s` + the layers' backwards, recomputes and
-    stalls + the host's time per offloading layer (`input_offload_s` for `C`, `S`, `T`; `saved_offload_s` for `O`,
+    stalls + the host's time per offloading layer (`input_offload_s` for `C`, `S`, `T`, `L`; `saved_offload_s` for `O`,
     `X`: what the engine's host work costs a short step that the host, not the GPU, paces; learned from measured
     steps by `calibrate`). Peak = the largest memory of all the points above.
 Where the engine can do better than the model says, the model takes the worse: a copy could start when the tensor
@@ -74,7 +83,7 @@ from typing import Any, NamedTuple
 
 from ..units import GIB, format_bytes
 from .checks import check_bytes, check_seconds
-from .profile import LayerProfile, StepProfile, tiling_available
+from .profile import LayerProfile, StepProfile, layer_tiling_available, tiling_available
 
 __all__ = [
     "KEEP",
@@ -83,6 +92,7 @@ __all__ = [
     "SELECTIVE_OFFLOAD",
     "FULL",
     "FULL_TILED",
+    "TILED_LAYER",
     "ACTION_CODES",
     "PlannedLayer",
     "Prediction",
@@ -93,6 +103,7 @@ __all__ = [
 
 KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL = "keep", "offload", "selective", "selective_offload", "full"
 FULL_TILED = "full_tiled_mlp"
+TILED_LAYER = "tiled_layer"
 
 # Code letter -> (action, whether the layer's input leaves the GPU).
 ACTION_CODES: dict[str, tuple[str, bool]] = {
@@ -105,6 +116,8 @@ ACTION_CODES: dict[str, tuple[str, bool]] = {
     "X": (SELECTIVE_OFFLOAD, True),
     "T": (FULL_TILED, True),
     "t": (FULL_TILED, False),
+    "L": (TILED_LAYER, True),
+    "l": (TILED_LAYER, False),
 }
 _CODE_OF_ACTION = {action: code for code, action in ACTION_CODES.items()}
 
@@ -114,7 +127,7 @@ class PlannedLayer:
     """One layer's action and what the model predicts of it.
 
     Args:
-        action: "keep", "offload", "selective" or "full".
+        action: one of the actions of `ACTION_CODES` ("keep", "offload", "selective", "full", ...).
         offload_input: whether the layer's input leaves the GPU (always for "offload", never for "keep").
         held_bytes: bytes it holds on the GPU between its forward and its backward.
         offloaded_bytes: bytes it sends to the host.
@@ -216,7 +229,7 @@ class SimulatedStep(NamedTuple):
 
 
 def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerOption]:
-    """The layer under each action code (the tiled ones only when `tiling_available`)."""
+    """The layer under each action code (the tiled ones only when `tiling_available`, `layer_tiling_available`)."""
     saved, selective, inputs = layer.saved_bytes, layer.selective_bytes, layer.input_bytes
     times = (saved, layer.forward_s, layer.backward_s, profile.backward_working_bytes)
     sends_input, sends_saved = (profile.input_offload_s,), (profile.saved_offload_s,)
@@ -234,6 +247,12 @@ def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerO
                  layer.forward_s, layer.backward_s, profile.tiled_backward_working_bytes)  # fmt: skip
         options["T"] = LayerOption(0, inputs, *tiled, *sends_input)
         options["t"] = LayerOption(inputs, 0, *tiled)
+    if layer_tiling_available(profile):
+        tiled = (layer.forward_s + layer.layer_tiled_extra_s,
+                 layer.layer_tiled_saved_bytes + profile.layer_tile_chunk_bytes, layer.forward_s, layer.backward_s,
+                 profile.layer_tiled_backward_working_bytes)  # fmt: skip
+        options["L"] = LayerOption(0, inputs, *tiled, *sends_input)
+        options["l"] = LayerOption(inputs, 0, *tiled)
     return options
 
 
@@ -361,10 +380,24 @@ def check_code(profile: StepProfile, code: str) -> None:
     if not isinstance(code, str) or len(code) != len(profile.layers) or not set(code) <= ACTION_CODES.keys():
         raise ValueError(f"a plan code has one letter per layer ({len(profile.layers)}) from "
                          f"{''.join(ACTION_CODES)}, got {code!r}")  # fmt: skip
-    if not tiling_available(profile) and set(code) & {"T", "t"}:
-        raise ValueError(f"plan code {code!r} tiles MLPs (T, t), but this profile has no tiled measurement for "
-                         f"{profile.tokens} tokens (tile_tokens={profile.tile_tokens}: tiling needs 0 < tile_tokens "
-                         "< tokens)")  # fmt: skip
+    missing = unavailable_tiling(profile, code)
+    if missing:
+        raise ValueError(f"plan code {code!r} {missing}")
+
+
+def unavailable_tiling(profile: StepProfile, code: str) -> str:
+    """What `code` tiles that `profile` cannot (no tiled measurement, or a step of at most one chunk), in words;
+    empty if nothing."""
+    for letters, what, available, name in (
+        ("Tt", "MLPs", tiling_available, "tile_tokens"),
+        ("Ll", "whole layers", layer_tiling_available, "layer_tile_tokens"),
+    ):
+        if set(code) & set(letters) and not available(profile):
+            return (
+                f"tiles {what} ({', '.join(letters)}), but this profile has no tiled measurement for "
+                f"{profile.tokens} tokens ({name}={getattr(profile, name)}: tiling needs 0 < {name} < tokens)"
+            )
+    return ""
 
 
 def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None = None) -> Prediction:
@@ -380,7 +413,8 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
         The prediction.
 
     Raises:
-        ValueError: if `code` does not have one valid letter per layer, or tiles MLPs where the profile cannot.
+        ValueError: if `code` does not have one valid letter per layer, or tiles MLPs or layers where the profile
+            cannot.
 
     Example:
         With `profile` as in `choose_plan`'s example:
@@ -393,6 +427,12 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
         check_bytes("simulate", "prefetch_window_bytes", prefetch_window_bytes)
     options = [layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
     return prediction_of(code, options, simulate_step(profile, options, window=prefetch_window_bytes))
+
+
+def chunk_sizes(profile: StepProfile, code: str) -> dict[str, int]:
+    """A plan's `tile_tokens` and `layer_tile_tokens` for `code`: the profile's, where the code tiles that way."""
+    return {"tile_tokens": profile.tile_tokens if set(code) & set("Tt") else 0,
+            "layer_tile_tokens": profile.layer_tile_tokens if set(code) & set("Ll") else 0}  # fmt: skip
 
 
 def prediction_of(code: str, options: Sequence[LayerOption], run: SimulatedStep) -> Prediction:
@@ -459,6 +499,8 @@ _ACTION_NAMES = {
     "c": "full, input kept",
     "T": "full, MLP tiled, input offloaded",
     "t": "full, MLP tiled, input kept",
+    "L": "layer tiled, input offloaded",
+    "l": "layer tiled, input kept",
 }
 
 
@@ -471,6 +513,7 @@ class Plan:
         tokens: the tokens per step it was planned for; a longer step needs a new plan.
         predicted: the layers' actions and the predicted step.
         tile_tokens: tokens per chunk of the layers whose MLP the plan tiles (`T`, `t`).
+        layer_tile_tokens: tokens per chunk of the layers the plan tiles whole (`L`, `l`).
         host_cap_bytes: the pinned host bytes the plan had (`StepProfile.host_cap_bytes`).
         measured: what this plan measured when it ran before (scaled to `tokens`); None if it never ran. Where
             the measurement and the prediction disagree, the measurement is what `choose_plan` chose by.
@@ -485,6 +528,7 @@ class Plan:
     predicted: Prediction
     tile_tokens: int = 0
     host_cap_bytes: int = 0
+    layer_tile_tokens: int = 0
     measured: MeasuredStep | None = None
     time_scale: float = 1.0
     trial: bool = False
@@ -532,10 +576,15 @@ class Plan:
         return [i for i, layer in enumerate(self.layers) if layer.action == FULL_TILED]
 
     @property
+    def tiled_whole_layers(self) -> list[int]:
+        """The layers the plan tiles whole (`L`, `l`), in forward order."""
+        return [i for i, layer in enumerate(self.layers) if layer.action == TILED_LAYER]
+
+    @property
     def inputs_kept_for_host(self) -> list[int]:
         """The checkpointed layers that keep their input on the GPU because the host's pinned cap is full: their
         input would have fit the budget's plan offloaded, but not the host."""
-        kept = [i for i, layer in enumerate(self.layers) if layer.code in "sct"]
+        kept = [i for i, layer in enumerate(self.layers) if layer.code in "sctl"]
         smallest = min((self.layers[i].held_bytes for i in kept), default=0)
         full = self.host_cap_bytes and self.predicted.host_bytes + smallest > self.host_cap_bytes
         return kept if full else []
@@ -560,6 +609,12 @@ class Plan:
             lines.append(
                 f"The MLPs of {len(self.tiled_layers)} layers run in chunks of {self.tile_tokens} tokens: "
                 "no plan without tiling fits (gradients then agree within rounding, not bitwise)"
+            )
+        if self.tiled_whole_layers:
+            lines.append(
+                f"{len(self.tiled_whole_layers)} layers run whole in chunks of {self.layer_tile_tokens} tokens, "
+                "attention by head groups: no plan without it fits, nor with tiled MLPs alone (gradients then agree "
+                "within rounding, not bitwise)"
             )
         if self.inputs_kept_for_host:
             lines.append(f"{len(self.inputs_kept_for_host)} checkpointed layers keep their input on the GPU: the "

@@ -160,7 +160,16 @@ from .tiling import (
     selected_decoder_layers,
 )
 
-__all__ = ["apply_tiled_layer", "TiledLayerHandle", "MAX_HEAD_GROUPS", "backward_bytes_per_token"]
+__all__ = [
+    "apply_tiled_layer",
+    "TiledLayerHandle",
+    "MAX_HEAD_GROUPS",
+    "backward_bytes_per_token",
+    "forward_bytes_per_token",
+    "layer_bytes_per_token",
+    "recorded_outputs",
+    "tiled_forward",
+]
 
 # Attention runs on the whole sequence for at most this many groups of heads, one at a time. More groups make one
 # group's attention state smaller (the peak's (Q + KV)/G + 2A/G) and cost one more harvest each (P per group).
@@ -709,6 +718,32 @@ def _set_rows(target: torch.Tensor, start: int, end: int, value: torch.Tensor | 
         target[:, start:end].copy_(value)
 
 
+def _bytes_per_group(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     element_size: int) -> tuple[int, list[int], list[int]]:  # fmt: skip
+    """Per token: a hidden state's bytes, and per head group (as `_HeadGroups` makes them) its query's (attention's
+    output per group has this size too) and its key's and value's together."""
+    share = num_heads // num_kv_heads
+    edges = _group_edges(num_kv_heads)
+    kv_sizes = [b - a for a, b in zip(edges, edges[1:])]
+    query = [n * share * head_dim * element_size for n in kv_sizes]
+    kv = [2 * n * head_dim * element_size for n in kv_sizes]
+    return hidden_size * element_size, query, kv
+
+
+def forward_bytes_per_token(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                            element_size: int) -> int:  # fmt: skip
+    """The bytes per token of sequence-long tensors a tiled layer's forward holds at once besides its input: every
+    group's query, key and value while the first group's attention runs (Q + KV + A/G), or, later, attention's output
+    and the layer's output (A + X). As `backward_bytes_per_token`, without what does not grow with the sequence.
+
+    Args: as `backward_bytes_per_token`.
+    """
+    hidden, query, kv = _bytes_per_group(hidden_size, num_heads, num_kv_heads, head_dim, element_size)
+    # At group g: the outputs of groups ..g, the query, key and value of groups g.. (group g's are its arguments).
+    attention = max(sum(query[: g + 1]) + sum(query[j] + kv[j] for j in range(g, len(kv))) for g in range(len(kv)))
+    return max(attention, sum(query) + hidden)
+
+
 def backward_bytes_per_token(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                              element_size: int) -> int:  # fmt: skip
     """The bytes per token of sequence-long tensors alive at the peak of a tiled layer's backward, for the planner.
@@ -723,17 +758,12 @@ def backward_bytes_per_token(hidden_size: int, num_heads: int, num_kv_heads: int
         num_heads, num_kv_heads, head_dim: attention's query heads, key/value heads and head dimension.
         element_size: bytes per element of the activations (2 for bf16).
     """
-    share = num_heads // num_kv_heads
-    edges = _group_edges(num_kv_heads)
-    kv_sizes = [b - a for a, b in zip(edges, edges[1:])]
-    hidden = hidden_size * element_size
-    query = [n * share * head_dim * element_size for n in kv_sizes]  # attention's output per group has this size too
-    kv = [2 * n * head_dim * element_size for n in kv_sizes]
+    hidden, query, kv = _bytes_per_group(hidden_size, num_heads, num_kv_heads, head_dim, element_size)
     phase_3 = 3 * hidden + sum(query)
     # At group g: the gradient of `a` for groups g.., dq, dk, dv of groups before g, and the group's q, k, v, output and
     # dq, dk, dv.
     phase_4 = max(3 * hidden + sum(query[g:]) + sum(query[j] + kv[j] for j in range(g)) + 2 * (query[g] + kv[g])
-                  + query[g] for g in range(len(kv_sizes)))  # fmt: skip
+                  + query[g] for g in range(len(kv)))  # fmt: skip
     phase_5 = 3 * hidden + sum(query) + sum(kv)
     return max(phase_3, phase_4, phase_5)
 
@@ -743,18 +773,35 @@ def backward_bytes_per_token(hidden_size: int, num_heads: int, num_kv_heads: int
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def layer_bytes_per_token(layer: nn.Module, element_size: int) -> tuple[int, int] | None:
+    """`(forward_bytes_per_token, backward_bytes_per_token)` of a decoder layer, its attention's shape read from the
+    config of the module that calls the attention interface (`hidden_size`, `num_attention_heads`,
+    `num_key_value_heads`, `head_dim`); None where that config does not say. For the planner where nothing measures
+    memory (the CPU test mode)."""
+    callers = [module for module in layer.modules() if _calls_attention_interface(module)]
+    config = getattr(callers[0], "config", None) if len(callers) == 1 else None
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    shape = (hidden, heads, kv_heads, head_dim, element_size)
+    return forward_bytes_per_token(*shape), backward_bytes_per_token(*shape)
+
+
+def recorded_outputs() -> list[str]:
+    """What transformers' output recorders collect in this forward inside the layers (router logits, attention
+    weights); hidden states are recorded around the whole decoder layer and see its call once. A tiled layer refuses
+    to run where this is not empty."""
+    collected = _active_collector.get() or {}
+    return sorted(key for key in collected if key not in _WHOLE_LAYER_RECORDS)
+
+
 def _calls_attention_interface(module: nn.Module) -> bool:
     """Whether the module's forward looks its attention function up in transformers' AttentionInterface (the name
     `get_interface` in its code, beneath decorators): the call a tiled layer cuts the layer at."""
     code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
     return code is not None and "get_interface" in code.co_names
-
-
-def _recorded_outputs() -> list[str]:
-    """What transformers' output recorders collect in this forward inside the layers (router logits, attention
-    weights); hidden states are recorded around the whole decoder layer and see its call once."""
-    collected = _active_collector.get() or {}
-    return sorted(key for key in collected if key not in _WHOLE_LAYER_RECORDS)
 
 
 class _TiledLayerForward:
@@ -769,10 +816,12 @@ class _TiledLayerForward:
     maps both to the copy, and the copy tiles its own layer.
     """
 
-    def __init__(self, layer: nn.Module, previous: Callable[..., Any], tokens_per_chunk: int) -> None:
+    def __init__(self, layer: nn.Module, previous: Callable[..., Any], tokens_per_chunk: int,
+                 call_op: Callable[..., Any] | None = None) -> None:  # fmt: skip
         self.layer = layer
         self.previous = previous
         self.tokens_per_chunk = tokens_per_chunk
+        self.call_op = call_op
         self.active = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -794,7 +843,7 @@ class _TiledLayerForward:
             kwargs = {name: None if name in caches else value for name, value in kwargs.items()}
             if "use_cache" in kwargs:
                 kwargs["use_cache"] = False
-        recorded = _recorded_outputs()
+        recorded = recorded_outputs()
         if recorded:
             raise ValueError(f"{type(self.layer).__name__} is tiled, and this forward records {', '.join(recorded)} "
                              "inside its layers: recorders would see each chunk's runs, without grad in the forward "
@@ -804,14 +853,23 @@ class _TiledLayerForward:
         # The trainable parameters are looked up per call: a LoRA adapter added, or a weight frozen, after
         # `apply_tiled_layer` is seen. `parameters()` yields each shared parameter once.
         params = [p for p in self.layer.parameters() if p.requires_grad]
+        if self.call_op is not None:
+            return self.call_op(_TiledLayerFunction.apply, call, hidden, *params)
         return _TiledLayerFunction.apply(call, hidden, *params)
+
+
+def tiled_forward(layer: nn.Module) -> Callable[..., Any] | None:
+    """The layer's tiled `forward` (what `apply_tiled_layer` installed, and not removed since); None if untiled."""
+    forward = layer.__dict__.get("forward")
+    return forward if isinstance(forward, _TiledLayerForward) and forward.active else None
 
 
 class TiledLayerHandle(ForwardsReplaced):
     """What `apply_tiled_layer` changed; `remove()` gives every tiled module its previous `forward` back."""
 
 
-def apply_tiled_layer(model: nn.Module, tokens_per_chunk: int, layers: Iterable[int] | None = None) -> TiledLayerHandle:
+def apply_tiled_layer(model: nn.Module, tokens_per_chunk: int, layers: Iterable[int] | None = None, *,
+                      call_op: Callable[..., Any] | None = None) -> TiledLayerHandle:  # fmt: skip
     """Run each decoder layer (or each of `layers`) over chunks of `tokens_per_chunk` tokens, attention on the whole
     sequence by head groups, in forward and backward.
 
@@ -830,6 +888,9 @@ def apply_tiled_layer(model: nn.Module, tokens_per_chunk: int, layers: Iterable[
         tokens_per_chunk: tokens per chunk, over the batch: a chunk is `tokens_per_chunk // batch` positions (at
             least one) of every sequence. Calls with at most this many tokens run the layer unchanged.
         layers: indices into the decoder layers (forward order; negative counts from the end); None for all.
+        call_op: how a tiled call runs the op, as `call_op(function, *args)` (a `_gradient_checkpointing_func`'s
+            signature): the memory planner's layer actions pass one that runs it in a region of the offloading engine
+            that keeps what it saves, the layer's input (`l`). None runs it as it is.
 
     Returns:
         A `TiledLayerHandle` whose `remove()` undoes this call.
@@ -865,5 +926,5 @@ def apply_tiled_layer(model: nn.Module, tokens_per_chunk: int, layers: Iterable[
         chosen.append((name, layer))
     handle = TiledLayerHandle()
     for name, layer in chosen:
-        handle.replace(name, layer, _TiledLayerForward(layer, layer.forward, tokens_per_chunk))
+        handle.replace(name, layer, _TiledLayerForward(layer, layer.forward, tokens_per_chunk, call_op))
     return handle

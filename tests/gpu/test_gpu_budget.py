@@ -183,15 +183,14 @@ def long_model():
     return build_model("llama", dtype="bf16", attn="sdpa", **LONG)
 
 
-@pytest.mark.parametrize("probe_tokens", [None, 4096])
-def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, record, monkeypatch, nondeterministic):
-    from hf_offload.memory_budget import probes
+def long_steps_between(letters: str, steps: int = 5) -> SimpleNamespace:
+    """`steps` untiled steps of the long model (their losses: `reference`), a roomy run's profile, the predicted peaks
+    of the lowest plans of `letters` (every layer `C`, `T` or `L`: `lowest`), and `steps` steps under a budget halfway
+    between the first two (`model`, `ctx`, `plan`, `peaks`, `seen`: the plan after each step, and `difference`: the
+    largest relative difference of the losses)."""
     from hf_offload.memory_budget.simulate import simulate
 
-    if probe_tokens is not None:  # the probes then run on the first 4096 tokens and scale
-        monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", probe_tokens)
     batch = make_batch("llama", batch=1, seq=LONG["seq"], vocab=LONG["vocab"])
-    steps = 5
     _, reference = step_peaks(long_model(), batch, None, steps)
     model = long_model()
     roomy = make_ctx(model, memory_budget=10**12)
@@ -199,22 +198,67 @@ def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, reco
     profile = roomy.budget_controller.profile
     dispose(roomy)
     del model
-    untiled, tiled = (simulate(profile, letter * LONG["layers"]).peak_bytes for letter in "CT")
-    budget = (untiled + tiled) // 2
+    lowest = {letter: simulate(profile, letter * LONG["layers"]).peak_bytes for letter in letters}
+    budget = (lowest[letters[0]] + lowest[letters[1]]) // 2
     model = long_model()
     ctx = make_ctx(model, memory_budget=budget)
-    peaks, losses = step_peaks(model, batch, ctx, steps)
-    plan = ctx.memory_plan
+    seen: list = []
+    peaks, losses = step_peaks(model, batch, ctx, steps, seen)
     difference = ((torch.stack(losses) - torch.stack(reference)).abs() / torch.stack(reference).abs()).max().item()
+    return SimpleNamespace(profile=profile, lowest=lowest, budget=budget, model=model, ctx=ctx, plan=ctx.memory_plan,
+                           peaks=peaks, seen=seen, difference=difference)  # fmt: skip
+
+
+@pytest.mark.parametrize("probe_tokens", [None, 4096])
+def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, record, monkeypatch, nondeterministic):
+    from hf_offload.memory_budget import probes
+
+    if probe_tokens is not None:  # the probes then run on the first 4096 tokens and scale
+        monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", probe_tokens)
+    run = long_steps_between("CT")
+    untiled, tiled, plan = run.lowest["C"], run.lowest["T"], run.plan
     record(f"tiled_plan_probe_{probe_tokens}", {
-        "budget": budget, "untiled_lowest_predicted": untiled, "tiled_lowest_predicted": tiled, "plan": plan.code,
-        "step_peaks": peaks, "predicted_peak": plan.predicted.peak_bytes, "loss_relative_difference": difference,
-        "tile_chunk_bytes": profile.tile_chunk_bytes,
+        "budget": run.budget, "untiled_lowest_predicted": untiled, "tiled_lowest_predicted": tiled,
+        "plan": plan.code, "step_peaks": run.peaks, "predicted_peak": plan.predicted.peak_bytes,
+        "loss_relative_difference": run.difference, "tile_chunk_bytes": run.profile.tile_chunk_bytes,
     }, show=True)  # fmt: skip
     assert tiled < untiled and "T" in plan.code and plan.tile_tokens == LONG["hidden"]
-    assert max(peaks) <= budget, f"plan {plan.code}: step peaks {peaks} over the budget {budget}"
-    assert difference < 2e-2  # bf16, chunked weight-gradient sums: close, not bitwise
-    dispose(ctx)
+    assert max(run.peaks) <= run.budget, f"plan {plan.code}: step peaks {run.peaks} over the budget {run.budget}"
+    assert run.difference < 2e-2  # bf16, chunked weight-gradient sums: close, not bitwise
+    dispose(run.ctx)
+
+
+def test_a_budget_only_layers_tiled_whole_reach_is_kept_on_every_step(record, monkeypatch, nondeterministic):
+    """The same model at 1 x 16384 tokens, under a budget halfway between the lowest plan with tiled MLPs and the
+    lowest with whole layers tiled (each predicted from a roomy run's profile): the plan tiles whole layers, the
+    profiled steps too, and every step's peak, the profiled ones included, stays under the budget; the losses are
+    close to the untiled run's (bf16, sums over chunks), not bitwise.
+
+    The probes run on the first 4096 tokens and scale: a layer probed kept at 16384 tokens would alone exceed this
+    budget in the first step (at long context the probes are cut to `PROBE_MAX_TOKENS` for that reason). Written
+    without a GPU run: on CPU the same test (tests/memory_budget/test_controller.py) plans every layer tiled whole.
+    """
+    from hf_offload.memory_budget import probes
+
+    monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", 4096)
+    run = long_steps_between("TLC")
+    mlps, whole, untiled, plan = run.lowest["T"], run.lowest["L"], run.lowest["C"], run.plan
+    profile, layer = run.profile, run.profile.layers[0]
+    record("tiled_layer_plan", {
+        "budget": run.budget, "untiled_lowest_predicted": untiled, "tiled_mlp_lowest_predicted": mlps,
+        "tiled_layer_lowest_predicted": whole, "plan": plan.code, "plans_per_step": run.seen,
+        "step_peaks": run.peaks, "predicted_peak": plan.predicted.peak_bytes,
+        "predicted_step_s": plan.predicted.step_s, "loss_relative_difference": run.difference,
+        "layer_tiled_saved_bytes": layer.layer_tiled_saved_bytes,
+        "layer_tiled_backward_working_bytes": profile.layer_tiled_backward_working_bytes,
+        "layer_tile_chunk_bytes": profile.layer_tile_chunk_bytes, "layer_tiled_extra_s": layer.layer_tiled_extra_s,
+        "forward_s": layer.forward_s,
+    }, show=True)  # fmt: skip
+    assert whole < mlps < untiled and profile.layer_tile_tokens == LONG["hidden"]
+    assert set(plan.code) & set("Ll") and plan.layer_tile_tokens == LONG["hidden"], plan.code
+    assert max(run.peaks) <= run.budget, f"plan {plan.code}: step peaks {run.peaks} over the budget {run.budget}"
+    assert 0 < run.difference < 2e-2  # bf16, chunked weight-gradient sums: close, not bitwise
+    dispose(run.ctx)
 
 
 def test_plain_checkpointing_is_tried_and_the_plan_chosen_after_it_is_no_slower(record):

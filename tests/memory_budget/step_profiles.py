@@ -70,3 +70,15 @@ def long_profile(**changes) -> StepProfile:
                           h2d_bytes_per_s=55e9, host_cap_bytes=64 * GIB, tokens=262144, tile_tokens=4096,
                           tiled_backward_working_bytes=8 * GIB, tile_chunk_bytes=GIB)  # fmt: skip
     return dataclasses.replace(profile, **changes)
+
+
+def tiled_layer_profile(**changes) -> StepProfile:
+    """`long_profile` with its layers also measured tiled whole (`L`, `l`), in round numbers near the 8B shape's at
+    256K tokens (tiled_layer's counts: 16 KiB per token in the forward, 39.5 in the backward, of which 8 is the
+    input): a tiled layer's forward holds 6 GiB (its input included), its backward 4 GiB more, one chunk 0.5 GiB;
+    it costs 1 s more than a full checkpoint (one more attention forward). Every layer tiled whole peaks at
+    16 + 6 + 0.5 + 4 + one 2 GiB reload = 28.5 GiB, with tiled MLPs at 39, fully checkpointed at 78."""
+    layer = dataclasses.replace(long_profile().layers[0], layer_tiled_saved_bytes=6 * GIB, layer_tiled_extra_s=1.0)
+    profile = long_profile(layers=(layer,) * 32, layer_tile_tokens=4096, layer_tiled_backward_working_bytes=4 * GIB,
+                           layer_tile_chunk_bytes=GIB // 2)  # fmt: skip
+    return dataclasses.replace(profile, **changes)

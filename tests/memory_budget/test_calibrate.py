@@ -90,3 +90,25 @@ def test_a_scaled_profile_keeps_every_other_field():
     profile, measured = host_bound_profile()
     calibrated, _ = calibrate(dataclasses.replace(profile, tail_bytes=GIB, late_gradient_bytes=0), measured)
     assert calibrated.tail_bytes == GIB and calibrated.static_bytes == profile.static_bytes
+
+
+def test_layers_tiled_whole_count_as_full_checkpoints_do():
+    """`l` sends nothing, as `c` does: a plan of it scales the model's times, its tiled layers' extra time with them;
+    `L` sends its input, as `C` does: what it ran beyond that is the host's time per offloaded input. Left out where
+    the profile cannot tile whole layers."""
+    from step_profiles import tiled_layer_profile
+
+    profile = tiled_layer_profile(other_s=0.0)
+    layers = len(profile.layers)
+    kept = simulate(profile, "l" * layers).step_s / 2
+    offloaded = simulate(profile, "L" * layers).step_s / 2 + layers * 0.002
+    measured = [MeasuredStep("l" * layers, kept), MeasuredStep("L" * layers, offloaded)]
+    calibrated, learned = calibrate(profile, measured)
+    assert learned.time_scale == pytest.approx(0.5) and learned.learned_from == ("l" * layers, "L" * layers)
+    # Some of the 2 ms is copies the halved compute no longer hides (2 GiB inputs): the host's time is the rest.
+    assert 0.001 < learned.input_offload_s < 0.002
+    for step in measured:  # the calibrated model predicts both
+        assert simulate(calibrated, step.code).step_s == pytest.approx(step.step_s, rel=0.01)
+    assert calibrated.layers[0].layer_tiled_extra_s == pytest.approx(profile.layers[0].layer_tiled_extra_s / 2)
+    untiled = dataclasses.replace(profile, layer_tile_tokens=0)
+    assert calibrate(untiled, [MeasuredStep("l" * layers, kept)]) == calibrate(untiled, [])

@@ -206,14 +206,14 @@ def test_the_trainer_takes_a_budget_from_its_arguments_prints_the_plan_and_stays
 def test_the_trainer_near_the_minimum_runs_longer_padded_batches_on_the_lowest_plan(tmp_path, tokenizer, lm_dataset,
                                                                                    caplog):  # fmt: skip
     """Dynamic padding makes later batches longer than the profiled ones: under a budget just above the smallest
-    that fits those, training goes on (one warning) and stays exact. Without tiled MLPs, whose gradients are not
-    bitwise, the lowest-memory plan checkpoints every layer."""
+    that fits those, training goes on (one warning) and stays exact. Without tiling (MLPs or whole layers), whose
+    gradients are not bitwise, the lowest-memory plan checkpoints every layer."""
     from helpers import CPU_TEST_MODE, assert_same_weights, train_losses
 
     def planned(budget):
         return trainer_run(tmp_path, tokenizer, lm_dataset, activation_offloading=True,
                            activation_offloading_memory_budget=str(budget), activation_offloading_tile_mlp=False,
-                           **CPU_TEST_MODE)  # fmt: skip
+                           activation_offloading_tile_layer=False, **CPU_TEST_MODE)  # fmt: skip
 
     with pytest.raises(InfeasibleBudgetError) as refused:  # at the first plan, from the profiled batches
         planned(1)
@@ -236,13 +236,18 @@ def tiled_forwards(model) -> list[bool]:
     return [type(layer.mlp.__dict__.get("forward")).__name__ == "_TiledForward" for layer in model.model.layers]
 
 
-def long_run(budget, tile_mlp="auto", steps: int = 4):
-    """128 tokens per step, twice the hidden size (64): the MLPs can run in two chunks. Which layers were tiled is
-    recorded during each step's forward."""
+def tiled_whole(model) -> list[bool]:
+    return [type(layer.__dict__.get("forward")).__name__ == "_TiledLayerForward" for layer in model.model.layers]
+
+
+def long_run(budget, tile_mlp="auto", steps: int = 4, tile_layer="auto", record=tiled_forwards):
+    """128 tokens per step, twice the hidden size (64): the MLPs and the layers can run in two chunks. Which layers
+    were tiled (`record`: their MLPs, or whole) is recorded during each step's forward."""
     model = tiny_llama()
-    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget, tile_mlp=tile_mlp)
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget, tile_mlp=tile_mlp,
+                                             tile_layer=tile_layer)  # fmt: skip
     seen = []
-    model.model.norm.register_forward_pre_hook(lambda *_: seen.append(tiled_forwards(model)))
+    model.model.norm.register_forward_pre_hook(lambda *_: seen.append(record(model)))
     return train(model, context, steps=steps, lengths=(64,)), context, seen, model
 
 
@@ -267,7 +272,71 @@ def test_tiling_is_planned_when_no_exact_plan_fits_and_is_close():
     assert tiled_forwards(model) == [False] * LAYERS
 
     with pytest.raises(ValueError, match="below the smallest peak"):  # the same budget, tiling switched off
-        long_run(budget, tile_mlp=False)
+        long_run(budget, tile_mlp=False, tile_layer=False)
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|, as the tiled layer's tolerances are stated (test_tiled_layer.py)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
+    """A budget between the lowest plan with tiled MLPs and the lowest with whole layers tiled: the profiled steps
+    and the plan tile every layer whole (no layer can do without here), the first layer of the first step too,
+    from whose pre-hook the profiled steps' plan was applied; the predicted peak keeps under the budget, and the
+    losses stay within the tiled layer's tolerance of the untiled run (fp32: 1e-5 of each tensor's largest value),
+    not bitwise. Without the action, the same budget is refused."""
+    from hf_offload.memory_budget.simulate import simulate
+    from hf_offload.memory_budget.tiled_layer import _TiledLayerFunction
+
+    baseline, roomy, seen, _ = long_run(10 * 2**30, record=tiled_whole)
+    assert roomy.memory_plan.code == "K" * LAYERS and not any(map(any, seen))
+    profile = roomy.budget_controller.profile
+    assert profile.layer_tile_tokens == profile.tile_tokens == 64 and profile.tokens == 128
+    untiled, mlps, whole = (simulate(profile, letter * LAYERS).peak_bytes for letter in "CTL")
+    assert whole < mlps < untiled
+    budget = (whole + mlps) // 2
+    calls = []
+    monkeypatch.setattr(_TiledLayerFunction, "apply", lambda *args, apply=_TiledLayerFunction.apply: calls.append(1)
+                        or apply(*args))  # fmt: skip
+    results, context, seen, model = long_run(budget, record=tiled_whole)
+    # Each step's every layer ran tiled, the first step's first layer too; and the probe, in chunks of a half and a
+    # quarter of the tokens, `_PROBE_RUNS` times each.
+    assert len(calls) == 4 * LAYERS + 2 * probes._PROBE_RUNS
+    plan = context.memory_plan
+    assert plan.code == "L" * LAYERS and plan.layer_tile_tokens == 64 and plan.tile_tokens == 0
+    assert plan.predicted.peak_bytes <= budget
+    assert "4 layers run whole in chunks of 64 tokens" in plan.format_table()
+    # The profiled steps are predicted not to fit with tiled MLPs either: they tile every layer whole.
+    assert seen == [[True] * LAYERS] * 4
+    losses, steps = results[:4], len(results[:4])
+    assert all(relative_difference(a, b) <= 1e-5 for a, b in zip(losses, baseline[:steps]))
+    # The last step's gradients, after three AdamW steps whose normalised updates carry the earlier steps' rounding
+    # into the weights (measured: at most 4e-5 of a tensor's largest value).
+    assert all(relative_difference(a, b) <= 1e-4 for a, b in zip(results[steps:], baseline[steps:]))
+    assert not all(torch.equal(a, b) for a, b in zip(results, baseline))  # summed chunk by chunk: not bitwise
+    context.budget_controller._applied.remove()
+    assert tiled_whole(model) == [False] * LAYERS
+
+    with pytest.raises(InfeasibleBudgetError, match="with every layer's MLP tiled"):  # the action switched off
+        long_run(budget, tile_layer=False)
+    with pytest.raises(InfeasibleBudgetError, match="with every layer tiled whole") as error:  # below every plan
+        long_run(whole // 2)
+    assert error.value.lowest_plan.code == "L" * LAYERS
+
+
+def test_a_model_whose_layers_cannot_be_tiled_whole_is_planned_without_it(caplog):
+    """Bloom computes its own (ALiBi) attention, without transformers' attention interface: a tiled layer has no call
+    to cut it at. The planner says so in the log and plans without the action."""
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
+    model = transformers.BloomForCausalLM(config).train()
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
+        train(model, context, steps=3, lengths=(64,))
+    assert any("the planner cannot tile whole layers: decoder layer 0" in record.getMessage()
+               for record in caplog.records)  # fmt: skip
+    assert context.budget_controller.profile.layer_tile_tokens == 0
 
 
 def test_the_profiled_steps_tile_only_where_tiling_is_predicted_to_lower_the_peak(monkeypatch):
@@ -294,6 +363,18 @@ def test_tile_mlp_true_tiles_every_layer_until_the_hooks_are_removed():
     assert model.model.layers[0].mlp.forward.tokens_per_chunk == 64  # the hidden size
     context.remove_hooks()
     assert tiled_forwards(model) == [False] * LAYERS
+
+
+def test_tile_layer_true_tiles_every_layer_and_is_refused_with_a_budget():
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", tile_layer=True)
+    assert tiled_whole(model) == [True] * LAYERS
+    assert model.model.layers[0].forward.tokens_per_chunk == 64  # the hidden size
+    context.remove_hooks()
+    assert tiled_whole(model) == [False] * LAYERS
+    # A layer tiled whole is its own checkpoint: a plan's actions would not apply to it.
+    with pytest.raises(ValueError, match="tile_layer=True and memory_budget='1GiB' cannot be combined"):
+        get_act_offloading_ctx_manager(tiny_llama(), device_type="cpu", tile_layer=True, memory_budget="1GiB")
 
 
 def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):

@@ -22,7 +22,10 @@ from hf_offload.memory_budget.layer_actions import (
 LAYERS = 4
 CODES = {"K": ("keep", False), "O": ("offload", True), "S": ("selective", True), "s": ("selective", False),
          "X": ("selective_offload", True), "x": ("selective_offload", False),
-         "C": ("full", True), "c": ("full", False)}  # fmt: skip
+         "C": ("full", True), "c": ("full", False), "T": ("full_tiled_mlp", True), "t": ("full_tiled_mlp", False),
+         "L": ("tiled_layer", True), "l": ("tiled_layer", False)}  # fmt: skip
+# The steps' 2 x 16 tokens in two chunks, for the tiled actions.
+TILE_TOKENS = 16
 
 
 def tiny_llama(attention: str) -> transformers.LlamaForCausalLM:
@@ -77,7 +80,7 @@ def offloaded_and_planned(code: str) -> tuple[int, int, int]:
     """(tensors offloaded, bytes offloaded, bytes kept by the plan) in one step of a plan."""
     model = tiny_llama("eager")
     context = get_act_offloading_ctx_manager(model, device_type="cpu", keep_tail=False)
-    apply_layer_actions(model, context, actions(code))
+    apply_layer_actions(model, context, actions(code), TILE_TOKENS, TILE_TOKENS)
     step(model, context)
     stats = context.get_stats()
     return stats["tensors_offloaded"], stats["bytes_offloaded"], stats["bytes_kept_planned"]
@@ -96,6 +99,74 @@ def test_each_action_moves_what_it_says():
     assert everything[0] - outside[0] > 4 * LAYERS and everything[1] > 2 * full[1]
     one_each = offloaded_and_planned("CSOK")
     assert outside[0] < one_each[0] < everything[0] and 0 < one_each[2] < outside[2]
+
+
+def test_a_layer_tiled_whole_moves_what_a_full_checkpoint_moves():
+    """A layer tiled whole is its own checkpoint: it saves its input alone, which the engine offloads (`L`) or keeps
+    (`l`) as it does a full checkpoint's (`C`, `c`)."""
+    assert offloaded_and_planned("LLLL") == offloaded_and_planned("CCCC")
+    # Kept: the inputs, and the parameters the op saves by reference (`save_for_backward`, so that an in-place change
+    # is caught), which the keeping region counts with them: no bytes of their own.
+    parameters = sum(p.numel() * p.element_size() for p in tiny_llama("eager").model.layers.parameters())
+    kept, checkpointed = offloaded_and_planned("llll"), offloaded_and_planned("cccc")
+    assert kept[:2] == checkpointed[:2] == (0, 0) and kept[2] == checkpointed[2] + parameters
+    assert offloaded_and_planned("LlCC")[:2] == offloaded_and_planned("CcCC")[:2]
+
+
+def tiled_whole(model) -> list[bool]:
+    return [type(layer.__dict__.get("forward")).__name__ == "_TiledLayerForward" for _, layer in
+            find_decoder_layers(model)]  # fmt: skip
+
+
+@pytest.mark.parametrize("code", ["LLLL", "llll", "LlCK", "TtLl"])
+def test_layers_tiled_whole_compute_as_the_tiled_layer_does(code):
+    """Under the engine, a plan's layers tiled whole compute bitwise as `apply_tiled_layer` on those layers without
+    it (the engine copies bytes), and within the tiled layer's tolerance of the untiled model (fp32: 1e-5, see
+    test_tiled_layer.py), not bitwise: sums over chunks. `remove()` gives the layers their own forward back."""
+    from hf_offload.memory_budget.tiled_layer import apply_tiled_layer
+    from hf_offload.memory_budget.tiled_mlp import apply_tiled_mlp
+
+    model = tiny_llama("sdpa")
+    untiled = step(model)
+    whole = [i for i, letter in enumerate(code) if letter in "Ll"]
+    mlps = [i for i, letter in enumerate(code) if letter in "Tt"]
+    with apply_tiled_layer(model, TILE_TOKENS, layers=whole):
+        if mlps:
+            with apply_tiled_mlp(model, TILE_TOKENS, layers=mlps):
+                reference = step(model)
+        else:
+            reference = step(model)
+    context = get_act_offloading_ctx_manager(model, device_type="cpu")
+    applied = apply_layer_actions(model, context, actions(code), TILE_TOKENS, TILE_TOKENS)
+    assert tiled_whole(model) == [letter in "Ll" for letter in code]
+    for _ in range(2):
+        loss, grads = step(model, context)
+        assert torch.equal(loss, reference[0])
+        assert all(torch.equal(grad, reference[1][name]) for name, grad in grads.items())
+    assert (loss - untiled[0]).abs() <= 1e-5 * untiled[0].abs()
+    for name, grad in grads.items():
+        assert (grad - untiled[1][name]).abs().max() <= 1e-5 * untiled[1][name].abs().max(), name
+    assert not all(torch.equal(grad, untiled[1][name]) for name, grad in grads.items())  # tiled, not bitwise
+    applied.remove()
+    context.remove_hooks()
+    assert tiled_whole(model) == [False] * LAYERS
+
+
+def test_a_plan_that_cannot_tile_a_layer_changes_nothing(monkeypatch):
+    """apply_tiled_layer refuses (a ValueError, e.g. an attention that does not call the interface) after the MLPs
+    were tiled: they are untiled again, and no layer's attributes changed."""
+    model = tiny_llama("eager")
+    layers = [layer for _, layer in find_decoder_layers(model)]
+    context = get_act_offloading_ctx_manager(model, device_type="cpu")
+    before = [dict(layer.__dict__) for layer in layers] + [dict(layer.mlp.__dict__) for layer in layers]
+
+    def refuse(*args, **kwargs):
+        raise ValueError("cannot tile")
+
+    monkeypatch.setattr(layer_actions, "apply_tiled_layer", refuse)
+    with pytest.raises(ValueError, match="cannot tile"):
+        apply_layer_actions(model, context, actions("TTLC"), TILE_TOKENS, TILE_TOKENS)
+    assert [dict(layer.__dict__) for layer in layers] + [dict(layer.mlp.__dict__) for layer in layers] == before
 
 
 class SelectiveOutputs(TorchDispatchMode):

@@ -4,6 +4,7 @@ the step they run in."""
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from pathlib import Path
 
@@ -90,3 +91,48 @@ def test_a_probe_keeps_the_fastest_of_its_runs_after_the_first():
     assert probes._PROBE_RUNS == 3
     assert (probe.profile.forward_s, probe.profile.backward_s) == (2.0, 4.0)
     assert probe.profile.selective_recompute_s == 5.0 - 4.0
+
+
+# Layers tiled whole: probed where the model's layers can be, refused (and said) where they cannot
+
+
+def probed_layer_tiling(arch: str, caplog, tokens: int = SEQ, **batch_options):
+    """The first step of `arch` under a roomy budget, its steps long enough for two chunks of the hidden size: the
+    probe, and what the log said of tiling whole layers."""
+    batch = make_batch(arch, device="cpu", seq=tokens, vocab=SIZE["vocab"])
+    model = build_model(arch, device="cpu", seq=tokens, **SIZE)
+    context = make_ctx(model, device_type="cpu", memory_budget=ROOMY)
+    with caplog.at_level("INFO", logger="hf_offload"), context:
+        model(**batch, **batch_options)
+    said = [r.getMessage() for r in caplog.records if "the planner cannot tile whole layers" in r.getMessage()]
+    return next(iter(context.budget_controller._measured.probes.values())), said
+
+
+def test_a_layer_is_probed_tiled_whole_by_the_formulas_on_cpu(caplog):
+    """The CPU test mode has no memory counter: a layer tiled whole is counted by `tiled_layer`'s formulas. Its forward
+    holds its input and `forward_bytes_per_token` per token; its backward, on top of that, the rest of
+    `backward_bytes_per_token` (which counts the input once) and the weights' gradients."""
+    from hf_offload.memory_budget.tiled_layer import layer_bytes_per_token
+
+    probe, said = probed_layer_tiling("llama", caplog, tokens=2 * SIZE["hidden"])
+    assert not said and probe.layer_tiling_error is None
+    tokens, profile = probe.tokens, probe.profile
+    forward, backward = layer_bytes_per_token(build_model("llama", device="cpu", seq=64, **SIZE).model.layers[0], 4)
+    assert profile.layer_tiled_saved_bytes == profile.input_bytes + forward * tokens
+    # The backward's point, `layer_tiled_saved_bytes` + these: the count, and the weights' gradients.
+    weights = profile.parameter_gradient_bytes
+    assert profile.layer_tiled_saved_bytes + probe.layer_tiled_working_bytes == backward * tokens + weights
+    assert profile.layer_tiled_extra_s > 0  # a tiled layer on CPU: many small calls
+
+
+@pytest.mark.parametrize(("arch", "options", "reason"), [
+    ("gpt_oss", {"output_router_logits": False}, r"model\.layers\.0: GptOssAttention passes a learned tensor"),
+    ("mixtral", {"output_router_logits": True}, "this forward records router_logits inside its layers"),
+])  # fmt: skip
+def test_a_layer_that_cannot_be_tiled_whole_is_probed_without_it(caplog, arch, options, reason):
+    """gpt-oss hands its attention sinks to the attention function (a tiled layer's head groups could not take their
+    share: the probe's tiled run raises); a mixture of experts recording its router logits would record each chunk's
+    (the op refuses). Neither gets the action, and the log says why."""
+    probe, said = probed_layer_tiling(arch, caplog, tokens=2 * SIZE["hidden"], **options)
+    assert probe.layer_tiled_working_bytes is None and len(said) == 1
+    assert re.search(reason, said[0]), said[0]

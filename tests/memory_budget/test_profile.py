@@ -9,9 +9,9 @@ import dataclasses
 import math
 
 import pytest
-from step_profiles import long_profile, tiny_profile
+from step_profiles import long_profile, tiled_layer_profile, tiny_profile
 
-from hf_offload.memory_budget.profile import LayerProfile, tiling_available
+from hf_offload.memory_budget.profile import LayerProfile, layer_tiling_available, tiling_available
 from hf_offload.memory_budget.simulate import simulate
 from hf_offload.units import GIB
 
@@ -87,3 +87,17 @@ def test_scaling_keeps_the_chunk() -> None:
     assert double.tiled_backward_working_bytes == 16 * GIB
     assert double.layers[0].tiled_saved_bytes == 24 * GIB
     assert double.layers[0].tiled_extra_s == pytest.approx(0.4)
+
+
+def test_tiling_whole_layers_needs_a_step_longer_than_a_chunk_and_scales_like_tiled_mlps() -> None:
+    profile = tiled_layer_profile()
+    assert layer_tiling_available(profile) and not layer_tiling_available(long_profile())
+    assert not layer_tiling_available(tiled_layer_profile(layer_tile_tokens=262144))
+    double = profile.scaled(2 * profile.tokens)
+    assert (double.layer_tile_tokens, double.layer_tile_chunk_bytes) == (4096, GIB // 2)  # a chunk is a chunk
+    assert double.layer_tiled_backward_working_bytes == 8 * GIB
+    assert double.layers[0].layer_tiled_saved_bytes == 12 * GIB
+    assert double.layers[0].layer_tiled_extra_s == pytest.approx(2.0)
+    # Its extra attention forward grows with the square of the tokens.
+    attention = tiled_layer_profile(layers=[dataclasses.replace(profile.layers[0], attention_forward_s=0.5)] * 32)
+    assert attention.scaled(2 * profile.tokens).layers[0].layer_tiled_extra_s == pytest.approx(0.5 * 2 + 0.5 * 4)

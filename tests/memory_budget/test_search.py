@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from step_profiles import long_profile, s1_profile
+from step_profiles import long_profile, s1_profile, tiled_layer_profile
 
 from hf_offload.memory_budget import calibrate, checks, search, spec
 from hf_offload.memory_budget import profile as step_profile
@@ -316,6 +316,67 @@ def test_the_refusal_names_the_untiled_plan_where_tiling_peaks_higher() -> None:
     with pytest.raises(InfeasibleBudgetError) as error:
         choose_plan(profile, 30 * GIB)
     assert error.value.lowest_plan.code == "C" * 32 and f"({untiled} bytes; plan 'CCCC" in str(error.value)
+
+
+# Layers tiled whole (longer context still)
+
+
+def test_layers_are_tiled_whole_only_when_no_exact_plan_and_no_tiled_mlps_fit() -> None:
+    """Every layer tiled whole peaks at 28.5 GiB, with tiled MLPs at 39, fully checkpointed at 78: each budget gets
+    the fastest kind of plan that fits, and whole layers only below what tiled MLPs reach."""
+    profile = tiled_layer_profile()
+    for budget_gib in (80, 60, 40):  # an exact plan, then tiled MLPs
+        plan = choose_plan(profile, budget_gib * GIB)
+        assert not set(plan.code) & set("Ll") and plan.layer_tile_tokens == 0 and plan.tiled_whole_layers == []
+    assert not set(choose_plan(profile, 80 * GIB).code) & set("TtLl")
+    for budget_gib in (35, 30):
+        plan = choose_plan(profile, budget_gib * GIB)
+        # The last layer's input, needed first in backward, is kept: no copy, and the peak has room for it.
+        assert plan.code == "L" * 31 + "l", plan.code
+        assert plan.layer_tile_tokens == 4096 and plan.tile_tokens == 0 and plan.tiled_whole_layers == list(range(32))
+        assert plan.predicted.peak_bytes <= budget_gib * GIB
+        assert "32 layers run whole in chunks of 4096 tokens" in plan.format_table()
+        assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+        assert plan_of(profile, plan.code, budget_gib * GIB).layer_tile_tokens == 4096
+    # A measured plan of layers tiled whole, however fast, does not replace a plan with tiled MLPs that fits, nor an
+    # exact one; where only it fits, it is chosen by its measurement.
+    fast = MeasuredStep("L" * 32, step_s=0.001, peak_bytes=28 * GIB)
+    assert choose_plan(profile, 40 * GIB, measured=[fast]).code == choose_plan(profile, 40 * GIB).code
+    assert (
+        choose_plan(profile, 80 * GIB, measured=[fast], measured_only=True).code == choose_plan(profile, 80 * GIB).code
+    )
+    assert choose_plan(profile, 30 * GIB, measured=[fast]).measured == fast
+    # Switched off (not measured): the same budget is refused.
+    with pytest.raises(InfeasibleBudgetError):
+        choose_plan(tiled_layer_profile(layer_tile_tokens=0), 35 * GIB)
+
+
+def test_polishing_moves_layers_tiled_whole_to_tiled_mlps_where_the_peak_allows() -> None:
+    # As for tiled MLPs: the first layers' backward comes when the later layers' gradients are not all created yet
+    # and their inputs are gone, so the layers from some point on can do with the faster tiled MLP.
+    layers = [dataclasses.replace(tiled_layer_profile().layers[0], parameter_gradient_bytes=GIB // 2)] * 32
+    profile = tiled_layer_profile(layers=layers, gradient_bytes=16 * GIB, static_bytes=10 * GIB)
+    assert simulate(profile, "T" * 32).peak_bytes > 45 * GIB  # tiled MLPs alone do not fit
+    plan = choose_plan(profile, 45 * GIB)
+    assert set(plan.code) <= set("LlTt") and "L" in plan.code and "T" in plan.code, plan.code
+    assert plan.code.rindex("L") < plan.code.index("T")  # the later layers, whose backward comes first
+    assert plan.tile_tokens == plan.layer_tile_tokens == 4096
+    assert plan.predicted.peak_bytes <= 45 * GIB
+    assert plan.predicted.step_s < simulate(profile, "L" * 32).step_s
+
+
+def test_the_refusal_names_the_lowest_plan_layers_tiled_whole_included() -> None:
+    with pytest.raises(InfeasibleBudgetError, match="with every layer tiled whole") as error:
+        choose_plan(tiled_layer_profile(), 20 * GIB)
+    lowest = simulate(tiled_layer_profile(), "L" * 32).peak_bytes
+    assert error.value.lowest_plan.code == "L" * 32 and f"({lowest} bytes; plan 'LLLL" in str(error.value)
+    assert error.value.minimum_bytes == lowest
+    # Where tiling whole layers would peak higher than tiling MLPs (a large working set), the refusal names the MLPs'.
+    costly = tiled_layer_profile(layer_tiled_backward_working_bytes=30 * GIB)
+    assert simulate(costly, "L" * 32).peak_bytes > simulate(costly, "T" * 32).peak_bytes
+    with pytest.raises(InfeasibleBudgetError, match="with every layer's MLP tiled") as error:
+        choose_plan(costly, 20 * GIB)
+    assert error.value.lowest_plan.code == "T" * 32 and "tiled whole" not in str(error.value)
 
 
 def test_a_plan_of_any_code_gets_the_widest_window_that_fits() -> None:

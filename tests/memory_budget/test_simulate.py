@@ -10,7 +10,7 @@ import json
 import math
 
 import pytest
-from step_profiles import long_profile, s1_profile, tiny_profile
+from step_profiles import long_profile, s1_profile, tiled_layer_profile, tiny_profile
 
 from hf_offload.memory_budget import simulate as step_model
 from hf_offload.memory_budget.search import choose_plan
@@ -257,6 +257,40 @@ def test_a_tiled_layer_holds_one_chunk_of_its_mlp() -> None:
     assert tiled.layers[0].offload_input and not simulate(profile, "t" * 32).layers[0].offload_input
     # The recompute of a tiled layer runs its MLP's forward once more.
     assert tiled.step_s == pytest.approx(simulate(profile, "C" * 32).step_s + 32 * 0.2)
+
+
+def test_a_layer_tiled_whole_holds_its_own_working_set_and_one_chunk() -> None:
+    profile = tiled_layer_profile()
+    # static + what the tiled layer's forward holds + a chunk + its backward's working bytes + one reload.
+    tiled = simulate(profile, "L" * 32)
+    assert tiled.peak_bytes == int((16 + 6 + 0.5 + 4 + 2) * GIB) and tiled.peak_at == "backward layer 31"
+    assert [layer.action for layer in tiled.layers] == ["tiled_layer"] * 32
+    # It holds and sends what a full checkpoint does: nothing and its input, or its input and nothing.
+    assert [(layer.held_bytes, layer.offloaded_bytes) for layer in tiled.layers] == [(0, 2 * GIB)] * 32
+    kept = simulate(profile, "l" * 32)
+    assert [(layer.held_bytes, layer.offloaded_bytes) for layer in kept.layers] == [(2 * GIB, 0)] * 32
+    assert not kept.layers[0].offload_input and kept.host_bytes == 0
+    # Kept inputs pile up: at the last layer's backward, the 31 before it.
+    assert kept.peak_bytes == int((16 + 31 * 2 + 6 + 0.5 + 4) * GIB)
+    # Its recompute is a full checkpoint's and what tiling the whole layer adds.
+    full = simulate(profile, "C" * 32)
+    assert tiled.step_s == pytest.approx(full.step_s + 32 * 1.0)
+    assert tiled.layers[0].recompute_s == pytest.approx(full.layers[0].recompute_s + 1.0)
+    # Its forward holds `layer_tiled_saved_bytes` and a chunk: with nothing on top in backward, the peak is in the
+    # forward (of layer 1, while layer 0's input is on its way to the host), as early as the backward's.
+    layer = dataclasses.replace(profile.layers[0], layer_tiled_saved_bytes=30 * GIB)
+    heavy = simulate(tiled_layer_profile(layer_tiled_backward_working_bytes=0, layers=[layer] * 32), "L" * 32)
+    assert (heavy.peak_bytes, heavy.peak_at) == (int((16 + 2 + 30 + 0.5) * GIB), "forward layer 1")
+    assert "layer tiled, input offloaded" in choose_plan(profile, 30 * GIB).format_table()
+
+
+def test_tiling_whole_layers_needs_its_measurement() -> None:
+    with pytest.raises(ValueError, match=r"tiles whole layers \(L, l\), but this profile has no tiled measurement .*"
+                                         r"layer_tile_tokens=0"):  # fmt: skip
+        simulate(long_profile(), "L" * 32)
+    with pytest.raises(ValueError, match="layer_tile_tokens=262144"):  # a step of one chunk runs untiled
+        simulate(tiled_layer_profile(layer_tile_tokens=262144), "l" * 32)
+    assert "L" not in step_model.layer_options(long_profile(), long_profile().layers[0])
 
 
 # The plan as data

@@ -44,6 +44,8 @@ from hf_offload.memory_budget.tiled_layer import (
     TiledLayerHandle,
     apply_tiled_layer,
     backward_bytes_per_token,
+    forward_bytes_per_token,
+    layer_bytes_per_token,
 )
 from hf_offload.model import find_decoder_layers
 
@@ -634,3 +636,48 @@ def test_backward_peak_bytes_per_token():
     assert count <= measured <= count + statistics
     assert 3 * tiled["sequence_peak_bytes"] <= untiled["sequence_peak_bytes"]
     assert backward_bytes_per_token(4096, 32, 8, 128, 2) == 39.5 * 1024
+
+
+def test_forward_peak_bytes_per_token():
+    """What a tiled layer's forward holds at once besides its input, for the planner: the sequence-long bytes alive
+    over the forward, counted under a dispatch mode (the input, made before, aside), are `forward_bytes_per_token`,
+    plus one head group's softmax statistics; `layer_bytes_per_token` reads both counts from the layer's config."""
+    tokens, chunk = 300, 64
+    shape = tiled_layer_memory.SHAPES["8b/16"]
+    model = tiled_layer_memory.build_model("8b/16", "cpu")
+    layer = model.model.layers[0]
+    positions = torch.arange(tokens)[None]
+    x = torch.randn(1, tokens, shape["hidden"], dtype=torch.bfloat16).requires_grad_()
+    rotary = model.model.rotary_emb(x, positions)
+    exclude = {tiled_layer_memory.StorageWeakRef(p.untyped_storage()).cdata for p in model.parameters()}
+    meter = tiled_layer_memory.LiveBytes(tokens, exclude)
+    with apply_tiled_layer(model, chunk), meter:
+        meter.reset_peak()
+        y = layer(x, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+    del y
+    count = forward_bytes_per_token(shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], 2)
+    statistics = (shape["heads"] // MAX_HEAD_GROUPS) * 4
+    assert count <= meter.sequence_peak / tokens <= count + statistics
+    assert forward_bytes_per_token(4096, 32, 8, 128, 2) == 16 * 1024  # attention's output and the layer's: A + X
+    counts = (count, backward_bytes_per_token(shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], 2))
+    assert layer_bytes_per_token(layer, 2) == counts
+    assert layer_bytes_per_token(nn.Linear(2, 2), 2) is None  # no attention to read the shape of
+
+
+def test_call_op_runs_the_op_through_the_callers_function():
+    """The planner's layer actions run a kept-input layer's op inside a region of the engine: `call_op(function,
+    *args)` gets the op and its arguments, and what it returns is the layer's output."""
+    model = tiny("llama", attn="sdpa")
+    embeds, labels = batch(model)
+    calls = []
+
+    def call_op(function, *args):
+        calls.append(len(args))
+        return function(*args)
+
+    with apply_tiled_layer(model, TOKENS_PER_CHUNK):
+        ref = step(model, embeds, labels)
+    with apply_tiled_layer(model, TOKENS_PER_CHUNK, call_op=call_op):
+        got = step(model, embeds, labels)
+    assert len(calls) == LAYERS
+    assert_bitwise(got, ref)
