@@ -46,16 +46,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
-from .host_memory import (
-    HostBlock,
-    HostCaps,
-    HostReserve,
-    PinnedHostPool,
-    default_host_memory_reserve,
-    host_caps,
-    host_memory_cap,
-    read_host_memory,
-)
+from .host_memory import HostBlock, HostCaps, PinnedHostPool, host_memory_cap, host_reserve
 from .options import DEFAULT_WINDOW_BYTES, MIB, OffloadOptions, current_accelerator_type
 from .peak import DevicePeakCounter, PeakReport, StepPeakWatch, queue_after_backward
 from .policy import TailPlanner, kept_reason, parameter_storages, storage_span
@@ -1119,24 +1110,15 @@ class OffloadActivations(saved_tensors_hooks):
     def _host_pool(self) -> PinnedHostPool:
         if self._pool is None:
             cap = host_memory_cap(self.options.max_pinned_memory_fraction, self.options.max_pinned_bytes)
-            self._pool = PinnedHostPool(cap, pin_memory=self.use_pin_memory, reserve=self._host_reserve())
+            reserve = host_reserve(self.options.host_memory_reserve_bytes, self.options.memory_budget is not None)
+            self._pool = PinnedHostPool(cap, pin_memory=self.use_pin_memory, reserve=reserve)
         return self._pool
-
-    def _host_reserve(self) -> HostReserve | None:
-        """The floor of available host memory the pool keeps: the option's; by default one under a memory budget
-        (`default_host_memory_reserve`) and none without (the cap alone, as before there was a reserve)."""
-        reserve_bytes = self.options.host_memory_reserve_bytes
-        if reserve_bytes is None and self.options.memory_budget is not None:
-            reserve_bytes = default_host_memory_reserve(read_host_memory().total_bytes)
-        return None if reserve_bytes is None else HostReserve(reserve_bytes)
 
     def host_caps(self) -> HostCaps:
         """The pinned host memory a memory plan may count on now: the pool's cap, and how far it may grow past it (a
         default cap under a memory budget, down to the reserve; a cap the user set is kept)."""
-        pool = self._host_pool()
         hard = self.options.max_pinned_memory_fraction is not None or self.options.max_pinned_bytes is not None
-        growable = not hard and self.options.memory_budget is not None
-        return host_caps(pool.default_cap_bytes, pool.capacity, pool.reserve, growable)
+        return self._host_pool().caps(growable=not hard and self.options.memory_budget is not None)
 
     def set_host_cap(self, cap_bytes: int) -> None:
         """Makes `cap_bytes` the pool's cap (a memory plan's: at most `host_caps().most_bytes`); the reserve is still

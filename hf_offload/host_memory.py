@@ -43,6 +43,7 @@ __all__ = [
     "default_host_memory_reserve",
     "host_caps",
     "host_memory_cap",
+    "host_reserve",
     "local_world_size",
     "read_host_memory",
 ]
@@ -184,6 +185,15 @@ class HostReserve:
     def allows(self, nbytes: int) -> bool:
         """Whether taking `nbytes` more now leaves the reserve available, as read at this moment."""
         return self.read().available_bytes - nbytes >= self.reserve_bytes
+
+
+def host_reserve(reserve_bytes: int | None, memory_budget: bool) -> HostReserve | None:
+    """The reserve a pool keeps: `reserve_bytes` where the user gave it (0 included); else, under a memory budget
+    (`memory_budget`), `default_host_memory_reserve` of this host, and without one none (the cap alone, as before
+    there was a reserve)."""
+    if reserve_bytes is None and memory_budget:
+        reserve_bytes = default_host_memory_reserve(read_host_memory().total_bytes)
+    return None if reserve_bytes is None else HostReserve(reserve_bytes)
 
 
 @dataclass(frozen=True)
@@ -423,6 +433,11 @@ class PinnedHostPool:
                 else:
                     merged.append((offset, length))
             self._free[index] = merged
+
+    def caps(self, growable: bool) -> HostCaps:
+        """What a memory plan may count on now (`host_caps`), with the cap the pool was made with; `growable`: that cap
+        may be raised (a default one, under a memory budget)."""
+        return host_caps(self.default_cap_bytes, self.capacity, self.reserve, growable)
 
     def bytes_in_use(self) -> int:
         with self._lock:

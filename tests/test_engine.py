@@ -373,7 +373,6 @@ def test_a_failed_pinned_allocation_keeps_tensors_on_device_with_one_warning(cap
 def test_where_the_pool_has_a_reserve_and_may_grow_past_its_cap(monkeypatch, options, reserve, grows) -> None:
     monkeypatch.setattr("hf_offload.host_memory.read_host_memory", lambda: HostMemory(128 * 2**30, 100 * 2**30))
     monkeypatch.setattr("hf_offload.host_memory.psutil.virtual_memory", lambda: SimpleNamespace(available=100 * 2**30))
-    monkeypatch.setattr("hf_offload.engine.read_host_memory", lambda: HostMemory(128 * 2**30, 100 * 2**30))
     engine = cpu_engine(**options)
     pool = engine._host_pool()
     expected = default_host_memory_reserve(128 * 2**30) if reserve == "default" else reserve
