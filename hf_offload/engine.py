@@ -1092,9 +1092,9 @@ class OffloadActivations(saved_tensors_hooks):
         pool = self._pool
         if pool.refusal == "reserve":
             self.warn_once("host_reserve", "the host's available memory reached the reserve the pinned pool leaves "
-                           f"({pool.reserve.reserve_bytes / MIB:.0f} MiB, host_memory_reserve) with the pool at "
+                           f"({pool.reserve.reserve_bytes / MIB:.0f} MiB) with the pool at "
                            f"{pool.capacity / MIB:.0f} MiB: further activations stay on the GPU. Lower "
-                           "host_memory_reserve if the host has the room.")  # fmt: skip
+                           "host_memory_reserve_bytes (host_memory_reserve_mib) if the host has the room.")  # fmt: skip
             self._stats.kept("host_reserve", nbytes)
         elif pool.refusal == "failed":
             self.warn_once("pinned_alloc_failed", f"allocating pinned host memory failed ({pool.failure}) with the "
