@@ -149,7 +149,7 @@ def default_host_memory_reserve(total_bytes: int) -> int:
     quarter keeps a small host (16 GiB: 4 GiB) usable.
 
     Example:
-        >>> [default_host_memory_reserve(n * GIB) / GIB for n in (16, 64, 128, 1024)]
+        >>> [round(default_host_memory_reserve(n * GIB) / GIB, 1) for n in (16, 64, 128, 1024)]
         [4.0, 8.0, 12.8, 102.4]
     """
     return int(min(max(_RESERVE_AT_LEAST, total_bytes * _RESERVE_SHARE), total_bytes * _RESERVE_AT_MOST_SHARE))

@@ -386,3 +386,12 @@ def test_a_rank_that_plans_after_the_others_grew_gets_what_they_left() -> None:
     assert first.capacity == 32 * MIB
     second.cap_bytes = host_caps(GIB, second.capacity, second.reserve, growable=True).most_bytes
     assert second.cap_bytes == 16 * MIB  # half of the 32 MiB left: never more than what the host has above the reserve
+
+
+def test_the_host_memory_examples() -> None:
+    import doctest
+
+    from hf_offload import host_memory
+
+    results = doctest.testmod(host_memory)
+    assert results.attempted >= 4 and results.failed == 0
