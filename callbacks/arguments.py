@@ -13,7 +13,7 @@ from typing import Any
 
 import transformers
 
-from hf_offload.options import OffloadOptions, check_budget_for_device, format_option_doc
+from hf_offload.options import OffloadOptions, check_budget_for_device, check_host_memory_reserve, format_option_doc
 from hf_offload.units import MIB
 
 __all__ = [
@@ -121,6 +121,8 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
             values[option.name] = rule.check(getattr(self, argument), argument, unit)
         check_budget_for_device(values["memory_budget"], values["device_type"], ARGUMENT_PREFIX + "memory_budget",
                                 ARGUMENT_PREFIX + "device_type")  # fmt: skip
+        check_host_memory_reserve(values["host_memory_reserve_bytes"], ARGUMENT_PREFIX + "host_memory_reserve_mib",
+                                  "MiB")  # fmt: skip
         return OffloadOptions(**values)
 
     def _checkpointing_kwargs(self) -> list[str]:

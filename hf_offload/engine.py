@@ -46,7 +46,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
-from .host_memory import HostBlock, PinnedHostPool, host_memory_cap
+from .host_memory import HostBlock, HostCaps, PinnedHostPool, host_memory_cap, host_reserve
 from .options import DEFAULT_WINDOW_BYTES, MIB, OffloadOptions, current_accelerator_type
 from .peak import DevicePeakCounter, PeakReport, StepPeakWatch, queue_after_backward
 from .policy import TailPlanner, kept_reason, parameter_storages, storage_span
@@ -799,10 +799,7 @@ class OffloadActivations(saved_tensors_hooks):
             return _kept(tensor)
         block = self._host_pool().allocate(nbytes)
         if block is None:
-            self.warn_once("over_host_cap", f"the pinned host pool reached its cap ({self._pool.cap_bytes / MIB:.0f} "
-                            "MiB): further activations stay on the GPU. Raise max_pinned_memory_fraction or "
-                            "max_pinned_bytes if the host has room.")  # fmt: skip
-            self._stats.kept("over_host_cap", nbytes)
+            self._host_refused(nbytes)
             return _kept(tensor)
         lane = self._lane(tensor.device)
         copy = _HostCopy(self, lane, self._pool, block, tensor, start, numel, position, self._step)
@@ -1097,11 +1094,43 @@ class OffloadActivations(saved_tensors_hooks):
             lane = self._lanes[device] = _Lane(device, self._device_module, self.options.use_streams)
         return lane
 
+    def _host_refused(self, nbytes: int) -> None:
+        """Counts a tensor the pool had no room for, and says once why (its cap, the host's reserve, a failure)."""
+        pool = self._pool
+        if pool.refusal == "reserve":
+            self.warn_once("host_reserve", "the host's available memory reached the reserve the pinned pool leaves "
+                           f"({pool.reserve.reserve_bytes / MIB:.0f} MiB) with the pool at "
+                           f"{pool.capacity / MIB:.0f} MiB: further activations stay on the GPU. Lower "
+                           "host_memory_reserve_bytes (host_memory_reserve_mib) if the host has the room.")  # fmt: skip
+            self._stats.kept("host_reserve", nbytes)
+        elif pool.refusal == "failed":
+            self.warn_once("pinned_alloc_failed", f"allocating pinned host memory failed ({pool.failure}) with the "
+                           f"pool at {pool.capacity / MIB:.0f} MiB: the pool grows no more, and activations that do "
+                           "not fit it stay on the GPU.")  # fmt: skip
+            self._stats.kept("pinned_alloc_failed", nbytes)
+        else:
+            self.warn_once("over_host_cap", f"the pinned host pool reached its cap ({pool.cap_bytes / MIB:.0f} MiB): "
+                           "further activations stay on the GPU. Raise max_pinned_memory_fraction or "
+                           "max_pinned_bytes if the host has room.")  # fmt: skip
+            self._stats.kept("over_host_cap", nbytes)
+
     def _host_pool(self) -> PinnedHostPool:
         if self._pool is None:
             cap = host_memory_cap(self.options.max_pinned_memory_fraction, self.options.max_pinned_bytes)
-            self._pool = PinnedHostPool(cap, pin_memory=self.use_pin_memory)
+            reserve = host_reserve(self.options.host_memory_reserve_bytes, self.options.memory_budget is not None)
+            self._pool = PinnedHostPool(cap, pin_memory=self.use_pin_memory, reserve=reserve)
         return self._pool
+
+    def host_caps(self) -> HostCaps:
+        """The pinned host memory a memory plan may count on now: the pool's cap, and how far it may grow past it (a
+        default cap under a memory budget, down to the reserve; a cap the user set is kept)."""
+        hard = self.options.max_pinned_memory_fraction is not None or self.options.max_pinned_bytes is not None
+        return self._host_pool().caps(growable=not hard and self.options.memory_budget is not None)
+
+    def set_host_cap(self, cap_bytes: int) -> None:
+        """Makes `cap_bytes` the pool's cap (a memory plan's: at most `host_caps().most_bytes`); the reserve is still
+        checked at each growth."""
+        self._host_pool().cap_bytes = cap_bytes
 
     def _pinned_bytes(self) -> int:
         return 0 if self._pool is None else self._pool.capacity

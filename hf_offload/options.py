@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .host_memory import read_host_memory
 from .memory_budget.spec import parse_memory_budget
 from .units import MIB
 
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT_WINDOW_BYTES",
     "current_accelerator_type",
     "check_budget_for_device",
+    "check_host_memory_reserve",
     "format_option_doc",
 ]
 
@@ -226,6 +228,33 @@ def check_budget_for_device(memory_budget: Any, device_type: str | None, budget_
         )
 
 
+def check_host_memory_reserve(reserve_bytes: int | None, name: str = "host_memory_reserve_bytes",
+                              unit: str = "bytes", total_bytes: int | None = None) -> None:  # fmt: skip
+    """Refuses a reserve of all the host's memory or more: the pinned pool could then never hold a byte, and every
+    activation would stay on the accelerator, which is a mistake in the unit (bytes for MiB) rather than a choice.
+
+    Args:
+        reserve_bytes: the reserve, in bytes (None: the default, always valid).
+        name, unit: the option's name and unit as the user wrote it (`host_memory_reserve_mib`, `"MiB"`).
+        total_bytes: the host's memory (`host_memory.read_host_memory`'s by default).
+
+    Raises:
+        ValueError: naming the option, the host's memory and the values allowed, in `unit`.
+    """
+    if reserve_bytes is None:
+        return
+    if total_bytes is None:
+        total_bytes = read_host_memory().total_bytes
+    if reserve_bytes >= total_bytes:
+
+        def shown(nbytes: int) -> str:
+            return f"{nbytes / MIB:.10g} MiB" if unit == "MiB" else f"{nbytes} bytes"
+
+        raise ValueError(f"{name} must be None or less than this host's memory, {shown(total_bytes)} (it is the host "
+                         "memory the pinned pool leaves available; 0 for no reserve), got "
+                         f"{shown(reserve_bytes)}")  # fmt: skip
+
+
 def format_option_doc(name: str, type_text: str, default: Any, help: str) -> str:
     """One entry of a Hugging Face style `Args:` / `Parameters:` list, indented for a class docstring."""
     default_text = f"{default:g}" if isinstance(default, float) else repr(default)
@@ -302,13 +331,22 @@ class OffloadOptions:
     keep_tail: bool = _option(
         True, Rule(_FLAG), "Keep the end of the forward, which backward needs first, on the accelerator (learned "
         "from the first step).", argument="keep_tail")  # fmt: skip
-    max_pinned_memory_fraction: float = _option(
-        0.5, Rule(_FRACTION, maximum=0.9), "Cap on pinned host memory, as a fraction (at most 0.9) of the host memory "
-        "available, shared by the processes on one host. Past the cap activations stay on the accelerator (one "
-        "warning).", argument="max_pinned_memory_fraction")  # fmt: skip
+    max_pinned_memory_fraction: float | None = _option(
+        None, Rule(_FRACTION, maximum=0.9, optional=True), "Cap on pinned host memory, as a fraction (at most 0.9) of "
+        "the host memory available, shared by the processes on one host. Past the cap activations stay on the "
+        "accelerator (one warning). `None` (`none` on the command line): 0.5, which a memory_budget's plan may go "
+        "past, down to host_memory_reserve, when no exact plan fits within it; a fraction set here is a cap the plan "
+        "keeps to.", argument="max_pinned_memory_fraction")  # fmt: skip
     max_pinned_bytes: int | None = _option(
-        None, Rule(_BYTES, optional=True), "Explicit cap on pinned host memory; overrides the fraction.",
-        argument="max_pinned_mib", argument_unit="MiB")  # fmt: skip
+        None, Rule(_BYTES, optional=True), "Explicit cap on pinned host memory; overrides the fraction, and a "
+        "memory_budget's plan keeps to it.", argument="max_pinned_mib", argument_unit="MiB")  # fmt: skip
+    host_memory_reserve_bytes: int | None = _option(
+        None, Rule(_BYTES, optional=True), "Host memory the pinned pool always leaves available (MemAvailable, within "
+        "a container's memory limit): a floor for the whole host, whose processes share what lies above it. Every "
+        "growth of the pool checks it; past it activations stay on the accelerator (one warning). `None` (`none` on "
+        "the command line): with a memory_budget, 10% of the host's memory, at least 8 GiB and at most a quarter of "
+        "it; without one, no reserve (the cap alone). `0`: no reserve.", argument="host_memory_reserve_mib",
+        argument_unit="MiB")  # fmt: skip
     device_type: str | None = _option(
         None, Rule(_DEVICE, optional=True), "For testing. The device type whose tensors are offloaded; `None` means "
         "the current accelerator (with none, offloading is inactive and says so once). `'cpu'` moves CPU tensors "
@@ -349,6 +387,7 @@ class OffloadOptions:
             rule = option.metadata["rule"]
             object.__setattr__(self, option.name, rule.check(getattr(self, option.name), option.name))
         check_budget_for_device(self.memory_budget, self.device_type)
+        check_host_memory_reserve(self.host_memory_reserve_bytes)
         if self.min_peak_reduction is not None and self.memory_budget is not None:
             raise ValueError(f"min_peak_reduction={self.min_peak_reduction:g} and memory_budget={self.memory_budget!r} "
                              "cannot be combined: under a memory budget the plan decides what moves (a plan that "

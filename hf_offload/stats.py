@@ -25,6 +25,8 @@ KEPT_REASONS: dict[str, str] = {
     "exempt": "the output head, the loss and Liger kernels",
     "planned": "layers the memory plan keeps on the device",
     "over_host_cap": "the pinned host pool reached its cap",
+    "host_reserve": "growing the pinned host pool would have left less than host_memory_reserve available",
+    "pinned_alloc_failed": "allocating pinned host memory failed",
     "not_on_accelerator": "on another device type",
     "in_backward": "saved during backward (reentrant checkpointing), used at once",
     "unsupported_type": "a tensor subclass (DTensor, quantized, sparse)",

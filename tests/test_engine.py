@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.utils.checkpoint as checkpoint
 
 from hf_offload import NoOpManager, OffloadActivations
 from hf_offload.engine import top_saved_tensors_pack_hook
+from hf_offload.host_memory import HostMemory, PinnedHostPool, default_host_memory_reserve
 
 
 def cpu_engine(**options) -> OffloadActivations:
@@ -322,6 +324,66 @@ def test_host_cap_keeps_tensors_on_device_with_one_warning(caplog) -> None:
     assert stats["tensors_kept_over_host_cap"] > 0 and stats["tensors_offloaded"] > 0
     assert stats["pinned_bytes"] <= 8192
     assert sum("cap" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_the_host_memory_reserve_keeps_tensors_on_device_with_one_warning(caplog, monkeypatch) -> None:
+    model = tiny_mlp()
+    reference = grads_of(model, None)
+    engine = cpu_engine(host_memory_reserve_bytes=2**30)
+    # A host with 8 KiB above the reserve, less what the pool takes (its chunks are host memory too).
+    monkeypatch.setattr("hf_offload.host_memory.read_host_memory",
+                        lambda: HostMemory(2**34, 2**30 + 8192 - engine._pinned_bytes()))  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="hf_offload.engine"):
+        for _ in range(2):
+            assert_bitwise_equal(grads_of(model, engine), reference)
+    stats = engine.get_stats()
+    assert stats["tensors_kept_host_reserve"] > 0 and stats["tensors_offloaded"] > 0
+    assert stats["tensors_kept_over_host_cap"] == 0 and stats["pinned_bytes"] <= 8192
+    assert sum("reserve" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_a_failed_pinned_allocation_keeps_tensors_on_device_with_one_warning(caplog, monkeypatch) -> None:
+    model = tiny_mlp()
+    reference = grads_of(model, None)
+    engine = cpu_engine()
+
+    def fail(self, nbytes: int, exact: bool) -> torch.Tensor:
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(PinnedHostPool, "_new_chunk", fail)
+    with caplog.at_level(logging.WARNING, logger="hf_offload.engine"):
+        for _ in range(2):
+            assert_bitwise_equal(grads_of(model, engine), reference)
+    stats = engine.get_stats()
+    assert stats["tensors_kept_pinned_alloc_failed"] > 0 and stats["tensors_offloaded"] == 0
+    assert sum("allocating pinned host memory failed" in record.getMessage() for record in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "reserve", "grows"),
+    [
+        ({}, None, False),  # without a budget nothing changes: the cap alone
+        ({"host_memory_reserve_bytes": 2**30}, 2**30, False),  # a reserve the user set holds anyway
+        ({"memory_budget": "1GiB"}, "default", True),
+        ({"memory_budget": "1GiB", "max_pinned_memory_fraction": 0.5}, "default", False),  # the user's cap is kept
+        ({"memory_budget": "1GiB", "max_pinned_bytes": 2**20}, "default", False),
+        ({"memory_budget": "1GiB", "host_memory_reserve_bytes": 0}, 0, True),
+    ],
+)
+def test_where_the_pool_has_a_reserve_and_may_grow_past_its_cap(monkeypatch, options, reserve, grows) -> None:
+    monkeypatch.setattr("hf_offload.host_memory.read_host_memory", lambda: HostMemory(128 * 2**30, 100 * 2**30))
+    monkeypatch.setattr("hf_offload.host_memory.psutil.virtual_memory", lambda: SimpleNamespace(available=100 * 2**30))
+    engine = cpu_engine(**options)
+    pool = engine._host_pool()
+    expected = default_host_memory_reserve(128 * 2**30) if reserve == "default" else reserve
+    assert (pool.reserve.reserve_bytes if pool.reserve is not None else None) == expected
+    caps = engine.host_caps()
+    assert caps.default_bytes == pool.cap_bytes
+    assert (caps.most_bytes > caps.default_bytes) == grows
+    if grows:
+        assert caps.most_bytes == 100 * 2**30 - expected
+    engine.set_host_cap(caps.most_bytes)
+    assert pool.cap_bytes == caps.most_bytes and pool.default_cap_bytes == caps.default_bytes
 
 
 def test_noop_manager_and_exempt_regions() -> None:

@@ -15,6 +15,7 @@ import transformers
 
 from hf_offload import OffloadActivations, OffloadOptions, TrainingArguments, get_act_offloading_ctx_manager
 from hf_offload.callbacks.arguments import ARGUMENT_PREFIX, ActivationOffloadingArguments, command_line_help
+from hf_offload.host_memory import HostMemory
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MIB = 2**20
@@ -67,10 +68,12 @@ def test_the_context_builder_names_trls_arguments_in_trls_order():
         ("prefetch_window_bytes", -1, "None or an int number of bytes >= 0"),
         ("prefetch_window_bytes", math.nan, "None or an int number of bytes >= 0"),
         ("keep_tail", None, "True or False"),
-        ("max_pinned_memory_fraction", 0, "a number in (0, 0.9]"),
-        ("max_pinned_memory_fraction", 0.95, "a number in (0, 0.9]"),
-        ("max_pinned_memory_fraction", math.nan, "a number in (0, 0.9]"),
+        ("max_pinned_memory_fraction", 0, "None or a number in (0, 0.9]"),
+        ("max_pinned_memory_fraction", 0.95, "None or a number in (0, 0.9]"),
+        ("max_pinned_memory_fraction", math.nan, "None or a number in (0, 0.9]"),
         ("max_pinned_bytes", -5, "None or an int number of bytes >= 0"),
+        ("host_memory_reserve_bytes", -1, "None or an int number of bytes >= 0"),
+        ("host_memory_reserve_bytes", 1.5, "None or an int number of bytes >= 0"),
         ("device_type", "tpu", "None, 'cpu' or the available accelerator's type"),
         ("tile_mlp", "yes", "'auto', 'true' or 'false'"),
         ("tile_mlp", 1, "'auto', True or False"),
@@ -159,6 +162,36 @@ def test_every_option_from_the_command_line():
     assert parse().activation_offloading is False and parse().offload_options() == OffloadOptions()
 
 
+def test_the_host_memory_reserve_from_the_command_line():
+    args = parse("--activation_offloading_host_memory_reserve_mib", "16384")
+    assert args.offload_options().host_memory_reserve_bytes == 16 * 2**30
+    assert (
+        parse("--activation_offloading_host_memory_reserve_mib", "0").offload_options().host_memory_reserve_bytes == 0
+    )
+    restored = parse("--activation_offloading_host_memory_reserve_mib", "none")
+    assert restored.offload_options().host_memory_reserve_bytes is None
+    assert OffloadOptions().host_memory_reserve_bytes is None and OffloadOptions().max_pinned_memory_fraction is None
+
+
+def test_a_reserve_of_all_the_host_memory_is_refused_in_the_unit_it_was_given(tmp_path, monkeypatch):
+    monkeypatch.setattr("hf_offload.options.read_host_memory", lambda: HostMemory(64 * 2**30, 60 * 2**30))
+    with pytest.raises(ValueError) as error:
+        OffloadOptions(host_memory_reserve_bytes=64 * 2**30)
+    assert str(error.value) == (
+        "host_memory_reserve_bytes must be None or less than this host's memory, 68719476736 bytes (it is the host "
+        "memory the pinned pool leaves available; 0 for no reserve), got 68719476736 bytes"
+    )
+    with pytest.raises(ValueError) as error:  # MiB mistaken for bytes' magnitude
+        TrainingArguments(
+            str(tmp_path), activation_offloading=True, activation_offloading_host_memory_reserve_mib=2**20
+        )
+    assert str(error.value) == (
+        "activation_offloading_host_memory_reserve_mib must be None or less than this host's memory, 65536 MiB (it is "
+        "the host memory the pinned pool leaves available; 0 for no reserve), got 1048576 MiB"
+    )
+    assert OffloadOptions(host_memory_reserve_bytes=64 * 2**30 - 1).host_memory_reserve_bytes == 64 * 2**30 - 1
+
+
 def test_none_on_the_command_line_restores_a_default_of_none():
     args = parse("--activation_offloading_prefetch_window_mib", "none",
                  "--activation_offloading_max_pinned_mib", "None")  # fmt: skip
@@ -175,9 +208,11 @@ def test_none_on_the_command_line_restores_a_default_of_none():
         ("prefetch_window_mib", "-2", "none or a number of MiB >= 0"),
         ("prefetch_window_mib", "nan", "none or a number of MiB >= 0"),
         ("prefetch_window_mib", "lots", "none or a number of MiB >= 0"),
-        ("max_pinned_memory_fraction", "1.5", "a number in (0, 0.9]"),
-        ("max_pinned_memory_fraction", "nan", "a number in (0, 0.9]"),
+        ("max_pinned_memory_fraction", "1.5", "none or a number in (0, 0.9]"),
+        ("max_pinned_memory_fraction", "nan", "none or a number in (0, 0.9]"),
         ("max_pinned_mib", "-1", "none or a number of MiB >= 0"),
+        ("host_memory_reserve_mib", "-1", "none or a number of MiB >= 0"),
+        ("host_memory_reserve_mib", "lots", "none or a number of MiB >= 0"),
         ("device_type", "tpu", "None, 'cpu' or the available accelerator's type"),
         ("tile_mlp", "yes", "'auto', 'true' or 'false'"),
         ("tile_mlp", "maybe", "'auto', 'true' or 'false'"),

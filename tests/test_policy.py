@@ -5,9 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_offload.host_memory import PinnedHostPool, host_memory_cap
+from hf_offload.host_memory import (
+    HostMemory,
+    HostReserve,
+    PinnedHostPool,
+    default_host_memory_reserve,
+    host_caps,
+    host_memory_cap,
+    read_host_memory,
+)
 from hf_offload.policy import TailPlanner, kept_reason, parameter_storages, storage_span
 from hf_offload.stats import OffloadStats
+from hf_offload.units import GIB, MIB
 
 
 def reason(tensor: torch.Tensor, **overrides) -> str | None:
@@ -224,3 +233,165 @@ def test_pool_reserves_about_what_the_step_needs() -> None:
         need += 2**20
     assert need <= large.capacity <= need + 64 * 2**20
     assert large.allocations <= 12
+
+
+# The host memory reserve: a floor of available host memory that the pools of one host never cross.
+
+
+class FakeHost:
+    """A host whose available memory is `free` less what its pools hold; `free` drops when another process takes
+    memory. Its reads are counted."""
+
+    def __init__(self, total: int, free: int) -> None:
+        self.total, self.free, self.pools, self.reads = total, free, [], 0
+
+    def read(self) -> HostMemory:
+        self.reads += 1
+        return HostMemory(self.total, self.free - sum(pool.capacity for pool in self.pools))
+
+    def pool(self, cap: int, reserve: int, local_ranks: int = 1, chunk_bytes: int = 4 * MIB) -> PinnedHostPool:
+        pool = PinnedHostPool(cap, pin_memory=False, chunk_bytes=chunk_bytes,
+                              reserve=HostReserve(reserve, local_ranks, read=self.read))  # fmt: skip
+        self.pools.append(pool)
+        return pool
+
+
+def write_cgroup(root, path: str, limit: str, current: int, inactive_file: int) -> None:
+    folder = root / "sys/fs/cgroup" / path
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "memory.max").write_text(limit + "\n")
+    (folder / "memory.current").write_text(f"{current}\n")
+    (folder / "memory.stat").write_text(f"anon {current - inactive_file}\ninactive_file {inactive_file}\n")
+
+
+def test_read_host_memory_reads_meminfo_and_the_tightest_cgroup_limit_above_the_process(tmp_path) -> None:
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/meminfo").write_text("MemTotal:       131072000 kB\nMemFree:  1000 kB\n"
+                                           "MemAvailable:   104857600 kB\n")  # fmt: skip
+    assert read_host_memory(str(tmp_path)) == HostMemory(131072000 * 1024, 104857600 * 1024)  # no cgroup file
+    (tmp_path / "proc/self/cgroup").write_text("0::/pod/trainer\n")
+    write_cgroup(tmp_path, "pod/trainer", "max", 5 * GIB, 0)  # no limit of its own
+    write_cgroup(tmp_path, "pod", str(64 * GIB), 40 * GIB, 8 * GIB)  # 64 GiB, 32 used beside reclaimable cache
+    assert read_host_memory(str(tmp_path)) == HostMemory(64 * GIB, 32 * GIB)
+    write_cgroup(tmp_path, "pod/trainer", str(48 * GIB), 30 * GIB, 0)  # a tighter one below it
+    assert read_host_memory(str(tmp_path)) == HostMemory(48 * GIB, 18 * GIB)
+
+
+def test_read_host_memory_of_this_machine_is_plausible() -> None:
+    memory = read_host_memory()
+    assert 0 < memory.available_bytes <= memory.total_bytes
+
+
+def test_the_default_reserve_is_a_tenth_of_the_host_at_least_8_gib_at_most_a_quarter() -> None:
+    assert default_host_memory_reserve(16 * GIB) == 4 * GIB
+    assert default_host_memory_reserve(64 * GIB) == 8 * GIB
+    assert default_host_memory_reserve(128 * GIB) == int(12.8 * GIB)
+    assert default_host_memory_reserve(1024 * GIB) == int(102.4 * GIB)
+
+
+def test_host_caps_without_a_reserve_are_the_cap() -> None:
+    caps = host_caps(10 * GIB, 0, None, growable=True)
+    assert (caps.default_bytes, caps.most_bytes, caps.reserve_bytes) == (10 * GIB, 10 * GIB, 0)
+
+
+def test_host_caps_grow_down_to_the_reserve_only_where_the_cap_may_grow() -> None:
+    host = FakeHost(128 * GIB, 100 * GIB)
+    reserve = HostReserve(12 * GIB, 1, read=host.read)
+    grown = host_caps(50 * GIB, 0, reserve, growable=True)
+    assert (grown.default_bytes, grown.most_bytes, grown.reserve_bytes) == (50 * GIB, 88 * GIB, 12 * GIB)
+    kept = host_caps(50 * GIB, 0, reserve, growable=False)  # the user's cap
+    assert kept.default_bytes == kept.most_bytes == 50 * GIB
+    host.free = 40 * GIB  # the reserve leaves less than the cap: the plan may not count on the cap either
+    tight = host_caps(50 * GIB, 0, reserve, growable=True)
+    assert tight.default_bytes == tight.most_bytes == 28 * GIB
+
+
+def test_host_caps_count_what_the_pool_holds_as_its_own() -> None:
+    host = FakeHost(128 * GIB, 100 * GIB)
+    pool = host.pool(cap=1 * GIB, reserve=12 * GIB, chunk_bytes=GIB)
+    pool.allocate(GIB)  # no longer available on the host, but the pool's
+    caps = host_caps(GIB, pool.capacity, pool.reserve, growable=True)
+    assert caps.most_bytes == 88 * GIB
+
+
+def test_the_pool_never_grows_below_the_reserve_as_available_memory_drops() -> None:
+    host = FakeHost(64 * GIB, 8 * GIB + 64 * MIB)
+    pool = host.pool(cap=GIB, reserve=8 * GIB, chunk_bytes=4 * MIB)
+    blocks = [pool.allocate(4 * MIB) for _ in range(4)]
+    assert all(blocks) and pool.capacity == 16 * MIB
+    host.free -= 40 * MIB  # another process takes memory: 8 MiB above the reserve are left
+    assert pool.allocate(4 * MIB) is not None and pool.allocate(4 * MIB) is not None
+    assert pool.allocate(4 * MIB) is None and pool.refusal == "reserve"
+    assert host.read().available_bytes >= 8 * GIB
+    pool.free(blocks[0])  # what the pool holds is still used: no growth needed
+    assert pool.allocate(4 * MIB) is not None
+
+
+def test_the_reserve_is_read_at_each_growth_not_only_when_the_pool_is_made() -> None:
+    host = FakeHost(64 * GIB, 9 * GIB)
+    pool = host.pool(cap=2 * GIB, reserve=8 * GIB, chunk_bytes=4 * MIB)
+    assert pool.allocate(4 * MIB) is not None
+    reads = host.reads
+    host.free = 8 * GIB  # dropped after the pool was made
+    assert pool.allocate(4 * MIB) is None and pool.refusal == "reserve" and host.reads > reads
+
+
+def test_a_growth_takes_only_the_request_where_a_doubled_chunk_would_cross_the_reserve() -> None:
+    host = FakeHost(64 * GIB, 8 * GIB + 20 * MIB)
+    pool = host.pool(cap=GIB, reserve=8 * GIB, chunk_bytes=64 * MIB)
+    pool.allocate(2 * MIB)
+    pool.allocate(14 * MIB)  # a doubling chunk would be 16 MiB: 2 + 16 > 20 MiB above the reserve
+    assert pool.capacity == 16 * MIB and host.read().available_bytes == 8 * GIB + 4 * MIB
+
+
+def test_the_ranks_of_a_host_share_the_room_above_the_reserve() -> None:
+    host = FakeHost(128 * GIB, 8 * GIB + 64 * MIB)
+    ranks = [host.pool(cap=GIB, reserve=8 * GIB, local_ranks=4, chunk_bytes=4 * MIB) for _ in range(4)]
+    for pool in ranks:  # each raises its cap to its share, as a plan does
+        pool.cap_bytes = host_caps(pool.default_cap_bytes, pool.capacity, pool.reserve, growable=True).most_bytes
+    assert [pool.cap_bytes for pool in ranks] == [16 * MIB] * 4
+    for _ in range(8):
+        for pool in ranks:
+            pool.allocate(2 * MIB)
+    assert host.read().available_bytes >= 8 * GIB
+    assert sum(pool.capacity for pool in ranks) == 64 * MIB  # together, all of the room, none of the reserve
+
+
+def test_a_failed_pinned_allocation_degrades_and_is_not_tried_again(monkeypatch) -> None:
+    pool = PinnedHostPool(cap_bytes=GIB, pin_memory=False, chunk_bytes=4 * MIB)
+    assert pool.allocate(MIB) is not None
+    tries = []
+
+    def fail(nbytes: int, exact: bool) -> torch.Tensor:
+        tries.append(nbytes)
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    monkeypatch.setattr(pool, "_new_chunk", fail)
+    assert pool.allocate(8 * MIB) is None and pool.refusal == "failed" and "cudaHostAlloc" in pool.failure
+    assert pool.allocate(8 * MIB) is None and len(tries) == 1  # each try costs and synchronises the device
+    assert pool.allocate(MIB) is not None  # what it holds is still used
+
+
+def test_host_memory_cap_without_a_fraction_is_the_default_half() -> None:
+    default, half = host_memory_cap(None, None), host_memory_cap(0.5, None)
+    assert abs(default - half) <= half * 0.05
+
+
+def test_a_rank_that_plans_after_the_others_grew_gets_what_they_left() -> None:
+    host = FakeHost(128 * GIB, 8 * GIB + 64 * MIB)
+    first, second = (host.pool(cap=GIB, reserve=8 * GIB, local_ranks=2, chunk_bytes=4 * MIB) for _ in range(2))
+    first.cap_bytes = host_caps(GIB, first.capacity, first.reserve, growable=True).most_bytes
+    while first.allocate(4 * MIB) is not None:
+        pass
+    assert first.capacity == 32 * MIB
+    second.cap_bytes = host_caps(GIB, second.capacity, second.reserve, growable=True).most_bytes
+    assert second.cap_bytes == 16 * MIB  # half of the 32 MiB left: never more than what the host has above the reserve
+
+
+def test_the_host_memory_examples() -> None:
+    import doctest
+
+    from hf_offload import host_memory
+
+    results = doctest.testmod(host_memory)
+    assert results.attempted >= 4 and results.failed == 0

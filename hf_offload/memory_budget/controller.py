@@ -57,6 +57,7 @@ from ..model import find_decoder_layers, find_output_head, first_tensor
 from ..peak import queue_after_backward
 from ..random_state import random_state_untouched
 from .calibrate import Calibration, calibrate
+from .host import choose_plan_with_host
 from .layer_actions import AppliedActions, apply_layer_actions
 from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_bandwidth, probe_layer
 from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
@@ -580,7 +581,7 @@ class MemoryBudgetController:
             other_s=0.0,
             d2h_bytes_per_s=measured.d2h_bytes_per_s,
             h2d_bytes_per_s=measured.h2d_bytes_per_s,
-            host_cap_bytes=engine._host_pool().cap_bytes if engine is not None else 0,
+            host_cap_bytes=engine.host_caps().default_bytes if engine is not None else 0,
             tokens=measured.step_tokens,
             **_tiled_fields(probes, self._tile_tokens, *_MLP_TILING),
             **_tiled_fields(probes, self._layer_tile_tokens, *_LAYER_TILING),
@@ -653,7 +654,7 @@ class MemoryBudgetController:
             measured = self._measured_plans(profile)
             calibrated = self._calibrated(profile, measured)
             try:
-                plan = choose_plan(calibrated, budget_bytes, margin_bytes, measured)
+                plan = self._choose(calibrated, budget_bytes, margin_bytes, measured)
             except InfeasibleBudgetError as error:
                 if first:
                     raise
@@ -661,6 +662,22 @@ class MemoryBudgetController:
             return (self._trial(calibrated, plan, measured, budget_bytes, margin_bytes) if first else None) or plan
 
         self._use(_same_on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
+
+    def _choose(self, profile: StepProfile, budget_bytes: int, margin_bytes: int, measured: list[MeasuredStep],
+                measured_only: bool = False) -> Plan:  # fmt: skip
+        """`choose_plan`, with the pinned pool's cap raised down to the host's reserve where that is what makes the
+        step fit (`host.choose_plan_with_host`).
+
+        Raises:
+            InfeasibleBudgetError: as `choose_plan`, with the most host the pool may take.
+        """
+        engine = self._engine()
+        caps = engine.host_caps() if engine is not None else None
+        return choose_plan_with_host(
+            lambda candidate: choose_plan(candidate, budget_bytes, margin_bytes, measured, measured_only=measured_only),
+            profile, caps.most_bytes if caps is not None else profile.host_cap_bytes,
+            caps.reserve_bytes if caps is not None else 0,
+        )  # fmt: skip
 
     def _calibrated(self, profile: StepProfile, measured: list[MeasuredStep]) -> StepProfile:
         """`profile` with what the measured plans teach the model (`calibrate`), which is kept for the log."""
@@ -700,7 +717,7 @@ class MemoryBudgetController:
             calibrated = self._calibrated(profile, measured)
             try:
                 last = self._corrections + 1 == _MAX_CORRECTIONS  # then keep the best measured plan
-                better = choose_plan(calibrated, budget_bytes, margin_bytes, measured, measured_only=last)
+                better = self._choose(calibrated, budget_bytes, margin_bytes, measured, measured_only=last)
             except InfeasibleBudgetError:  # not even the plan in force fits now: the re-plans of growth handle it
                 return in_force
             expected_s = better.expected_step_s
@@ -736,7 +753,7 @@ class MemoryBudgetController:
             measured = self._measured_plans(profile)
             calibrated = self._calibrated(profile, measured)
             try:
-                plan = choose_plan(calibrated, budget_bytes, margin_bytes, measured)
+                plan = self._choose(calibrated, budget_bytes, margin_bytes, measured)
             except InfeasibleBudgetError as error:  # the trial ran over the budget, and the safe plan too
                 plan = error.lowest_plan
             times = ", ".join(f"{step.code!r} {step.step_s * 1000:.2f} ms" for step in measured)
@@ -789,6 +806,7 @@ class MemoryBudgetController:
         self.plan, self._profile = new_plan, profile
         engine = self._engine()
         if engine is not None:
+            engine.set_host_cap(new_plan.host_cap_bytes)  # the cap it planned with: raised, where it grew the pool
             # A plan chosen by its measured peak keeps no more of the engine's tail than its measured steps did (the
             # tail only grows, and a budget at that peak would not hold it); a predicted plan counts a whole window.
             samples = self._samples.get(new_plan.code) if new_plan.measured is not None else None
@@ -806,9 +824,10 @@ class MemoryBudgetController:
         if new_plan.inputs_kept_for_host:
             engine.warn_once("host_cap", f"hf_offload: {len(new_plan.inputs_kept_for_host)} checkpointed layers "
                              "keep their input on the GPU: the pinned host memory cap "
-                             f"({new_plan.host_cap_bytes / 2**30:.1f} GiB) is full. Raise "
-                             "activation_offloading_max_pinned_memory_fraction (or max_pinned_mib) if the host has "
-                             "the room.")  # fmt: skip
+                             f"({new_plan.host_cap_bytes / 2**30:.1f} GiB"
+                             f"{', grown down to the host memory reserve' if new_plan.host_growth else ''}) is full. "
+                             "Raise activation_offloading_max_pinned_memory_fraction (or max_pinned_mib), or lower "
+                             "activation_offloading_host_memory_reserve_mib, if the host has the room.")  # fmt: skip
 
     def _over_budget(self, lowest: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
         """Says that this step runs on the lowest-memory plan, over the budget: a warning once, then in the log."""

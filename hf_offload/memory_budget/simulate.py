@@ -515,6 +515,9 @@ class Plan:
         tile_tokens: tokens per chunk of the layers whose MLP the plan tiles (`T`, `t`).
         layer_tile_tokens: tokens per chunk of the layers the plan tiles whole (`L`, `l`).
         host_cap_bytes: the pinned host bytes the plan had (`StepProfile.host_cap_bytes`).
+        host_default_cap_bytes: where the plan grew the pinned pool past its cap (`host_growth`), that cap; else 0.
+        host_growth: why the plan grew the pinned pool past its cap, to `host_cap_bytes` (`host.choose_plan_with_host`);
+            empty when it did not.
         measured: what this plan measured when it ran before (scaled to `tokens`); None if it never ran. Where
             the measurement and the prediction disagree, the measurement is what `choose_plan` chose by.
         time_scale: the measured plans' median ratio of measured to predicted step time, by which `choose_plan` scaled
@@ -529,6 +532,8 @@ class Plan:
     tile_tokens: int = 0
     host_cap_bytes: int = 0
     layer_tile_tokens: int = 0
+    host_default_cap_bytes: int = 0
+    host_growth: str = ""
     measured: MeasuredStep | None = None
     time_scale: float = 1.0
     trial: bool = False
@@ -605,6 +610,10 @@ class Plan:
                 f"Chosen by measurement: its steps ran in {self.measured.step_s * 1000:.1f} ms"
                 + ("" if peak is None else f" at a peak of {format_bytes(peak)}")
             )
+        if self.host_growth:
+            lines.append(f"Host: {format_bytes(predicted.host_bytes)} pinned of a {format_bytes(self.host_cap_bytes)} "
+                         f"cap (default {format_bytes(self.host_default_cap_bytes)}), grown because "
+                         f"{self.host_growth}")  # fmt: skip
         if self.tiled_layers:
             lines.append(
                 f"The MLPs of {len(self.tiled_layers)} layers run in chunks of {self.tile_tokens} tokens: "
@@ -619,7 +628,7 @@ class Plan:
         if self.inputs_kept_for_host:
             lines.append(f"{len(self.inputs_kept_for_host)} checkpointed layers keep their input on the GPU: the "
                          f"host's pinned cap of {format_bytes(self.host_cap_bytes)} is full "
-                         "(max_pinned_memory_fraction, max_pinned_mib)")  # fmt: skip
+                         "(max_pinned_memory_fraction, max_pinned_mib, host_memory_reserve_mib)")  # fmt: skip
         lines.append(f"{'layer':>5}  {'action':<32}  {'kept GiB':>8}  {'offloaded GiB':>13}  {'added ms':>8}")
         for i, layer in enumerate(predicted.layers):
             lines.append(f"{i:>5}  {_ACTION_NAMES[layer.code]:<32}  {layer.held_bytes / GIB:>8.2f}  "

@@ -5,12 +5,14 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
 
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
+from hf_offload.host_memory import HostMemory
 from hf_offload.memory_budget import controller as controller_module
 from hf_offload.memory_budget import probes
 from hf_offload.memory_budget.calibrate import Calibration
@@ -727,3 +729,79 @@ def test_what_the_step_needs_after_backward_is_measured_when_the_counter_rose_af
     train(model, context, steps=3)
     gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     assert controller.profile.optimizer_bytes == 5 * 2**20 - gradients
+
+
+# Host memory under a budget: the pinned pool may grow past its cap, down to the host's reserve, where no plan fits
+# within it. A host whose default cap holds one layer input of a model whose lowest peak needs all of them offloaded.
+HOST_LAYERS, HOST_BATCH, HOST_TOKENS, HOST_HIDDEN = 16, 16, 32, 64
+HOST_INPUT_BYTES = HOST_BATCH * HOST_TOKENS * HOST_HIDDEN * 4
+
+
+def host_bound_run(monkeypatch, budget, steps: int = 5, **options):
+    """The context after `steps` steps (or the refusal it raised) of a model whose layer inputs matter at its peak:
+    16 layers, 16 x 32 tokens; on a host with 32 GiB available (64 GiB in all) but where the default cap, half the
+    memory available as psutil reads it, holds 1.5 layer inputs."""
+    monkeypatch.setattr("hf_offload.host_memory.psutil.virtual_memory",
+                        lambda: SimpleNamespace(available=3 * HOST_INPUT_BYTES))  # fmt: skip
+    host = HostMemory(64 * 2**30, 32 * 2**30)
+    monkeypatch.setattr("hf_offload.host_memory.read_host_memory", lambda: host)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=HOST_HIDDEN, intermediate_size=64,
+                                      num_hidden_layers=HOST_LAYERS, num_attention_heads=2, num_key_value_heads=1,
+                                      attn_implementation="sdpa")  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).train()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget, tile_mlp=False,
+                                             **options)  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    try:
+        for _ in range(steps):
+            ids = torch.randint(32, (HOST_BATCH, HOST_TOKENS))
+            with context:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    except InfeasibleBudgetError as error:
+        return error
+    return context
+
+
+def test_the_plan_grows_the_pinned_pool_past_its_cap_only_where_no_plan_fits_within_it(monkeypatch, caplog):
+    default_cap = 3 * HOST_INPUT_BYTES // 2
+    kept_to_cap = host_bound_run(monkeypatch, 1, max_pinned_memory_fraction=0.5)  # a cap the user set: kept
+    grown = host_bound_run(monkeypatch, 1)
+    assert isinstance(kept_to_cap, InfeasibleBudgetError) and isinstance(grown, InfeasibleBudgetError)
+    assert "grown from its cap" not in str(kept_to_cap)
+    assert str(grown).endswith(f"(That is with the pinned host pool grown from its cap of {default_cap / 1024:.2f} "
+                               "KiB to 24.00 GiB, down to the host memory reserve of 8.00 GiB.)")  # fmt: skip
+    assert grown.minimum_bytes < kept_to_cap.minimum_bytes  # the inputs on the host lower the peak
+    budget = (grown.minimum_bytes + kept_to_cap.minimum_bytes) // 2
+    assert isinstance(host_bound_run(monkeypatch, budget, max_pinned_memory_fraction=0.5), InfeasibleBudgetError)
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        context = host_bound_run(monkeypatch, budget)
+    plan = context.memory_plan
+    assert plan.host_growth == "no plan fits the budget within it, down to the host memory reserve of 8.00 GiB"
+    # The most: what the pool held when it was planned (its cap, full after the profiled steps) and the room above
+    # the reserve, 32 - 8 GiB.
+    assert (plan.host_default_cap_bytes, plan.host_cap_bytes) == (default_cap, default_cap + 24 * 2**30)
+    assert plan.predicted.host_bytes > default_cap and plan.predicted.peak_bytes <= budget
+    assert context._pool.cap_bytes == plan.host_cap_bytes  # the engine's pool took the plan's cap
+    stats = context.get_stats()  # the last step: every input the plan offloads went to the host
+    assert stats["tensors_kept_over_host_cap"] == 0 and stats["pinned_bytes"] > default_cap
+    tables = [record.getMessage() for record in caplog.records if "Memory plan for" in record.getMessage()]
+    assert tables and all(
+        re.search(
+            r"\nHost: [\d.]+ [KM]iB pinned of a 24.00 GiB cap \(default 192.00 KiB\), grown because no plan fits "
+            r"the budget within it, down to the host memory reserve of 8.00 GiB\n",
+            table,
+        )  # fmt: skip
+        for table in tables
+    )
+
+
+def test_a_plan_that_fits_within_the_pinned_cap_does_not_grow_it(monkeypatch):
+    context = host_bound_run(monkeypatch, 2**30)
+    plan = context.memory_plan
+    assert plan.host_growth == "" and plan.host_default_cap_bytes == 0
+    assert context._pool.cap_bytes == plan.host_cap_bytes == 3 * HOST_INPUT_BYTES // 2

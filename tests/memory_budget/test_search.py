@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from step_profiles import long_profile, s1_profile, tiled_layer_profile
 
-from hf_offload.memory_budget import calibrate, checks, search, spec
+from hf_offload.memory_budget import calibrate, checks, host, search, spec
 from hf_offload.memory_budget import profile as step_profile
 from hf_offload.memory_budget import simulate as step_model
 from hf_offload.memory_budget.profile import LayerProfile, StepProfile
@@ -28,8 +28,8 @@ from hf_offload.memory_budget.simulate import MeasuredStep, Plan, simulate
 from hf_offload.units import GIB, MIB
 
 # The part of the budget that plans: the standard library and `units` only, so that plans are computed anywhere.
-PURE_MODULES = (checks, spec, step_profile, step_model, search, calibrate)
-PURE_NAMES = {"checks", "spec", "profile", "simulate", "search", "calibrate"}
+PURE_MODULES = (checks, spec, step_profile, step_model, search, calibrate, host)
+PURE_NAMES = {"checks", "spec", "profile", "simulate", "search", "calibrate", "host"}
 
 
 def random_profile(rng: random.Random, layers: int) -> StepProfile:
@@ -454,7 +454,7 @@ def test_the_plan_is_never_slower_than_a_measured_plan_that_fits() -> None:
     assert choose_plan(profile, budget, measured=[over]).code != chosen.code
 
 
-# The pure modules themselves (spec, profile, simulate, search, calibrate)
+# The pure modules themselves (spec, profile, simulate, search, calibrate, host)
 
 
 def test_docstring_examples() -> None:

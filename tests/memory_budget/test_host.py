@@ -1,0 +1,86 @@
+"""When a plan may grow the pinned pool past its cap (`memory_budget/host.py`): only where no plan fits within it, or
+only one that tiles MLPs; and how the plan says so."""
+
+from __future__ import annotations
+
+import pytest
+from step_profiles import long_profile
+
+from hf_offload.memory_budget.host import choose_plan_with_host
+from hf_offload.memory_budget.search import InfeasibleBudgetError, choose_plan
+from hf_offload.memory_budget.simulate import Plan
+from hf_offload.units import GIB
+
+
+class Chooser:
+    """`choose_plan` for one budget, counting the host caps it was asked to plan with."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes, self.caps = budget_bytes, []
+
+    def __call__(self, profile) -> Plan:
+        self.caps.append(profile.host_cap_bytes)
+        return choose_plan(profile, self.budget_bytes)
+
+
+def test_a_plan_that_fits_exactly_within_the_cap_is_chosen_without_asking_for_more() -> None:
+    """More host would let more inputs go (a lower peak, a plan no faster): the cap holds."""
+    choose = Chooser(120 * GIB)
+    plan = choose_plan_with_host(choose, long_profile(host_cap_bytes=32 * GIB), 64 * GIB, 8 * GIB)
+    assert choose.caps == [32 * GIB]
+    assert plan.code == "C" * 16 + "c" * 15 + "K" and plan.host_cap_bytes == 32 * GIB
+    assert (plan.host_default_cap_bytes, plan.host_growth) == (0, "")
+    assert "Host:" not in plan.format_table()
+
+
+def test_where_no_plan_fits_within_the_cap_the_plan_grows_the_pool() -> None:
+    choose = Chooser(60 * GIB)
+    with pytest.raises(InfeasibleBudgetError):
+        choose(long_profile(host_cap_bytes=8 * GIB))
+    plan = choose_plan_with_host(choose, long_profile(host_cap_bytes=8 * GIB), 64 * GIB, 8 * GIB)
+    assert choose.caps[1:] == [8 * GIB, 64 * GIB]
+    assert plan.host_cap_bytes == 64 * GIB and plan.host_default_cap_bytes == 8 * GIB
+    assert plan.host_growth == "no plan fits the budget within it, down to the host memory reserve of 8.00 GiB"
+    assert plan.predicted.host_bytes > 8 * GIB and plan.fits()
+
+
+def test_where_only_a_tiled_plan_fits_within_the_cap_the_plan_grows_the_pool_for_an_exact_one() -> None:
+    choose = Chooser(80 * GIB)
+    assert choose(long_profile(host_cap_bytes=32 * GIB)).tiled_layers  # within the cap: not bitwise
+    plan = choose_plan_with_host(choose, long_profile(host_cap_bytes=32 * GIB), 64 * GIB)
+    assert plan.code == "C" * 31 + "K" and not plan.tiled_layers
+    assert plan.host_growth == "no exact plan fits the budget within it"  # no reserve named: none given
+    lines = plan.format_table().splitlines()
+    assert lines[1] == "Host: 62.00 GiB pinned of a 64.00 GiB cap (default 32.00 GiB), grown because no exact plan " \
+                       "fits the budget within it"  # fmt: skip
+    assert Plan.from_dict(plan.to_dict()) == plan  # broadcast to the other ranks with its host
+
+
+def test_a_plan_that_tiles_either_way_keeps_to_the_cap() -> None:
+    choose = Chooser(70 * GIB)
+    plan = choose_plan_with_host(choose, long_profile(host_cap_bytes=32 * GIB), 64 * GIB)
+    assert choose.caps == [32 * GIB, 64 * GIB]
+    assert plan.tiled_layers and plan.host_cap_bytes == 32 * GIB and plan.host_growth == ""
+
+
+def test_a_cap_that_may_not_grow_is_planned_with_as_it_is() -> None:
+    choose = Chooser(60 * GIB)
+    with pytest.raises(InfeasibleBudgetError) as error:
+        choose_plan_with_host(choose, long_profile(host_cap_bytes=8 * GIB), 8 * GIB)
+    assert choose.caps == [8 * GIB] and "pinned host pool grown" not in str(error.value)
+    assert choose_plan_with_host(Chooser(80 * GIB), long_profile(host_cap_bytes=32 * GIB), 0).tiled_layers
+
+
+def test_a_budget_no_host_can_meet_is_refused_with_the_most_host_and_says_so() -> None:
+    choose = Chooser(30 * GIB)
+    with pytest.raises(InfeasibleBudgetError) as error:
+        choose_plan_with_host(choose, long_profile(host_cap_bytes=8 * GIB), 64 * GIB, 8 * GIB)
+    with pytest.raises(InfeasibleBudgetError) as within:
+        choose(long_profile(host_cap_bytes=8 * GIB))
+    assert error.value.minimum_bytes < within.value.minimum_bytes  # the most host's minimum: the lowest
+    assert str(error.value).endswith("(That is with the pinned host pool grown from its cap of 8.00 GiB to 64.00 GiB, "
+                                     "down to the host memory reserve of 8.00 GiB.)")  # fmt: skip
+    lowest = error.value.lowest_plan  # what a later step that must run anyway runs on, with that host
+    assert lowest.host_cap_bytes == 64 * GIB and lowest.host_default_cap_bytes == 8 * GIB
+    assert lowest.host_growth == ("no plan fits the budget within it: the lowest-memory plan, over the budget, down "
+                                  "to the host memory reserve of 8.00 GiB")  # fmt: skip
