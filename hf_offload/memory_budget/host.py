@@ -34,8 +34,8 @@ def choose_plan_with_host(choose: Callable[[StepProfile], Plan], profile: StepPr
     """The plan `choose` makes within the pool's cap (`profile.host_cap_bytes`), or with the cap raised to
     `most_cap_bytes` where that is what makes the step fit.
 
-    The cap is raised when, within it, no plan fits (an `InfeasibleBudgetError`) or only one that tiles MLPs, and with
-    the raised cap a plan fits (one that tiles no MLP, where the default's tiles). That plan then has
+    The cap is raised when, within it, no plan fits (an `InfeasibleBudgetError`) or only one that tiles (MLPs or whole
+    layers), and with the raised cap a plan fits (one that tiles nothing, where the default's tiles). That plan then has
     `host_cap_bytes` = `most_cap_bytes`, `host_default_cap_bytes` = the cap, and `host_growth` saying why.
 
     Args:
@@ -64,7 +64,7 @@ def choose_plan_with_host(choose: Callable[[StepProfile], Plan], profile: StepPr
         plan: Plan | None = choose(profile)
     except InfeasibleBudgetError as error:
         plan, refusal = None, error
-    if plan is not None and not plan.tiled_layers or most_cap_bytes <= profile.host_cap_bytes:
+    if plan is not None and not _tiles(plan) or most_cap_bytes <= profile.host_cap_bytes:
         if plan is None:
             raise refusal
         return plan
@@ -81,6 +81,11 @@ def choose_plan_with_host(choose: Callable[[StepProfile], Plan], profile: StepPr
         grown_by = f"from its cap of {format_bytes(profile.host_cap_bytes)} to {format_bytes(most_cap_bytes)}"
         raise InfeasibleBudgetError(f"{error} (That is with the pinned host pool grown {grown_by}{bound}.)",
                                     error.budget_bytes, error.minimum_bytes, lowest) from None  # fmt: skip
-    if plan is not None and grown.tiled_layers:
+    if plan is not None and _tiles(grown):
         return plan  # tiled either way: the default cap is enough for that
     return dataclasses.replace(grown, host_default_cap_bytes=profile.host_cap_bytes, host_growth=f"{why}{bound}")
+
+
+def _tiles(plan: Plan) -> bool:
+    """Whether the plan tiles MLPs or whole layers: not bitwise, so worth the host's room where that avoids it."""
+    return bool(plan.tiled_layers or plan.tiled_whole_layers)

@@ -1,10 +1,10 @@
 """When a plan may grow the pinned pool past its cap (`memory_budget/host.py`): only where no plan fits within it, or
-only one that tiles MLPs; and how the plan says so."""
+only one that tiles (MLPs or whole layers); and how the plan says so."""
 
 from __future__ import annotations
 
 import pytest
-from step_profiles import long_profile
+from step_profiles import long_profile, tiled_layer_profile
 
 from hf_offload.memory_budget.host import choose_plan_with_host
 from hf_offload.memory_budget.search import InfeasibleBudgetError, choose_plan
@@ -84,3 +84,16 @@ def test_a_budget_no_host_can_meet_is_refused_with_the_most_host_and_says_so() -
     assert lowest.host_cap_bytes == 64 * GIB and lowest.host_default_cap_bytes == 8 * GIB
     assert lowest.host_growth == ("no plan fits the budget within it: the lowest-memory plan, over the budget, down "
                                   "to the host memory reserve of 8.00 GiB")  # fmt: skip
+
+
+def test_where_only_layers_tiled_whole_fit_within_the_cap_the_plan_grows_the_pool_for_an_exact_one() -> None:
+    """A layer tiled whole is no more exact than a tiled MLP: the host's room that avoids it is worth taking."""
+    from hf_offload.memory_budget.search import plan_of
+
+    def choose(profile) -> Plan:  # within the default cap only layers tiled whole fit; with more host, plain `C`
+        code = "C" * 31 + "K" if profile.host_cap_bytes > 32 * GIB else "L" * 32
+        return plan_of(profile, code, 200 * GIB)
+
+    plan = choose_plan_with_host(choose, tiled_layer_profile(host_cap_bytes=32 * GIB), 64 * GIB)
+    assert plan.code == "C" * 31 + "K" and plan.host_cap_bytes == 64 * GIB
+    assert plan.host_growth == "no exact plan fits the budget within it"
