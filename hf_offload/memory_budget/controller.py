@@ -49,6 +49,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 
 from ..allocator import release_unusable_cache
@@ -215,6 +216,9 @@ class MemoryBudgetController:
         # Tokens per chunk of a tiled MLP and of a layer tiled whole; 0 where the planner may not tile so.
         self._tile_tokens = _tile_tokens(model, engine.options.tile_mlp, apply_tiled_mlp, "the MLPs")
         self._layer_tile_tokens = _tile_tokens(model, engine.options.tile_layer, apply_tiled_layer, "whole layers")
+        if self._layer_tile_tokens and (reason := _calls_checkpointed_whole(self._layers)):
+            logger.info("hf_offload: the planner cannot tile whole layers: %s", reason)
+            self._layer_tile_tokens = 0
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
@@ -913,6 +917,21 @@ def _tile_tokens(model: nn.Module, option: str | bool, apply: Callable[..., Any]
         logger.info("hf_offload: the planner cannot tile %s: %s", what, error)
         return 0
     return tokens
+
+
+def _calls_checkpointed_whole(layers: list[nn.Module]) -> str | None:
+    """Why the planner may not tile these layers whole, or None.
+
+    transformers releases whose `GradientCheckpointingLayer` overrides `__call__` (5.17 on the H100 here; 5.23
+    checkpoints the layer's `forward` instead) hand the checkpoint the layer's whole call, which looks its `forward`
+    up inside the checkpoint: the first step's first layer, whose pre-hook applies the profiled steps' plan, then ran
+    untiled in the forward and tiled in the recomputation ("a different number of tensors was saved during the
+    original forward and recomputation: 40 and 10", on the H100)."""
+    overriding = sorted({type(layer).__name__ for layer in layers if type(layer).__call__ is not nn.Module.__call__})
+    if not overriding:
+        return None
+    return (f"with transformers {transformers.__version__}, {', '.join(overriding)} checkpoints its whole call, not "
+            "its forward (a newer transformers checkpoints the forward)")  # fmt: skip
 
 
 def _same_on_every_rank(make_plan: Callable[[], Plan]) -> Plan:

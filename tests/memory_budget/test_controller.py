@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from torch import nn
 
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 from hf_offload.host_memory import HostMemory
@@ -339,6 +340,29 @@ def test_a_model_whose_layers_cannot_be_tiled_whole_is_planned_without_it(caplog
     assert any("the planner cannot tile whole layers: decoder layer 0" in record.getMessage()
                for record in caplog.records)  # fmt: skip
     assert context.budget_controller.profile.layer_tile_tokens == 0
+
+
+def test_layers_whose_whole_call_is_checkpointed_are_not_tiled_whole(monkeypatch, caplog):
+    """transformers 5.17 (the H100's) checkpoints a decoder layer's whole call, which looks its forward up inside the
+    checkpoint: the first step's first layer ran untiled in the forward and tiled in the recomputation, a
+    checkpoint error. There the planner does without the action, and says why: a budget only it meets is refused."""
+    from hf_offload.memory_budget.simulate import simulate
+
+    _, roomy, _, _ = long_run(10 * 2**30, record=tiled_whole)
+    profile = roomy.budget_controller.profile
+    budget = (simulate(profile, "L" * LAYERS).peak_bytes + simulate(profile, "T" * LAYERS).peak_bytes) // 2
+    layer_class = type(tiny_llama().model.layers[0])
+
+    def whole_call(self, *args, **kwargs):  # as transformers 5.17's GradientCheckpointingLayer.__call__ overrides it
+        return nn.Module.__call__(self, *args, **kwargs)
+
+    monkeypatch.setattr(layer_class, "__call__", whole_call)
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        with pytest.raises(InfeasibleBudgetError, match="with every layer's MLP tiled"):
+            long_run(budget)
+    said = [r.getMessage() for r in caplog.records if "cannot tile whole layers" in r.getMessage()]
+    assert said and f"with transformers {transformers.__version__}, {layer_class.__name__} checkpoints its whole " \
+        "call" in said[0]  # fmt: skip
 
 
 def test_the_profiled_steps_tile_only_where_tiling_is_predicted_to_lower_the_peak(monkeypatch):
