@@ -217,8 +217,7 @@ class MemoryBudgetController:
         self._tile_tokens = _tile_tokens(model, engine.options.tile_mlp, apply_tiled_mlp, "the MLPs")
         self._layer_tile_tokens = _tile_tokens(model, engine.options.tile_layer, apply_tiled_layer, "whole layers")
         if self._layer_tile_tokens and (reason := _calls_checkpointed_whole(self._layers)):
-            logger.info("hf_offload: the planner cannot tile whole layers: %s", reason)
-            self._layer_tile_tokens = 0
+            self._no_layer_tiling(reason)
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
