@@ -112,8 +112,9 @@ def main() -> int:
     ap.add_argument(
         "--cprofile",
         default=None,
-        metavar="VARIANT",
-        help="also run 3 steps of VARIANT under cProfile: the functions that took the most host time",
+        metavar="VARIANTS",
+        help="also run 3 steps of each of these variants (comma-separated) under cProfile, after --warmup steps: the "
+        "functions that took the most host time",
     )
     ap.add_argument(
         "--gc-freeze",
@@ -200,6 +201,8 @@ def main() -> int:
             results[variant]["pipelined_s"].append(pipelined(context, args.steps))
             if context is not None:
                 results[variant]["stats"] = {k: v for k, v in context.get_stats().items()}
+                if context.memory_plan is not None:  # a plan is made per block: it may differ between blocks
+                    results[variant].setdefault("plans", []).append(context.memory_plan.code)
             if round_index == args.rounds - 1 and variant in traced:
                 path = out / f"short-steps-{args.scenario}-{trace_name(variant)}.json.gz"
                 results[variant]["trace"] = trace_summary(step, context, str(path))
@@ -213,8 +216,8 @@ def main() -> int:
                 flush=True,
             )
 
-    if args.cprofile:
-        host_profile(args.cprofile, model, step)
+    for variant in filter(None, (v.strip() for v in (args.cprofile or "").split(","))):
+        host_profile(variant, model, step, args.warmup)
 
     def lower_quartile(times: list[float]) -> float:
         """This host's hiccups (a stalled host thread in a host-bound step) only ever add time: the lower quartile
@@ -263,15 +266,16 @@ def main() -> int:
     return 0
 
 
-def host_profile(variant: str, model: torch.nn.Module, step: Any) -> None:
-    """Three steps of `variant` under cProfile (after two warm-up steps): where the host's time goes."""
+def host_profile(variant: str, model: torch.nn.Module, step: Any, warmup: int) -> None:
+    """Three steps of `variant` under cProfile (after `warmup` steps, so that a memory plan is settled): where the
+    host's time goes."""
     import cProfile
     import pstats
 
     checkpointing, offloading, options = parse_variant(variant)
     set_checkpointing(model, checkpointing)
     context = hf_offload.get_act_offloading_ctx_manager(model, **options) if offloading else None
-    for _ in range(2):
+    for _ in range(warmup):
         step(context)
     profiler = cProfile.Profile()
     profiler.enable()
