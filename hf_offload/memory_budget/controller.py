@@ -217,8 +217,9 @@ class MemoryBudgetController:
         # Tokens per chunk of a tiled MLP and of a layer tiled whole; 0 where the planner may not tile so.
         self._tile_tokens = _tile_tokens(model, engine.options.tile_mlp, apply_tiled_mlp, "the MLPs")
         self._layer_tile_tokens = _tile_tokens(model, engine.options.tile_layer, apply_tiled_layer, "whole layers")
-        if self._layer_tile_tokens and (reason := _calls_checkpointed_whole(self._layers)):
-            self._no_layer_tiling(reason)
+        # transformers before 5.2x checkpoints a layer's whole call: the layer then starts from its checkpoint
+        # function, before the call (`_StartsBeforeTheCall`).
+        self._whole_call = _checkpoints_whole_calls(self._layers)
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
@@ -870,6 +871,11 @@ class MemoryBudgetController:
         if self._applied is not None:
             self._applied.remove()
         self._applied = apply_layer_actions(model, engine, in_registration_order, tile_tokens, layer_tile_tokens)
+        if self._whole_call:
+            for index, layer in enumerate(self._layers):
+                if layer.gradient_checkpointing:
+                    starts = functools.partial(self._layer_starts, index)
+                    layer._gradient_checkpointing_func = _StartsBeforeTheCall(starts, layer._gradient_checkpointing_func)
         if windows is not None:
             engine.use_windows(*windows)
         # A plan that moves nothing (every layer kept, or checkpointed with its input kept): the engine stands aside,
@@ -928,19 +934,38 @@ def _tile_tokens(model: nn.Module, option: str | bool, apply: Callable[..., Any]
     return tokens
 
 
-def _calls_checkpointed_whole(layers: list[nn.Module]) -> str | None:
-    """Why the planner may not tile these layers whole, or None.
+class _StartsBeforeTheCall:
+    """A planned layer's `_gradient_checkpointing_func` where transformers checkpoints the layer's whole call.
 
-    transformers releases whose `GradientCheckpointingLayer` overrides `__call__` (5.17 on the H100 here; 5.23
-    checkpoints the layer's `forward` instead) hand the checkpoint the layer's whole call, which looks its `forward`
-    up inside the checkpoint: the first step's first layer, whose pre-hook applies the profiled steps' plan, then ran
-    untiled in the forward and tiled in the recomputation ("a different number of tensors was saved during the
-    original forward and recomputation: 40 and 10", on the H100)."""
-    overriding = sorted({type(layer).__name__ for layer in layers if type(layer).__call__ is not nn.Module.__call__})
-    if not overriding:
-        return None
-    return (f"with transformers {transformers.__version__}, {', '.join(overriding)} checkpoints its whole call, not "
-            "its forward (a newer transformers checkpoints the forward)")  # fmt: skip
+    transformers releases whose `GradientCheckpointingLayer` overrides `__call__` (5.17 on the H100 here; 5.2x
+    checkpoints the layer's `forward` instead) hand the checkpoint function the layer's whole call, whose pre-hooks
+    run inside the checkpoint, after the call has looked the layer's `forward` up; the recomputation in backward
+    looks it up again. A plan that tiled the layer from its pre-hook (the first step's, once the probes are in; a
+    longer step's) ran it untiled in the forward and tiled in the recomputation: "a different number of tensors was
+    saved during the original forward and recomputation: 40 and 10", on the H100. So the layer's start (`starts`,
+    the controller's pre-hook, which its pre-hook then repeats to no effect) runs here, before the call, and the call
+    goes to the checkpoint function of the plan in force after it, or runs unchecked by one if that plan does not
+    checkpoint the layer.
+    """
+
+    def __init__(self, starts: Callable[..., None], function: Callable[..., Any]) -> None:
+        self.starts = starts
+        self.function = function
+
+    def __call__(self, function: Callable[..., Any], *args: Any) -> Any:
+        layer = getattr(function.func, "__self__", None) if isinstance(function, functools.partial) else None
+        if layer is None:  # not a whole call: nothing to start early
+            return self.function(function, *args)
+        self.starts(layer, args, function.keywords)
+        if not layer.gradient_checkpointing:
+            return function(*args)
+        current = layer._gradient_checkpointing_func
+        return (current.function if isinstance(current, _StartsBeforeTheCall) else current)(function, *args)
+
+
+def _checkpoints_whole_calls(layers: list[nn.Module]) -> bool:
+    """Whether transformers checkpoints these layers' whole calls (`_StartsBeforeTheCall`)."""
+    return any(type(layer).__call__ is not nn.Module.__call__ for layer in layers)
 
 
 def _same_on_every_rank(make_plan: Callable[[], Plan]) -> Plan:

@@ -133,13 +133,17 @@ def _layer_function(action: str, offload_input: bool, engine: OffloadActivations
 class _TiledLayerCheckpoint:
     """The `_gradient_checkpointing_func` of a layer tiled whole.
 
-    The tiled forward is the layer's `forward` and its own checkpoint: transformers (5.24, which checkpoints a
-    layer's `forward`, handing this function `partial(forward, layer, **kwargs)`) calls this function only where the
+    The tiled forward is the layer's `forward` and its own checkpoint: transformers 5.2x, which checkpoints a
+    layer's `forward`, handing this function `partial(forward, layer, **kwargs)`, calls this function only where the
     tiled forward runs the layer untiled (a call of at most one chunk), and where the call looked the layer's forward
     up before the plan tiled it: the controller applies the profiled steps' plan from the pre-hook of the first
     layer called, which then runs this call under its class's forward. The first is checkpointed (`function`, as a
     full checkpoint, its input kept for `l`); the second goes to the tiled forward, so that no layer runs its long
     first step untiled (at long context that alone would not fit).
+
+    Earlier transformers (5.17) checkpoint the layer's whole call, handing this function `partial(layer.__call__ of
+    nn.Module, **kwargs)` at every call: a call the tiled forward tiles runs as it is (the tiled op is the checkpoint;
+    one around it would run the layer's forward a third time), one it does not is checkpointed.
     """
 
     def __init__(self, layer: nn.Module, function: Callable[..., Any]) -> None:
@@ -150,6 +154,8 @@ class _TiledLayerCheckpoint:
     def __call__(self, function: Callable[..., Any], *args: Any) -> Any:
         layer = self._layer()
         tiled = tiled_forward(layer) if layer is not None else None
+        if tiled is not None and _calls_whole(function, layer):
+            return function(*args) if tiled.tiles(*args, **function.keywords) else self.function(function, *args)
         bound = isinstance(function, functools.partial) and len(function.args) == 1 and function.args[0] is layer
         if tiled is None or not bound or getattr(self._redirected, "active", False):
             return self.function(function, *args)
@@ -158,6 +164,13 @@ class _TiledLayerCheckpoint:
             return tiled(*args, **function.keywords)
         finally:
             self._redirected.active = False
+
+
+def _calls_whole(function: Callable[..., Any], layer: nn.Module) -> bool:
+    """Whether `function` is a checkpoint's `partial` of `layer`'s whole call (transformers 5.17's
+    `partial(super().__call__, **kwargs)`), hooks and all."""
+    return (isinstance(function, functools.partial) and not function.args
+            and getattr(function.func, "__self__", None) is layer)  # fmt: skip
 
 
 class _InKeepingRegion:

@@ -824,18 +824,27 @@ class _TiledLayerForward:
         self.call_op = call_op
         self.active = True
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def tiles(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether a call with these arguments runs tiled; the others go to the previous forward unchanged."""
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not self.active or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            return False
+        if hidden.shape[1] <= self._positions(hidden):  # one chunk: the layer as it is, bitwise
+            return False
+        # Generation: the cache is the point.
+        return not _caches(kwargs) or (self.layer.training and torch.is_grad_enabled())
+
+    def _positions(self, hidden: torch.Tensor) -> int:
+        """The positions of every sequence in one chunk."""
+        return max(1, self.tokens_per_chunk // hidden.shape[0])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.tiles(*args, **kwargs):
             return self.previous(*args, **kwargs)
-        positions = max(1, self.tokens_per_chunk // hidden.shape[0])
-        if hidden.shape[1] <= positions:  # one chunk: the layer as it is, bitwise
-            return self.previous(*args, **kwargs)
-        caches = [name for name, value in kwargs.items()
-                  if value is not None and (name in _CACHE_ARGUMENTS or isinstance(value, Cache))]  # fmt: skip
+        hidden = args[0] if args else kwargs["hidden_states"]
+        positions = self._positions(hidden)
+        caches = _caches(kwargs)
         if caches:
-            if not (self.layer.training and torch.is_grad_enabled()):  # generation: the cache is the point
-                return self.previous(*args, **kwargs)
             # Training makes a cache nobody reads (transformers 5.x, use_cache defaulting to True); chunks would fill
             # it piece by piece, once per run. Dropped, as transformers' own checkpointing does.
             warnings.warn(f"{type(self.layer).__name__}: a tiled layer does not fill a KV cache; setting "
@@ -856,6 +865,12 @@ class _TiledLayerForward:
         if self.call_op is not None:
             return self.call_op(_TiledLayerFunction.apply, call, hidden, *params)
         return _TiledLayerFunction.apply(call, hidden, *params)
+
+
+def _caches(kwargs: dict[str, Any]) -> list[str]:
+    """The names of a call's KV cache arguments that hold one."""
+    return [name for name, value in kwargs.items()
+            if value is not None and (name in _CACHE_ARGUMENTS or isinstance(value, Cache))]  # fmt: skip
 
 
 def tiled_forward(layer: nn.Module) -> Callable[..., Any] | None:
