@@ -380,6 +380,7 @@ def test_report_only_draws_a_chart_and_checks_made_up_gpu_results(tmp_path, monk
         "plan_steps": [6, 3],
         "grid_step": 5,
         "top": 95,
+        "recheck_pairs": 2,
         "cpu_reference_bytes": None,
     }
     env = {"device_name": "NVIDIA H100 80GB HBM3", "versions": {"torch": "2.11.0"}}  # fmt: skip
@@ -391,7 +392,7 @@ def test_report_only_draws_a_chart_and_checks_made_up_gpu_results(tmp_path, monk
     meta = zoo_script.shape_meta(spec, env, "M36")
     meta["modes"] = [r["mode"] for r in results]
     files = zoo_script.ReportFiles.at(tmp_path, "2026-01-01-nvidia-h100-80gb-hbm3-zoo-M36")
-    zoo_script.write_shape(files, meta, env, results, final=True)
+    zoo_script.write_shape(files, meta, env, results, [], final=True)
     assert zoo_script.main(["--report-only", "--out", str(tmp_path), "--shapes", "M36,llama3.2-1b"]) == 1  # a FAIL
     assert (tmp_path / "2026-01-01-nvidia-h100-80gb-hbm3-zoo-M36-pareto.png").stat().st_size > 10_000
     text = (tmp_path / "2026-01-01-nvidia-h100-80gb-hbm3-zoo.md").read_text()
@@ -400,3 +401,143 @@ def test_report_only_draws_a_chart_and_checks_made_up_gpu_results(tmp_path, monk
     )
     assert "| 2/2 | 1/2 **FAIL** | 2/2 | **FAIL** |" in text  # (b): plan@50's first step went over its budget
     assert "Not run (time budget): llama3.2-1b." in text
+
+
+# ----------------------------------------------------------- the child's re-check, on made-up step times and peaks
+
+MIB = 2**20
+# The made-up shape's step seconds, one entry a run in the order run (an extra run finds none and fails the test):
+# plan@50 fails (a) at first against ckpt+hfo (1.23x) and passes its re-check; plan@60 fails both against ckpt.
+STEP_S = {
+    "none": [0.010],
+    "ckpt": [0.012] * 3,
+    "ckpt+hfo": [0.013] * 3,
+    "plan@50": [0.016, 0.013, 0.013],
+    "plan@60": [0.015] * 3,
+    "plan@80": [0.011],
+}
+PEAK_MIB = {"none": 100, "ckpt": 60, "ckpt+hfo": 50}  # a plan's: its budget less 1 MiB
+
+
+class MadeUpWorker:
+    """``harness.worker.run_mode_safely`` for the child's loop on CPU: each mode's result at once, its peaks and step
+    times made up (the GPU's, scaled down), so that (a) is judged; records what it was asked to run."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+        self.step_s = {mode: list(times) for mode, times in STEP_S.items()}
+
+    def __call__(self, spec: dict) -> dict:
+        mode, warmup, steps = spec["mode"], spec["warmup"], spec["steps"]
+        self.calls.append((mode, warmup, steps))
+        res = {"scenario": spec["scenario"], "mode": mode, "status": "ok", "notes": [], "wall_s": 2.0}
+        if mode == zoo.PROBE_MODE:  # the named minimum: ckpt+hfo's peak, 50% of none's
+            return res | {"status": "infeasible", "error": "below the smallest", "minimum_bytes": 50 * MIB}
+        budget = spec["memory_budget"]["option"] if spec["memory_budget"] else None
+        peak = budget - MIB if budget else PEAK_MIB[mode] * MIB
+        step_s = self.step_s[mode].pop(0)
+        res["per_step"] = [{"step": i + 1, "s": step_s, "peak_bytes": peak} for i in range(warmup + steps)]
+        res.update(times=[step_s] * steps, median_s=step_s, p25_s=step_s, warmup_steps=warmup)
+        res.update(peak_bytes=peak, peak_gib=peak / GIB, peak_all_gib=peak / GIB)
+        if budget:
+            res["plan"] = {"code": "CK", "budget_bytes": budget, "predicted_peak_bytes": peak,
+                           "predicted_step_s": step_s}  # fmt: skip
+        return res
+
+
+def _sweep(out: Path, seconds: float):
+    """The zoo's child for the shape tiny in ``out``, with ``seconds`` left (its own time estimates decide)."""
+    spec = {
+        "out": str(out), "device": "cpu", "seed": 1, "bw_bytes": 0, "simple_steps": [1, 2], "plan_steps": [3, 2],
+        "grid_step": 20, "top": 95, "recheck_pairs": 2, "cpu_reference_bytes": 2_500_000, "date": "2026-01-01",
+        "command": "python benchmarks/zoo.py", "shapes": ["tiny"], "deadline": 0.0,
+    }  # fmt: skip
+    sweep = zoo_script.Sweep(spec)
+    sweep.spec["deadline"] = time.time() + seconds
+    return sweep
+
+
+def test_the_child_rechecks_within_its_time_and_goes_on_with_resume(tmp_path, monkeypatch):
+    """A shape's sweep, then its re-checks; the first child's time is enough for the sweep (each mode is estimated
+    at 2-5 s of overhead) and not for a re-check (four runs, 8 s): it stops, and the report says so. The next
+    child (--resume) runs the re-checks, ABAB, with each kind's steps; the verdicts and the files follow."""
+    import harness.worker
+    import torch
+
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the child's setting, not this process's
+    worker = MadeUpWorker()
+    monkeypatch.setattr(harness.worker, "run_mode_safely", worker)
+    out = tmp_path / "zoo"
+    out.mkdir()
+    sweep = _sweep(out, 7.0)
+    sweep.run()
+    sweep_order = ["none", "ckpt", "ckpt+hfo", zoo.PROBE_MODE, "plan@50", "plan@60", "plan@80"]
+    assert [mode for mode, _, _ in worker.calls] == sweep_order
+    data = _shape_json(out, "tiny")
+    assert data["rechecks"] == [] and not data["meta"]["zoo_complete"]
+    rows = {row["mode"]: row for row in data["meta"]["zoo"]["rows"]}
+    assert [rows[m]["recheck"]["state"] for m in ("plan@50", "plan@60")] == ["time", "time"]
+    assert rows["plan@80"]["recheck"] is None and rows["plan@80"]["a"] is True
+    (summary_md,) = out.glob("*-zoo.md")
+    assert "| 1.231 | not re-checked (time) | **NO** |" in summary_md.read_text()
+
+    worker.calls.clear()
+    _sweep(out, 600.0).run()
+    assert worker.calls == [
+        ("ckpt+hfo", 1, 2), ("plan@50", 3, 2), ("ckpt+hfo", 1, 2), ("plan@50", 3, 2),
+        ("ckpt", 1, 2), ("plan@60", 3, 2), ("ckpt", 1, 2), ("plan@60", 3, 2),
+    ]  # fmt: skip
+    data = _shape_json(out, "tiny")
+    assert [r["mode"] for r in data["results"]] == sweep_order == data["meta"]["modes"]  # one result a mode
+    assert [(r["mode"], r["recheck"]["budget"], r["recheck"]["run"]) for r in data["rechecks"]][:2] == [
+        ("ckpt+hfo", "plan@50", 1), ("plan@50", "plan@50", 2)
+    ]  # fmt: skip
+    assert data["meta"]["zoo_complete"] and data["meta"]["zoo_settings"]["recheck_pairs"] == 2
+    summary = data["meta"]["zoo"]
+    assert summary["checks"]["a"] == {"pass": 2, "fail": ["plan@60"], "n/a": 0, "pass_first": 1}
+    shape_md = next(out.glob("*-zoo-tiny.md")).read_text()
+    summary_text = summary_md.read_text()
+    for text in (shape_md, summary_text):
+        assert "| 1.231 | 0.013 / 0.013 s = 1.000x | yes (re-check) |" in text
+        assert "| 1.250 | 0.015 / 0.012 s = 1.250x | **NO** (re-check) |" in text
+    assert "| 2/3 (1 first time) **FAIL** |" in summary_text
+    assert summary_text.count("- (a) re-check, ABAB: after the shape's sweep") == 1  # in the summary's head
+    # --report-only makes the same summary from the JSON files
+    summary_md.unlink()
+    report_only = ["--device", "cpu", "--shapes", "tiny", "--out", str(out), "--report-only", "--no-charts"]
+    assert zoo_script.main(report_only) == 1  # plan@60 fails
+    assert summary_md.read_text() == summary_text
+
+
+def test_a_recheck_run_that_dies_is_recorded_as_one(tmp_path, monkeypatch):
+    """The parent records the run its child died in; a re-check's goes with the re-check runs, the sweep's results
+    stay one a mode, and the next child leaves that budget (its re-check cannot be judged) for the next one."""
+    monkeypatch.delenv("OUT", raising=False)
+    results, rechecks = _recheck_shape()
+    spec = {"date": "2026-01-01", "command": "python benchmarks/zoo.py", "seed": 1, "device": "cuda",
+            "simple_steps": [2, 6], "plan_steps": [10, 6], "grid_step": 5, "top": 95, "recheck_pairs": 2,
+            "cpu_reference_bytes": None}  # fmt: skip
+    env = {"device_name": "NVIDIA H100 80GB HBM3"}
+    meta = zoo_script.shape_meta(spec, env, "M36")
+    meta["modes"] = [r["mode"] for r in results]
+    files = zoo_script.ReportFiles.at(tmp_path, "2026-01-01-nvidia-h100-80gb-hbm3-zoo-M36")
+    zoo_script.write_shape(files, meta, env, results, rechecks[:8], final=False)  # plan@50's and plan@55's
+    running = {"shape": "M36", "mode": "ckpt", "started": time.time(), "recheck": {"budget": "plan@60", "run": 1}}
+    progress = {"env": env, "stem": "2026-01-01-nvidia-h100-80gb-hbm3-zoo", "running": running}
+    zoo_script.record_interrupted(tmp_path, spec, progress, "crashed", "crashed (exit 3) after 9 s")
+    data = json.loads(files.json.read_text())
+    assert [r["mode"] for r in data["results"]] == data["meta"]["modes"] == meta["modes"]
+    assert len(data["rechecks"]) == 9 and data["rechecks"][-1]["recheck"] == {"budget": "plan@60", "run": 1}
+    summary = data["meta"]["zoo"]
+    assert summary["did_not_finish"] == ["ckpt (re-check run 1 of plan@60: crashed)"]
+    assert next(row for row in summary["rows"] if row["mode"] == "plan@60")["recheck"]["state"] == "incomplete"
+    task = zoo.next_recheck(data["results"], data["rechecks"], 2)
+    assert (task.budget, task.run) == ("plan@70", 1)
+
+
+def test_recheck_pairs_option():
+    assert zoo_script.parse_args([]).recheck_pairs == zoo.RECHECK_PAIRS == 2
+    assert zoo_script.parse_args(["--recheck-pairs", "0"]).recheck_pairs == 0
+    with pytest.raises(SystemExit):
+        zoo_script.parse_args(["--recheck-pairs", "-1"])
