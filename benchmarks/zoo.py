@@ -11,6 +11,12 @@ budget, step times being the lower quartile of the timed steps (``harness/zoo.py
 (profiled steps included) <= the budget, (c) not refused when a simple plan meets it. ``harness/zoo.py`` holds the
 sweep's logic and the checks.
 
+(a)'s re-check: after a shape's sweep, every budget that failed (a) runs again with the simple plan it was compared
+with, alternately (--recheck-pairs times ref, plan: ABAB for 2, with the sweep's steps), so that both sides see the
+same drift of the host (short steps' times drift with it by more than 2% within minutes); (a) is judged again on each
+side's pooled timed steps, and the report shows both ratios. Within --max-minutes: a budget the time leaves out keeps
+its first verdict, "not re-checked (time)".
+
 Speed: all modes of all shapes run one after the other in one child process (run.py's harness: ``harness.worker``
 builds each mode's model afresh from the same seed; between modes the model is freed, the allocator's cache emptied;
 each step's peak is reset and read, so ``max_memory_allocated`` is exact per step). A process start (~10-15 s) is
@@ -27,6 +33,7 @@ Usage:
   python benchmarks/zoo.py                                    # the default 8 shapes, ~12 minutes on an H100 (two runs)
   python benchmarks/zoo.py --shapes M36,mistral-7b-8l         # a subset (--shapes all: every zoo shape)
   python benchmarks/zoo.py --device cpu --out /tmp/zoo        # CPU smoke run: tiny shapes, hf-offload's CPU test mode
+  python benchmarks/zoo.py --recheck-pairs 0                  # no re-check of (a)'s failures
   python benchmarks/zoo.py --report-only --out DIR            # the summary and charts again, from DIR's JSON files
 """
 
@@ -79,6 +86,16 @@ def parse_steps(text: str) -> tuple[int, int]:
     return warmup, steps
 
 
+def parse_pairs(text: str) -> int:
+    try:
+        pairs = int(text)
+    except ValueError:
+        pairs = -1
+    if pairs < 0:
+        raise argparse.ArgumentTypeError(f"want a whole number >= 0 (0: no re-check); got {text!r}")
+    return pairs
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -100,6 +117,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--grid-step", type=float, default=zoo.GRID_STEP, help="percent of none's peak between budgets")
     ap.add_argument("--top", type=float, default=zoo.GRID_TOP, help="the highest budget, percent of none's peak")
+    ap.add_argument(
+        "--recheck-pairs",
+        type=parse_pairs,
+        metavar="N",
+        default=zoo.RECHECK_PAIRS,
+        help="after a shape's sweep, each budget that failed (a) and the simple plan it was compared with run again, "
+        "alternately (ref, plan) this many times, with the sweep's steps; (a) is then judged on each side's pooled "
+        "timed steps (default %(default)s: ABAB; 0: no re-check)",
+    )
     ap.add_argument(
         "--cpu-reference-bytes",
         type=int,
@@ -158,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan_steps": args.plan_steps,
         "grid_step": args.grid_step,
         "top": args.top,
+        "recheck_pairs": args.recheck_pairs,
         "cpu_reference_bytes": args.cpu_reference_bytes if args.device == "cpu" else None,
         "deadline": deadline - min(FINAL_RESERVE_S, 6 * args.max_minutes),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
@@ -202,7 +229,8 @@ def _progress(out: Path) -> dict[str, Any]:
 
 
 def record_interrupted(out: Path, spec: dict[str, Any], progress: dict[str, Any], status: str, error: str) -> None:
-    """Adds to a shape's results the mode its child was running when it died or was stopped."""
+    """Adds to a shape's results (or its re-check runs) the mode its child was running when it died or was
+    stopped."""
     running = progress["running"]
     shape = running["shape"]
     files = ReportFiles.at(out, f"{progress['stem']}-{shape}")
@@ -210,21 +238,47 @@ def record_interrupted(out: Path, spec: dict[str, Any], progress: dict[str, Any]
         data = json.loads(files.json.read_text())
     else:  # it died in the shape's first mode
         data = {"meta": shape_meta(spec, progress["env"], shape), "bandwidth": progress["env"], "results": []}
-    data["results"].append({"scenario": shape, "mode": running["mode"], "status": status, "error": error, "notes": []})
-    data["meta"]["modes"].append(running["mode"])
-    write_shape(files, data["meta"], data["bandwidth"], data["results"], final=False)
+    res = {"scenario": shape, "mode": running["mode"], "status": status, "error": error, "notes": []}
+    rechecks = data.setdefault("rechecks", [])
+    add_result(data["meta"], data["results"], rechecks, res, running.get("recheck"))
+    write_shape(files, data["meta"], data["bandwidth"], data["results"], rechecks, final=False)
     log(f"{shape} {running['mode']}: {status}: {error}")
 
 
-def write_shape(
-    files: ReportFiles, meta: dict[str, Any], bw: dict[str, Any], results: list[Result], final: bool
+def add_result(
+    meta: dict[str, Any], results: list[Result], rechecks: list[Result], res: Result, recheck: dict[str, Any] | None
 ) -> None:
-    """A shape's JSON and markdown (run.py's report, then the zoo's checks), with the checks in ``meta["zoo"]``."""
-    cpu_reference = meta["zoo_settings"]["cpu_reference_bytes"]
-    summary = zoo.shape_summary(results, zoo.reference_bytes(results, cpu_reference))
+    """Adds a finished mode to its shape: a run of the sweep to ``results`` (run.py's list, one run a mode), a
+    re-check run (``recheck``: its budget and place in the ABAB) to ``rechecks``, a list of its own in the JSON, so
+    that run.py's report and the Pareto chart, which read one result a mode, see the sweep's alone."""
+    if recheck is None:
+        results.append(res)
+        meta["modes"].append(res["mode"])
+    else:
+        res["recheck"] = recheck
+        rechecks.append(res)
+
+
+def write_shape(
+    files: ReportFiles,
+    meta: dict[str, Any],
+    bw: dict[str, Any],
+    results: list[Result],
+    rechecks: list[Result],
+    final: bool,
+) -> None:
+    """A shape's JSON and markdown (run.py's report, then the zoo's checks), with the checks in ``meta["zoo"]`` and
+    the re-check runs in ``rechecks``."""
+    settings = meta["zoo_settings"]
+    reference = zoo.reference_bytes(results, settings["cpu_reference_bytes"])
+    # results written before the re-check existed have no pairs: they read as without it
+    summary = zoo.shape_summary(results, reference, rechecks, settings.get("recheck_pairs", 0))
     meta["zoo"] = summary
     meta["zoo_complete"] = final
-    write_report(files, meta, bw, results, final, copy=False, extra_markdown=zoo.shape_markdown(summary))
+    markdown = zoo.shape_markdown(summary)
+    write_report(
+        files, meta, bw, results, final, copy=False, extra_markdown=markdown, extra_json={"rechecks": rechecks}
+    )
 
 
 def _device(spec: dict[str, Any]) -> str:
@@ -253,7 +307,10 @@ def shape_meta(spec: dict[str, Any], env: dict[str, Any], shape: str) -> dict[st
         "device": _device(spec),
         "processes": PROCESSES,
         "describe": SCENARIOS[shape].describe(),
-        "zoo_settings": {k: spec[k] for k in ("simple_steps", "plan_steps", "grid_step", "top", "cpu_reference_bytes")},
+        "zoo_settings": {
+            k: spec[k]
+            for k in ("simple_steps", "plan_steps", "grid_step", "top", "recheck_pairs", "cpu_reference_bytes")
+        },
     }
 
 
@@ -316,8 +373,10 @@ def write_summary(out: Path, stem: str, shapes: list[str]) -> bool:
         "timed steps); (b) every step's peak <= the budget, the "
         "library's profiled steps included (the counter is reset before each step and read after it); (c) no "
         "budget refused that a simple plan's peak fits",
-        "- per shape: `<stem>-<shape>.md` (run.py's report and the checks), `.json`, `-pareto.png`",
     ]
+    if settings.get("recheck_pairs"):  # none in results written before the re-check existed
+        header.append(f"- {zoo.recheck_method(settings['recheck_pairs'])}")
+    header.append("- per shape: `<stem>-<shape>.md` (run.py's report and the checks), `.json`, `-pareto.png`")
     not_run = [s for s in shapes if s not in files]
     partial = [s for s, d in data if not d["meta"].get("zoo_complete")]
     if partial:
@@ -390,38 +449,61 @@ class Sweep:
         self._save_progress(running=None)
 
     def run_shape(self, shape: str) -> bool:
-        """Runs the shape's sweep on from where its results end. Returns False when the time budget stopped it."""
+        """Runs the shape's sweep on from where its results end, then (a)'s re-check of the budgets that failed it.
+        Returns False when the time budget stopped it."""
         files = ReportFiles.at(self.out, f"{self.progress['stem']}-{shape}")
         data = json.loads(files.json.read_text()) if files.json.exists() else None
         meta = data["meta"] if data else shape_meta(self.spec, self.env, shape)
         results: list[Result] = data["results"] if data else []
+        rechecks: list[Result] = data.get("rechecks", []) if data else []
         s = self.spec
+        meta["zoo_settings"]["recheck_pairs"] = s["recheck_pairs"]  # a --resume's decides what runs and is judged
+
+        def run_and_write(mode: str, recheck: dict[str, Any] | None = None) -> None:
+            """Runs a mode (a run of the sweep, or with ``recheck`` of a re-check), adds it to the shape, and writes
+            the shape's files, the summary and the bundle."""
+            self._save_progress(running={"shape": shape, "mode": mode, "started": time.time(), "recheck": recheck})
+            res = self.run_mode(shape, mode, reference)
+            add_result(meta, results, rechecks, res, recheck)
+            write_shape(files, meta, self.env, results, rechecks, final=False)
+            self._save_progress(running=None)
+            self._report(shape, res, meta["zoo"])
+            write_summary(self.out, self.progress["stem"], s["shapes"])
+            bundle(self.out, self.progress["stem"])
+
         while True:
             reference = zoo.reference_bytes(results, s["cpu_reference_bytes"])
             mode = zoo.next_mode(results, reference, s["grid_step"], s["top"])
             if mode is None:
                 break
-            left = s["deadline"] - time.time()
-            estimate = self._estimate(mode, results)
-            if estimate > left:
-                log(f"{shape} {mode}: not started: estimated {estimate:.0f} s, {left:.0f} s left")
-                write_shape(files, meta, self.env, results, final=False)
+            if not self._time_for(shape, mode, [mode], results):
+                write_shape(files, meta, self.env, results, rechecks, final=False)
                 return False
-            self._save_progress(running={"shape": shape, "mode": mode, "started": time.time()})
-            res = self.run_mode(shape, mode, reference)
-            results.append(res)
-            meta["modes"].append(mode)
-            write_shape(files, meta, self.env, results, final=False)
-            self._save_progress(running=None)
-            self._report(shape, res, meta["zoo"])
-            write_summary(self.out, self.progress["stem"], s["shapes"])
-            bundle(self.out, self.progress["stem"])
-        write_shape(files, meta, self.env, results, final=True)
+            run_and_write(mode)
+        # (a)'s re-checks come after the sweep, so that every budget has its first measurement before the time
+        # limit is spent on them.
+        while (task := zoo.next_recheck(results, rechecks, s["recheck_pairs"])) is not None:
+            # a whole ABAB or nothing: a part of one cannot be judged
+            if not self._time_for(shape, f"re-check of {task.budget}", task.modes_left, results):
+                write_shape(files, meta, self.env, results, rechecks, final=False)
+                return False
+            if task.run == 1:
+                log(f"{shape} {task.budget}: (a) failed: re-check {', '.join(task.modes_left)}")
+            run_and_write(task.modes_left[0], task.tag)
+        write_shape(files, meta, self.env, results, rechecks, final=True)
         self.progress["done_shapes"].append(shape)
         self._save_progress(running=None)
         write_summary(self.out, self.progress["stem"], s["shapes"])
         bundle(self.out, self.progress["stem"])
         return True
+
+    def _time_for(self, shape: str, what: str, modes: list[str], results: list[Result]) -> bool:
+        """Whether ``modes`` are expected to end before the deadline (logged when not)."""
+        left = self.spec["deadline"] - time.time()
+        estimate = sum(self._estimate(mode, results) for mode in modes)
+        if estimate > left:
+            log(f"{shape} {what}: not started: estimated {estimate:.0f} s, {left:.0f} s left")
+        return estimate <= left
 
     def _steps(self, mode: str) -> tuple[int, int]:
         if mode == zoo.PROBE_MODE:
@@ -474,7 +556,9 @@ class Sweep:
         return res
 
     def _report(self, shape: str, res: Result, summary: dict[str, Any]) -> None:
-        row = next((r for r in summary["rows"] if r["mode"] == res["mode"]), None)
+        recheck = res.get("recheck")
+        budget = recheck["budget"] if recheck else res["mode"]
+        row = next((r for r in summary["rows"] if r["mode"] == budget), None)
         if res.get("status") == "ok":
             text = f"ok {res['median_s']:.3f} s/step, peak {fmt(res.get('peak_all_gib'), '{:.2f}')} GiB (every step)"
             if "plan" in res:
@@ -483,6 +567,10 @@ class Sweep:
             text = f"{res.get('status')}: {(res.get('error') or '; '.join(res.get('notes', [])))[:300]}"
         if row is not None:
             text += f"; (a) {zoo.mark(row['a'])} (b) {zoo.mark(row['b'])} (c) {zoo.mark(row['c'])}"
+        if recheck and row is not None:
+            text += f"; re-check run {recheck['run']} of {budget}"
+            if row["recheck"]["state"] != "time":  # its runs are over: what it found
+                text += f": {zoo.recheck_text(row['recheck'])}"
         log(f"{shape} {res['mode']}: {text} ({res.get('wall_s', 0):.1f} s)")
 
 

@@ -110,7 +110,7 @@ def test_checks_a_b_c():
     assert rows["plan@65"]["c"] is False and rows["plan@65"]["simple_fitting"] == ["ckpt", "ckpt+hfo"]
     assert rows["plan@70"]["b"] is False
     summary = zoo.shape_summary(results, REFERENCE)
-    assert summary["checks"]["a"] == {"pass": 2, "fail": ["plan@60"], "n/a": 3}
+    assert summary["checks"]["a"] == {"pass": 2, "fail": ["plan@60"], "n/a": 3, "pass_first": 2}
     assert summary["checks"]["b"]["fail"] == ["plan@50", "plan@70"]
     assert summary["checks"]["c"]["fail"] == ["plan@65"]
     assert summary["did_not_finish"] == ["plan@70 (OOM)"] and not summary["passed"]
@@ -158,6 +158,130 @@ def test_the_simple_plans_the_library_measured_are_reported():
     text = "\n".join(zoo.shape_markdown(zoo.shape_summary(results, REFERENCE)))
     assert "| simple plans the library measured (fastest step) |" in text
     assert "| C 0.330 s, c 0.280 s, +1 other |" in text
+
+
+def _rerun(budget: str, run: int, mode: str, times: list[float], peaks: list[float] | None = None) -> dict:
+    """A run of ``budget``'s re-check (its ``run``-th): ``mode`` with these timed steps' seconds (4 warm-up steps
+    before them) and, for the plan, its steps' peaks in GiB (default: under every budget here)."""
+    from harness import lower_quartile
+
+    steps = len(times) + 4
+    if mode == budget:
+        res = _plan(float(budget[len("plan@") :]), 0.0, peaks or [19.0] * steps)
+    else:
+        res = _result(mode, peaks=[20.0] * steps)
+    for step, s in zip(res["per_step"], [0.5] * 4 + times):
+        step["s"] = s
+    res.update(times=times, p25_s=lower_quartile(times), median_s=sorted(times)[len(times) // 2])
+    res["recheck"] = {"budget": budget, "run": run}
+    return res
+
+
+def _recheck_shape() -> tuple[list[dict], list[dict]]:
+    """A shape whose budgets failed (a) at first (x ckpt+hfo's 0.34 s, or ckpt's 0.33 s where that fits), and their
+    re-check runs: plan@50 passes on it, plan@55 fails it again (and a step of its run 4 goes over the budget),
+    plan@60 has one run of four (the time ran out), plan@70's run 2 crashed; plan@65 passed first."""
+    results = _simple() + [
+        _result(zoo.PROBE_MODE, "infeasible", minimum_bytes=int(19 * GIB)),
+        _plan(50, 0.40, [19, 19, 19, 19]),  # 20 GiB: ckpt+hfo fits (0.34 s): 1.176x
+        _plan(55, 0.40, [20, 20, 21, 21]),  # 22 GiB: ckpt fits too (0.33 s): 1.212x
+        _plan(60, 0.36, [20, 20, 22, 22]),
+        _plan(65, 0.30, [20, 20, 22, 22]),  # 0.909x: no re-check
+        _plan(70, 0.36, [20, 20, 22, 22]),
+    ]
+    rechecks = [
+        # the steps are pooled per side: the plan's lower quartile 0.335 s (its first run's), the reference's
+        # 0.330 s (its second's): 1.015x, which neither pair alone (0.985x, 1.212x) nor a median would give
+        _rerun("plan@50", 1, "ckpt+hfo", [0.34] * 6),
+        _rerun("plan@50", 2, "plan@50", [0.335] * 6),
+        _rerun("plan@50", 3, "ckpt+hfo", [0.33] * 6),
+        _rerun("plan@50", 4, "plan@50", [0.40] * 6),
+        _rerun("plan@55", 1, "ckpt", [0.33] * 6),
+        _rerun("plan@55", 2, "plan@55", [0.36] * 6),
+        _rerun("plan@55", 3, "ckpt", [0.33] * 6),
+        _rerun("plan@55", 4, "plan@55", [0.36] * 6, peaks=[20, 22.5] + [20] * 8),
+        _rerun("plan@60", 1, "ckpt", [0.33] * 6),
+        _rerun("plan@70", 1, "ckpt", [0.33] * 6),
+        {
+            "scenario": "M36",
+            "mode": "plan@70",
+            "status": "crashed",
+            "error": "crashed (exit 3)",
+            "notes": [],
+            "recheck": {"budget": "plan@70", "run": 2},
+        },  # fmt: skip
+    ]
+    return results, rechecks
+
+
+def test_recheck_runs_ref_and_plan_alternately_after_the_budgets_that_failed_a():
+    results, rechecks = _recheck_shape()
+    assert zoo.next_recheck(results, [], 0) is None  # --recheck-pairs 0: no re-check
+    first = zoo.next_recheck(results, [], 2)
+    assert (first.budget, first.run, first.modes_left) == ("plan@50", 1, ["ckpt+hfo", "plan@50"] * 2)
+    assert first.tag == {"budget": "plan@50", "run": 1}
+    assert zoo.next_recheck(results, [], 3).modes_left == ["ckpt+hfo", "plan@50"] * 3
+    # plan@50's and plan@55's re-checks done, plan@60's first run done: its second is next
+    task = zoo.next_recheck(results, rechecks[:9], 2)
+    assert (task.budget, task.run, task.modes_left) == ("plan@60", 2, ["plan@60", "ckpt", "plan@60"])
+    # plan@70's re-check stops at its crashed run (it cannot be judged); plan@65 passed, so nothing is left
+    assert zoo.next_recheck(results, rechecks + [_rerun("plan@60", k, m, [0.33] * 6) for k, m in
+                                                 ((2, "plan@60"), (3, "ckpt"), (4, "plan@60"))], 2) is None  # fmt: skip
+
+
+def test_recheck_judges_a_again_on_the_pooled_steps_of_each_side():
+    from harness import lower_quartile
+
+    results, rechecks = _recheck_shape()
+    rows = {row["mode"]: row for row in zoo.budget_checks(results, rechecks, 2)}
+    r50, r55, r60, r65, r70 = (rows[f"plan@{p}"] for p in (50, 55, 60, 65, 70))
+    # plan@50: failed at first, passes on the re-check; the first ratio is kept
+    assert (r50["a_first"], r50["a"], r50["recheck"]["state"]) == (False, True, "judged")
+    assert r50["x_fastest"] == pytest.approx(0.40 / 0.34)
+    assert r50["recheck"]["plan_s"] == pytest.approx(lower_quartile([0.335] * 6 + [0.40] * 6)) == pytest.approx(0.335)
+    assert r50["recheck"]["ref_s"] == pytest.approx(0.33) and r50["recheck"]["x"] == pytest.approx(0.335 / 0.33)
+    assert [run["mode"] for run in r50["recheck"]["runs"]] == ["ckpt+hfo", "plan@50"] * 2
+    # plan@55: fails both; its re-check's run 4 went over the budget at its 2nd step: (b) fails too
+    assert (r55["a_first"], r55["a"], r55["recheck"]["x"]) == (False, False, pytest.approx(0.36 / 0.33))
+    assert r55["steps_over"] == [] and r55["recheck_steps_over"] == {4: [2]} and r55["b"] is False
+    assert r55["peak_all_bytes"] == int(22.5 * GIB)
+    # plan@60: one run of four (the time ran out): the first verdict stays
+    assert (r60["a"], r60["recheck"]["state"]) == (False, "time") and "x" not in r60["recheck"]
+    # plan@70: a run crashed: not judged, the first verdict stays, and the crash is a mode that did not finish
+    assert (r70["a"], r70["recheck"]["state"]) == (False, "incomplete") and "crashed" in r70["recheck"]["why"]
+    assert (r65["a"], r65["recheck"]) == (True, None)  # passed at first: not re-checked
+    assert all(row["b"] for row in (r50, r60, r65, r70))
+    summary = zoo.shape_summary(results, REFERENCE, rechecks, 2)
+    assert summary["checks"]["a"] == {"pass": 2, "fail": ["plan@55", "plan@60", "plan@70"], "n/a": 0, "pass_first": 1}
+    assert summary["checks"]["b"]["fail"] == ["plan@55"]
+    assert summary["did_not_finish"] == ["plan@70 (re-check run 2 of plan@70: crashed)"] and not summary["passed"]
+    # without a re-check (--recheck-pairs 0, or results from before it) the first verdicts stand
+    plain = {row["mode"]: row for row in zoo.budget_checks(results, rechecks, 0)}
+    assert plain["plan@50"]["a"] is False and plain["plan@55"]["b"] is True and plain["plan@50"]["recheck"] is None
+
+
+def test_the_report_shows_the_first_ratio_and_the_rechecks():
+    results, rechecks = _recheck_shape()
+    summary = zoo.shape_summary(results, REFERENCE, rechecks, 2)
+    text = "\n".join(zoo.shape_markdown(summary))
+    assert "| x it | (a) re-check, ABAB: plan / ref (p25 of the runs' steps) | (a) <= 1.02x |" in text
+    assert "| 1.176 | 0.335 / 0.330 s = 1.015x | yes (re-check) | 19.00 GiB | none |" in text  # plan@50
+    assert "| 1.212 | 0.360 / 0.330 s = 1.091x | **NO** (re-check) | 22.50 GiB | none; re-check run 4: [2] |" in text
+    assert "| 1.091 | not re-checked (time) | **NO** |" in text  # plan@60
+    assert "| 1.091 | not judged (plan@70 run 2: crashed) | **NO** |" in text
+    assert "| 0.909 |  | yes |" in text  # plan@65
+    assert "- (a) re-check, ABAB: after the shape's sweep, each budget whose (a) failed runs again" in text
+    assert (
+        "- plan@50: first 1.176x ckpt+hfo; re-check runs (s/step, p25 of each): ckpt+hfo 0.340, plan@50 0.335, "
+        "ckpt+hfo 0.330, plan@50 0.400; 0.335 / 0.330 s = 1.015x: (a) yes" in text
+    )
+    assert (
+        "(a) step <= 1.02x the fastest simple plan that fits: 2 passed (1 first time, 1 on re-check), 3 failed "
+        "(plan@55: 0.360 / 0.330 s = 1.091x; plan@60: not re-checked (time); plan@70: not judged (plan@70 run 2: "
+        "crashed)), 0 n/a" in text
+    )
+    # without a re-check, the table is the one from before it
+    assert "re-check" not in "\n".join(zoo.shape_markdown(zoo.shape_summary(results, REFERENCE)))
 
 
 # ------------------------------------------------------------------------------------------- the script, on CPU
@@ -256,6 +380,7 @@ def test_report_only_draws_a_chart_and_checks_made_up_gpu_results(tmp_path, monk
         "plan_steps": [6, 3],
         "grid_step": 5,
         "top": 95,
+        "recheck_pairs": 2,
         "cpu_reference_bytes": None,
     }
     env = {"device_name": "NVIDIA H100 80GB HBM3", "versions": {"torch": "2.11.0"}}  # fmt: skip
@@ -267,7 +392,7 @@ def test_report_only_draws_a_chart_and_checks_made_up_gpu_results(tmp_path, monk
     meta = zoo_script.shape_meta(spec, env, "M36")
     meta["modes"] = [r["mode"] for r in results]
     files = zoo_script.ReportFiles.at(tmp_path, "2026-01-01-nvidia-h100-80gb-hbm3-zoo-M36")
-    zoo_script.write_shape(files, meta, env, results, final=True)
+    zoo_script.write_shape(files, meta, env, results, [], final=True)
     assert zoo_script.main(["--report-only", "--out", str(tmp_path), "--shapes", "M36,llama3.2-1b"]) == 1  # a FAIL
     assert (tmp_path / "2026-01-01-nvidia-h100-80gb-hbm3-zoo-M36-pareto.png").stat().st_size > 10_000
     text = (tmp_path / "2026-01-01-nvidia-h100-80gb-hbm3-zoo.md").read_text()
@@ -276,3 +401,143 @@ def test_report_only_draws_a_chart_and_checks_made_up_gpu_results(tmp_path, monk
     )
     assert "| 2/2 | 1/2 **FAIL** | 2/2 | **FAIL** |" in text  # (b): plan@50's first step went over its budget
     assert "Not run (time budget): llama3.2-1b." in text
+
+
+# ----------------------------------------------------------- the child's re-check, on made-up step times and peaks
+
+MIB = 2**20
+# The made-up shape's step seconds, one entry a run in the order run (an extra run finds none and fails the test):
+# plan@50 fails (a) at first against ckpt+hfo (1.23x) and passes its re-check; plan@60 fails both against ckpt.
+STEP_S = {
+    "none": [0.010],
+    "ckpt": [0.012] * 3,
+    "ckpt+hfo": [0.013] * 3,
+    "plan@50": [0.016, 0.013, 0.013],
+    "plan@60": [0.015] * 3,
+    "plan@80": [0.011],
+}
+PEAK_MIB = {"none": 100, "ckpt": 60, "ckpt+hfo": 50}  # a plan's: its budget less 1 MiB
+
+
+class MadeUpWorker:
+    """``harness.worker.run_mode_safely`` for the child's loop on CPU: each mode's result at once, its peaks and step
+    times made up (the GPU's, scaled down), so that (a) is judged; records what it was asked to run."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+        self.step_s = {mode: list(times) for mode, times in STEP_S.items()}
+
+    def __call__(self, spec: dict) -> dict:
+        mode, warmup, steps = spec["mode"], spec["warmup"], spec["steps"]
+        self.calls.append((mode, warmup, steps))
+        res = {"scenario": spec["scenario"], "mode": mode, "status": "ok", "notes": [], "wall_s": 2.0}
+        if mode == zoo.PROBE_MODE:  # the named minimum: ckpt+hfo's peak, 50% of none's
+            return res | {"status": "infeasible", "error": "below the smallest", "minimum_bytes": 50 * MIB}
+        budget = spec["memory_budget"]["option"] if spec["memory_budget"] else None
+        peak = budget - MIB if budget else PEAK_MIB[mode] * MIB
+        step_s = self.step_s[mode].pop(0)
+        res["per_step"] = [{"step": i + 1, "s": step_s, "peak_bytes": peak} for i in range(warmup + steps)]
+        res.update(times=[step_s] * steps, median_s=step_s, p25_s=step_s, warmup_steps=warmup)
+        res.update(peak_bytes=peak, peak_gib=peak / GIB, peak_all_gib=peak / GIB)
+        if budget:
+            res["plan"] = {"code": "CK", "budget_bytes": budget, "predicted_peak_bytes": peak,
+                           "predicted_step_s": step_s}  # fmt: skip
+        return res
+
+
+def _sweep(out: Path, seconds: float):
+    """The zoo's child for the shape tiny in ``out``, with ``seconds`` left (its own time estimates decide)."""
+    spec = {
+        "out": str(out), "device": "cpu", "seed": 1, "bw_bytes": 0, "simple_steps": [1, 2], "plan_steps": [3, 2],
+        "grid_step": 20, "top": 95, "recheck_pairs": 2, "cpu_reference_bytes": 2_500_000, "date": "2026-01-01",
+        "command": "python benchmarks/zoo.py", "shapes": ["tiny"], "deadline": 0.0,
+    }  # fmt: skip
+    sweep = zoo_script.Sweep(spec)
+    sweep.spec["deadline"] = time.time() + seconds
+    return sweep
+
+
+def test_the_child_rechecks_within_its_time_and_goes_on_with_resume(tmp_path, monkeypatch):
+    """A shape's sweep, then its re-checks; the first child's time is enough for the sweep (each mode is estimated
+    at 2-5 s of overhead) and not for a re-check (four runs, 8 s): it stops, and the report says so. The next
+    child (--resume) runs the re-checks, ABAB, with each kind's steps; the verdicts and the files follow."""
+    import harness.worker
+    import torch
+
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the child's setting, not this process's
+    worker = MadeUpWorker()
+    monkeypatch.setattr(harness.worker, "run_mode_safely", worker)
+    out = tmp_path / "zoo"
+    out.mkdir()
+    sweep = _sweep(out, 7.0)
+    sweep.run()
+    sweep_order = ["none", "ckpt", "ckpt+hfo", zoo.PROBE_MODE, "plan@50", "plan@60", "plan@80"]
+    assert [mode for mode, _, _ in worker.calls] == sweep_order
+    data = _shape_json(out, "tiny")
+    assert data["rechecks"] == [] and not data["meta"]["zoo_complete"]
+    rows = {row["mode"]: row for row in data["meta"]["zoo"]["rows"]}
+    assert [rows[m]["recheck"]["state"] for m in ("plan@50", "plan@60")] == ["time", "time"]
+    assert rows["plan@80"]["recheck"] is None and rows["plan@80"]["a"] is True
+    (summary_md,) = out.glob("*-zoo.md")
+    assert "| 1.231 | not re-checked (time) | **NO** |" in summary_md.read_text()
+
+    worker.calls.clear()
+    _sweep(out, 600.0).run()
+    assert worker.calls == [
+        ("ckpt+hfo", 1, 2), ("plan@50", 3, 2), ("ckpt+hfo", 1, 2), ("plan@50", 3, 2),
+        ("ckpt", 1, 2), ("plan@60", 3, 2), ("ckpt", 1, 2), ("plan@60", 3, 2),
+    ]  # fmt: skip
+    data = _shape_json(out, "tiny")
+    assert [r["mode"] for r in data["results"]] == sweep_order == data["meta"]["modes"]  # one result a mode
+    assert [(r["mode"], r["recheck"]["budget"], r["recheck"]["run"]) for r in data["rechecks"]][:2] == [
+        ("ckpt+hfo", "plan@50", 1), ("plan@50", "plan@50", 2)
+    ]  # fmt: skip
+    assert data["meta"]["zoo_complete"] and data["meta"]["zoo_settings"]["recheck_pairs"] == 2
+    summary = data["meta"]["zoo"]
+    assert summary["checks"]["a"] == {"pass": 2, "fail": ["plan@60"], "n/a": 0, "pass_first": 1}
+    shape_md = next(out.glob("*-zoo-tiny.md")).read_text()
+    summary_text = summary_md.read_text()
+    for text in (shape_md, summary_text):
+        assert "| 1.231 | 0.013 / 0.013 s = 1.000x | yes (re-check) |" in text
+        assert "| 1.250 | 0.015 / 0.012 s = 1.250x | **NO** (re-check) |" in text
+    assert "| 2/3 (1 first time) **FAIL** |" in summary_text
+    assert summary_text.count("- (a) re-check, ABAB: after the shape's sweep") == 1  # in the summary's head
+    # --report-only makes the same summary from the JSON files
+    summary_md.unlink()
+    report_only = ["--device", "cpu", "--shapes", "tiny", "--out", str(out), "--report-only", "--no-charts"]
+    assert zoo_script.main(report_only) == 1  # plan@60 fails
+    assert summary_md.read_text() == summary_text
+
+
+def test_a_recheck_run_that_dies_is_recorded_as_one(tmp_path, monkeypatch):
+    """The parent records the run its child died in; a re-check's goes with the re-check runs, the sweep's results
+    stay one a mode, and the next child leaves that budget (its re-check cannot be judged) for the next one."""
+    monkeypatch.delenv("OUT", raising=False)
+    results, rechecks = _recheck_shape()
+    spec = {"date": "2026-01-01", "command": "python benchmarks/zoo.py", "seed": 1, "device": "cuda",
+            "simple_steps": [2, 6], "plan_steps": [10, 6], "grid_step": 5, "top": 95, "recheck_pairs": 2,
+            "cpu_reference_bytes": None}  # fmt: skip
+    env = {"device_name": "NVIDIA H100 80GB HBM3"}
+    meta = zoo_script.shape_meta(spec, env, "M36")
+    meta["modes"] = [r["mode"] for r in results]
+    files = zoo_script.ReportFiles.at(tmp_path, "2026-01-01-nvidia-h100-80gb-hbm3-zoo-M36")
+    zoo_script.write_shape(files, meta, env, results, rechecks[:8], final=False)  # plan@50's and plan@55's
+    running = {"shape": "M36", "mode": "ckpt", "started": time.time(), "recheck": {"budget": "plan@60", "run": 1}}
+    progress = {"env": env, "stem": "2026-01-01-nvidia-h100-80gb-hbm3-zoo", "running": running}
+    zoo_script.record_interrupted(tmp_path, spec, progress, "crashed", "crashed (exit 3) after 9 s")
+    data = json.loads(files.json.read_text())
+    assert [r["mode"] for r in data["results"]] == data["meta"]["modes"] == meta["modes"]
+    assert len(data["rechecks"]) == 9 and data["rechecks"][-1]["recheck"] == {"budget": "plan@60", "run": 1}
+    summary = data["meta"]["zoo"]
+    assert summary["did_not_finish"] == ["ckpt (re-check run 1 of plan@60: crashed)"]
+    assert next(row for row in summary["rows"] if row["mode"] == "plan@60")["recheck"]["state"] == "incomplete"
+    task = zoo.next_recheck(data["results"], data["rechecks"], 2)
+    assert (task.budget, task.run) == ("plan@70", 1)
+
+
+def test_recheck_pairs_option():
+    assert zoo_script.parse_args([]).recheck_pairs == zoo.RECHECK_PAIRS == 2
+    assert zoo_script.parse_args(["--recheck-pairs", "0"]).recheck_pairs == 0
+    with pytest.raises(SystemExit):
+        zoo_script.parse_args(["--recheck-pairs", "-1"])

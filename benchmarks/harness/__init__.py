@@ -9,6 +9,9 @@ Parent process (the invocation, no torch needed to import):
                   markdown, JSON and stdout tables
   zoo.py          the shape zoo's sweep (benchmarks/zoo.py): which mode runs next, the checks per budget, the summary
 
+Here, for both sides: GIB, and ``lower_quartile``, the step time of check (a) (the child's summary of a mode's timed
+steps; the zoo's re-check pools several runs' steps with it, without torch).
+
 Child processes (``run.py --_worker SPEC`` and ``run.py --_bandwidth SPEC``; zoo.py's child runs many modes):
   worker.py       one mode of one scenario, start to finish: its result written to a JSON file, or returned
   model.py        the model from a scenario's config (Liger, LoRA), its optimizer and its batch
@@ -18,9 +21,17 @@ Child processes (``run.py --_worker SPEC`` and ``run.py --_bandwidth SPEC``; zoo
   environment.py  versions, the device and its host<->device copy bandwidth
 """
 
+import statistics
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
 # Both the command line and the entry point of the child processes.
 RUN_SCRIPT = REPO / "benchmarks" / "run.py"
 GIB = 1024**3
+
+
+def lower_quartile(times: list[float]) -> float:
+    """The lower quartile of step times (the time itself for one step): where the host paces a short step, its
+    stalls only ever add time, to some steps and not others, so a low quantile measures the plan and a median the
+    host as well (benchmarks/results/2026-11-24-*-M36-short-steps-2.md)."""
+    return statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]

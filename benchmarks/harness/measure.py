@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import GIB
+from . import GIB, lower_quartile
 from .offloaders import Offload
 
 # One training step (forward, backward, optimizer step); its argument asks for the gradient fingerprint, taken
@@ -181,13 +181,6 @@ def _summarise(per_step: list[dict[str, Any]], warmup: int, offloader: str, res:
     rss = [r["rss_gib"] for r in per_step if r.get("rss_gib") is not None]
     if rss:
         res["rss_step1_gib"], res["rss_last_gib"] = rss[0], rss[-1]
-
-
-def lower_quartile(times: list[float]) -> float:
-    """The lower quartile of step times (the time itself for one step): where the host paces a short step, its
-    stalls only ever add time, to some steps and not others, so a low quantile measures the plan and a median the
-    host as well (benchmarks/results/2026-11-24-*-M36-short-steps-2.md)."""
-    return statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]
 
 
 def grad_fingerprint(params: list[torch.nn.Parameter]) -> str:

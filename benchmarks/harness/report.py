@@ -279,13 +279,16 @@ def write_report(
     final: bool,
     copy: bool = True,
     extra_markdown: list[str] | None = None,
+    extra_json: dict[str, Any] | None = None,
 ) -> None:
     """Writes the markdown (``extra_markdown``'s lines at its end) and the JSON (rewritten after every mode, so a run
-    cut short still leaves its finished modes), and with ``copy`` copies them and the log into $OUT."""
+    cut short still leaves its finished modes; ``extra_json``'s keys beside its own), and with ``copy`` copies them
+    and the log into $OUT."""
     by_scen = derive(results, bw)
     files.md.write_text(_markdown(meta, bw, by_scen, final) + "\n".join(extra_markdown or []))
     tmp = files.json.with_name(files.json.name + ".tmp")  # replaced at once: a run killed while writing keeps the last
-    tmp.write_text(json.dumps({"meta": meta, "bandwidth": bw, "results": results}, indent=1, default=str))
+    data = {"meta": meta, "bandwidth": bw, "results": results, **(extra_json or {})}
+    tmp.write_text(json.dumps(data, indent=1, default=str))
     os.replace(tmp, files.json)
     if copy:
         for path in (files.md, files.json, files.log):

@@ -15,6 +15,13 @@ The checks of each budget:
   (c) the budget is not refused (InfeasibleBudgetError) when a simple plan's measured peak is within it.
 Without a peak counter (CPU) (a) and (c) have nothing to compare with and (b) nothing to check: they read n/a.
 
+Check (a)'s re-check: a mode's step time drifts with the host by more than the 2% that (a) allows between two runs
+minutes apart, so every budget that (a) fails is measured again after the shape's sweep, the standard way to confirm
+a measured regression: its reference (the simple plan that (a) compared it with) and its plan alternately, `ref,
+plan` ``pairs`` times (ABAB for 2), so that both sides see the same drift. Its (a) is then judged again on the lower
+quartile of each side's re-check steps, pooled over its runs; that is the budget's verdict, the first ratio stays
+in the report. A re-check is a measurement like the sweep's: the plan's re-check steps count for (b) too.
+
 Every mode's result is run.py's (``harness.worker``), so the files are run.py's format: ``harness.report`` writes a
 shape's markdown and JSON, and ``pareto.py`` draws its chart.
 """
@@ -22,9 +29,10 @@ shape's markdown and JSON, and ``pareto.py`` draws its chart.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-from . import GIB
+from . import GIB, lower_quartile
 from .modes import PLAN_PREFIX, parse_mode
 from .report import Result, budget_bytes, fmt
 
@@ -36,6 +44,7 @@ TIME_TOLERANCE = 1.02  # check (a)
 STEP_TIME = "p25_s"  # check (a)'s step time: the lower quartile of a mode's timed steps
 GRID_STEP = 5  # percent of none's peak
 GRID_TOP = 95
+RECHECK_PAIRS = 2  # check (a)'s re-check: ref, plan, ref, plan
 
 
 def step_peaks(r: Result | None) -> list[int] | None:
@@ -123,9 +132,10 @@ def reference_bytes(results: list[Result], cpu_reference: int | None) -> int | N
     return cpu_reference
 
 
-def budget_checks(results: list[Result]) -> list[dict[str, Any]]:
+def budget_checks(results: list[Result], rechecks: Sequence[Result] = (), pairs: int = 0) -> list[dict[str, Any]]:
     """Checks (a), (b) and (c) of every budget of the sweep (the probe excepted), in the order run. Each check is
-    True, False, or None (nothing to check: no peak counter, no simple plan that fits, a budget refused)."""
+    True, False, or None (nothing to check: no peak counter, no simple plan that fits, a budget refused). With
+    ``pairs``, a budget whose (a) failed is judged again on its re-check runs in ``rechecks`` (`apply_recheck`)."""
     simple = [r for r in results if r["mode"] in SIMPLE_MODES and _ok(r) and peak_all(r) is not None]
     rows = []
     for r in results:
@@ -156,6 +166,8 @@ def budget_checks(results: list[Result]) -> list[dict[str, Any]]:
             "b": None,
             "c": None,
             "error": r.get("error") if status != "ok" else None,
+            "recheck": None,  # (a)'s re-check, where the first measurement failed it
+            "recheck_steps_over": {},
         }
         if status == "ok":
             if fastest is not None:
@@ -170,8 +182,83 @@ def budget_checks(results: list[Result]) -> list[dict[str, Any]]:
             row["c"] = not fits if simple else None
         elif status == "OOM":
             row["b"] = False  # the step outgrew the device, so the budget below it
+        row["a_first"] = row["a"]
+        if pairs and row["a"] is False:
+            apply_recheck(row, [x for x in rechecks if x["recheck"]["budget"] == r["mode"]], pairs)
         rows.append(row)
     return rows
+
+
+def recheck_modes(row: dict[str, Any], pairs: int) -> list[str]:
+    """A budget's re-check runs in order: the simple plan that (a) compared it with, then its plan, ``pairs`` times
+    (back to back, so that both sides see the same drift of the host)."""
+    return [row["fastest_fitting"], row["mode"]] * pairs
+
+
+class Recheck(NamedTuple):
+    """The next run of a budget's re-check: ``modes_left[0]``, the ``run``-th (from 1) of its ABAB."""
+
+    budget: str
+    run: int
+    modes_left: list[str]
+
+    @property
+    def tag(self) -> dict[str, Any]:
+        """What the run's result carries (``"recheck"``), to be told from the sweep's run of the same mode."""
+        return {"budget": self.budget, "run": self.run}
+
+
+def next_recheck(results: list[Result], rechecks: list[Result], pairs: int) -> Recheck | None:
+    """The next re-check run of a shape whose sweep is done: the budgets that failed (a) at their first measurement,
+    in the order run; any status counts as done, and a budget one of whose runs did not finish is not run on (its
+    re-check cannot be judged). None when every re-check is done, or ``pairs`` is 0."""
+    if not pairs:
+        return None
+    for row in budget_checks(results):
+        if row["a"] is not False:
+            continue
+        done = [x for x in rechecks if x["recheck"]["budget"] == row["mode"]]
+        order = recheck_modes(row, pairs)
+        if len(done) < len(order) and all(_ok(x) for x in done):
+            return Recheck(row["mode"], len(done) + 1, order[len(done) :])
+    return None
+
+
+def apply_recheck(row: dict[str, Any], runs: list[Result], pairs: int) -> None:
+    """Judges (a) of a budget that failed it again on its re-check ``runs``: the plan's lower quartile over its runs'
+    timed steps against the reference's over its runs'. ``row["recheck"]`` says what came of it: "judged" (``x``,
+    the ratio, and ``a``, the budget's verdict now), "time" (the time limit left it undone: the first verdict stays),
+    or "incomplete" (a run did not finish: the first verdict stays). The plan's runs count for (b) as the sweep's
+    run does: a step over the budget, or an OOM, fails it."""
+    plan_runs = [x for x in runs if x["mode"] == row["mode"]]
+    budget = row["budget_bytes"]
+    for x in plan_runs:
+        peaks = step_peaks(x) or []
+        if peaks:
+            row["peak_all_bytes"] = max(row["peak_all_bytes"] or 0, *peaks)
+        if budget is not None and any(p > budget for p in peaks):
+            row["recheck_steps_over"][x["recheck"]["run"]] = [i + 1 for i, p in enumerate(peaks) if p > budget]
+    if row["recheck_steps_over"] or any(x.get("status") == "OOM" for x in plan_runs):
+        row["b"] = False
+    expected = recheck_modes(row, pairs)
+    unfinished = [x for x in runs if not _ok(x)]
+    recheck: dict[str, Any] = {
+        "pairs": pairs,
+        "runs": [{"mode": x["mode"], "status": x.get("status"), "step_s": x.get(STEP_TIME)} for x in runs],
+    }
+    if unfinished and any(x.get("status") != "timeout" for x in unfinished):
+        recheck["state"] = "incomplete"
+        recheck["why"] = ", ".join(f"{x['mode']} run {x['recheck']['run']}: {x.get('status')}" for x in unfinished)
+    elif unfinished or len(runs) < len(expected):
+        recheck["state"] = "time"
+    else:
+        pooled = {side: [t for x in runs if x["mode"] == side for t in x["times"]] for side in set(expected)}
+        recheck["plan_s"] = lower_quartile(pooled[row["mode"]])
+        recheck["ref_s"] = lower_quartile(pooled[row["fastest_fitting"]])
+        recheck["x"] = recheck["plan_s"] / recheck["ref_s"]
+        recheck["state"] = "judged"
+        row["a"] = recheck["x"] <= TIME_TOLERANCE
+    row["recheck"] = recheck
 
 
 def library_measured(r: Result) -> str:
@@ -185,10 +272,13 @@ def library_measured(r: Result) -> str:
     return ", ".join(simple + ([f"+{others} other"] if others else []))
 
 
-def shape_summary(results: list[Result], reference: int | None) -> dict[str, Any]:
-    """A shape's verdict: per check how many budgets passed, failed or had nothing to check; the modes that did not
-    finish; the minimum the library named against the simple plans' peaks."""
-    rows = budget_checks(results)
+def shape_summary(
+    results: list[Result], reference: int | None, rechecks: Sequence[Result] = (), pairs: int = 0
+) -> dict[str, Any]:
+    """A shape's verdict: per check how many budgets passed, failed or had nothing to check (for (a) also how many
+    passed at their first measurement); the modes that did not finish, re-check runs included; the minimum the
+    library named against the simple plans' peaks."""
+    rows = budget_checks(results, rechecks, pairs)
     counts = {
         check: {
             "pass": sum(row[check] is True for row in rows),
@@ -197,7 +287,13 @@ def shape_summary(results: list[Result], reference: int | None) -> dict[str, Any
         }
         for check in ("a", "b", "c")
     }
+    counts["a"]["pass_first"] = sum(row["a_first"] is True for row in rows)
     failed = [f"{r['mode']} ({r.get('status')})" for r in results if r.get("status") not in ("ok", "infeasible")]
+    failed += [
+        f"{x['mode']} (re-check run {x['recheck']['run']} of {x['recheck']['budget']}: {x.get('status')})"
+        for x in rechecks
+        if x.get("status") not in ("ok", "infeasible")
+    ]
     minimum = named_minimum(results)
     by_mode = {r["mode"]: r for r in results}
     below_minimum = [
@@ -206,6 +302,7 @@ def shape_summary(results: list[Result], reference: int | None) -> dict[str, Any
     feasible = [row for row in rows if row["status"] == "ok"]
     return {
         "reference_bytes": reference,
+        "recheck_pairs": pairs,
         "named_minimum_bytes": minimum,
         "simple_peaks_below_named_minimum": below_minimum,
         "lowest_feasible_percent": min((row["percent"] for row in feasible), default=None),
@@ -229,17 +326,56 @@ def size(nbytes: int | None) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.2f} MiB"
 
 
-BUDGET_HEAD = (
-    "| budget | bytes | status | plan | s/step (p25) | s/step (median) | simple plans the library measured (fastest "
-    "step) | fastest simple plan (p25) "
-    "that fits | x it | (a) <= "
-    f"{TIME_TOLERANCE:.2f}x | peak, every step | steps over | (b) peak <= budget | (c) not refused |"
-)
+def budget_head(pairs: int) -> str:
+    """The head of the table of checks per budget; with a re-check, its column after the first ratio's."""
+    recheck = f"(a) re-check, {'AB' * pairs}: plan / ref (p25 of the runs' steps) | " if pairs else ""
+    return (
+        "| budget | bytes | status | plan | s/step (p25) | s/step (median) | simple plans the library measured "
+        "(fastest step) | fastest simple plan (p25) that fits | x it | "
+        f"{recheck}(a) <= {TIME_TOLERANCE:.2f}x | peak, every step | steps over | (b) peak <= budget | (c) not "
+        "refused |"
+    )
 
 
-def shape_markdown(summary: dict[str, Any]) -> list[str]:
-    """The zoo's section of a shape's markdown: the checks per budget, and the counts."""
-    lines = ["", "### The zoo's checks per budget", "", BUDGET_HEAD, "|" + "---|" * (BUDGET_HEAD.count(" | ") + 1)]
+def recheck_method(pairs: int) -> str:
+    """What the re-check is, in words: a line of the per-shape and summary reports (empty when it is off)."""
+    if not pairs:
+        return ""
+    return (
+        f"(a) re-check, {'AB' * pairs}: after the shape's sweep, each budget whose (a) failed runs again with the "
+        f"simple plan (a) compared it with, alternately (ref, plan, {pairs} times; each run the sweep's warm-up and "
+        "timed steps), so that both sides see the same drift of the host; (a) is judged again on the lower quartile "
+        "of each side's timed steps pooled over its runs, and that is the budget's verdict (the first ratio stays: "
+        "x it); the plan's re-check steps count for (b) too. A budget the time limit left without its re-check keeps "
+        "its first verdict: not re-checked (time)"
+    )
+
+
+def recheck_text(recheck: dict[str, Any] | None) -> str:
+    """A budget's re-check in a few words: the pooled lower quartiles and their ratio, or why it has none."""
+    if recheck is None:
+        return ""
+    if recheck["state"] == "judged":
+        return f"{recheck['plan_s']:.3f} / {recheck['ref_s']:.3f} s = {recheck['x']:.3f}x"
+    if recheck["state"] == "time":
+        return "not re-checked (time)"
+    return f"not judged ({recheck['why']})"
+
+
+def _steps_over(row: dict[str, Any]) -> str:
+    """The steps over the budget: the sweep's run's, then each re-check run's of the plan."""
+    first = row["steps_over"]
+    parts = [str(first) if first else "" if first is None else "none"]
+    parts += [f"re-check run {run}: {steps}" for run, steps in row.get("recheck_steps_over", {}).items()]
+    return "; ".join(part for part in parts if part)
+
+
+def shape_markdown(summary: dict[str, Any], method: bool = True) -> list[str]:
+    """The zoo's section of a shape's markdown: the checks per budget, each re-check's runs, and the counts;
+    ``method``: with what the re-check is (the summary says it once, in its head)."""
+    pairs = summary.get("recheck_pairs", 0)
+    head = budget_head(pairs)
+    lines = ["", "### The zoo's checks per budget", "", head, "|" + "---|" * (head.count(" | ") + 1)]
     for row in summary["rows"]:
         codes = row["codes"]
         plan = " -> ".join(f"`{c}`" for c in codes) if codes else (f"`{row['plan']}`" if row["plan"] else "")
@@ -247,25 +383,35 @@ def shape_markdown(summary: dict[str, Any]) -> list[str]:
         fastest = (
             f"{row['fastest_fitting']} {row['fastest_fitting_s']:.3f} s" if row["fastest_fitting"] else "none fits"
         )
+        recheck = row.get("recheck")
+        verdict = mark(row["a"]) + (" (re-check)" if recheck and recheck["state"] == "judged" else "")
         lines.append(
             f"| {row['mode']} | {size(row['budget_bytes'])} | {status} | {plan} | {fmt(row['step_s'])} | "
             f"{fmt(row['median_s'])} | "
             f"{row.get('library_measured', '')} | {fastest} "
-            f"| {fmt(row['x_fastest'], '{:.3f}')} | {mark(row['a'])} | {size(row['peak_all_bytes'])} | "
-            f"{row['steps_over'] if row['steps_over'] else '' if row['steps_over'] is None else 'none'} | "
-            f"{mark(row['b'])} | {mark(row['c'])} |"
+            f"| {fmt(row['x_fastest'], '{:.3f}')} | {f'{recheck_text(recheck)} | ' if pairs else ''}{verdict} | "
+            f"{size(row['peak_all_bytes'])} | {_steps_over(row)} | {mark(row['b'])} | {mark(row['c'])} |"
         )
-    lines += [""] + [f"- {line}" for line in summary_lines(summary)]
+    lines += [""] + ([f"- {recheck_method(pairs)}"] if method and pairs else [])
+    lines += [f"- {line}" for line in summary_lines(summary)]
     return lines
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     counts = summary["checks"]
+    pairs = summary.get("recheck_pairs", 0)
+    rows = {row["mode"]: row for row in summary["rows"]}
 
     def line(check: str, what: str) -> str:
         c = counts[check]
-        failed = f"{len(c['fail'])} failed" + (f" ({', '.join(c['fail'])})" if c["fail"] else "")
-        return f"({check}) {what}: {c['pass']} passed, {failed}, {c['n/a']} n/a"
+        failures, sep = c["fail"], ", "
+        passed = f"{c['pass']} passed"
+        if check == "a" and pairs:  # how many needed the re-check, and what it found for those that still fail
+            passed += f" ({c['pass_first']} first time, {c['pass'] - c['pass_first']} on re-check)"
+            failures = [f"{m}: {recheck_text(rows[m]['recheck'])}" if rows[m]["recheck"] else m for m in failures]
+            sep = "; "
+        failed = f"{len(failures)} failed" + (f" ({sep.join(failures)})" if failures else "")
+        return f"({check}) {what}: {passed}, {failed}, {c['n/a']} n/a"
 
     minimum = summary["named_minimum_bytes"]
     reference = summary["reference_bytes"]
@@ -277,6 +423,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     )
     below = summary["simple_peaks_below_named_minimum"]
     return [
+        *recheck_lines(summary),
         line("a", f"step <= {TIME_TOLERANCE:.2f}x the fastest simple plan that fits"),
         line("b", "peak <= budget on every step, profiled steps included"),
         line("c", "no budget refused that a simple plan meets"),
@@ -286,6 +433,26 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"did not finish: {', '.join(summary['did_not_finish']) or 'none'}; verdict: "
         + ("**pass**" if summary["passed"] else "**FAIL**"),
     ]
+
+
+def recheck_lines(summary: dict[str, Any]) -> list[str]:
+    """Each re-checked budget's runs in the order run (each run's lower quartile) and the pooled ratio that judged
+    it."""
+    lines = []
+    for row in summary["rows"]:
+        recheck = row.get("recheck")
+        if not recheck:
+            continue
+        runs = ", ".join(
+            f"{run['mode']} {fmt(run['step_s'])}" + ("" if run["status"] == "ok" else f" ({run['status']})")
+            for run in recheck["runs"]
+        )
+        verdict = f": (a) {mark(row['a'])}" if recheck["state"] == "judged" else ""
+        lines.append(
+            f"{row['mode']}: first {fmt(row['x_fastest'], '{:.3f}')}x {row['fastest_fitting']}; re-check runs "
+            f"(s/step, p25 of each): {runs or 'none'}; {recheck_text(recheck)}{verdict}"
+        )
+    return lines
 
 
 def _simple(r: Result | None) -> str:
@@ -299,7 +466,12 @@ def _count(c: dict[str, Any] | None) -> str:
     """A check's cell: budgets passed / budgets checked."""
     if not c:
         return "—"
-    return f"{c['pass']}/{c['pass'] + len(c['fail'])}" + (" **FAIL**" if c["fail"] else "")
+    first = c.get("pass_first", c["pass"])  # (a): the rest passed on re-check
+    return (
+        f"{c['pass']}/{c['pass'] + len(c['fail'])}"
+        + (f" ({first} first time)" if first != c["pass"] else "")
+        + (" **FAIL**" if c["fail"] else "")
+    )
 
 
 def summary_markdown(shapes: list[tuple[str, dict[str, Any]]], header: list[str], not_run: list[str]) -> str:
@@ -326,16 +498,18 @@ def summary_markdown(shapes: list[tuple[str, dict[str, Any]]], header: list[str]
             + f" | {named} | {summary.get('budgets_run', 0)} ({summary.get('budgets_feasible', 0)}) | {checks} | "
             f"{verdict} |"
         )
+    rechecked = any((data["meta"].get("zoo") or {}).get("recheck_pairs") for _, data in shapes)
     lines += [
         "",
-        f"(a), (b), (c): budgets that passed / budgets with something to check (n/a: no peak counter, no simple plan "
-        f"that fits the budget, or a refused budget for (a) and (b)). Not run (time budget): "
-        f"{', '.join(not_run) or 'none'}.",
+        "(a), (b), (c): budgets that passed / budgets with something to check (n/a: no peak counter, no simple plan "
+        "that fits the budget, or a refused budget for (a) and (b))"
+        + ("; (a)'s (N first time): N passed at their first measurement, the rest on re-check" if rechecked else "")
+        + f". Not run (time budget): {', '.join(not_run) or 'none'}.",
     ]
     for name, data in shapes:
         summary = data["meta"].get("zoo")
         if not summary:
             continue
         lines += ["", f"## {name}", "", data["meta"].get("describe", ""), ""]
-        lines += shape_markdown(summary)[1:]
+        lines += shape_markdown(summary, method=False)[1:]
     return "\n".join(lines) + "\n"
