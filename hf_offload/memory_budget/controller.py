@@ -49,7 +49,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 
 from ..allocator import release_unusable_cache
@@ -874,8 +873,10 @@ class MemoryBudgetController:
         if self._whole_call:
             for index, layer in enumerate(self._layers):
                 if layer.gradient_checkpointing:
-                    starts = functools.partial(self._layer_starts, index)
-                    layer._gradient_checkpointing_func = _StartsBeforeTheCall(starts, layer._gradient_checkpointing_func)
+                    function = layer._gradient_checkpointing_func
+                    layer._gradient_checkpointing_func = _StartsBeforeTheCall(
+                        functools.partial(self._layer_starts, index), function
+                    )
         if windows is not None:
             engine.use_windows(*windows)
         # A plan that moves nothing (every layer kept, or checkpointed with its input kept): the engine stands aside,

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from torch import nn
 
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 from hf_offload.host_memory import HostMemory
