@@ -58,7 +58,7 @@ from ..peak import queue_after_backward
 from ..random_state import random_state_untouched
 from .calibrate import Calibration, calibrate
 from .host import choose_plan_with_host
-from .layer_actions import AppliedActions, apply_layer_actions
+from .layer_actions import AppliedActions, apply_layer_actions, whole_call_layer
 from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_bandwidth, probe_layer
 from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
 from .search import InfeasibleBudgetError, choose_plan, plan_of
@@ -945,7 +945,7 @@ class _StartsBeforeTheCall:
     longer step's) ran it untiled in the forward and tiled in the recomputation: "a different number of tensors was
     saved during the original forward and recomputation: 40 and 10", on the H100. So the layer's start (`starts`,
     the controller's pre-hook, which its pre-hook then repeats to no effect) runs here, before the call, and the call
-    goes to the checkpoint function of the plan in force after it, or runs unchecked by one if that plan does not
+    goes to the checkpoint function of the plan in force after it, or runs without one if that plan does not
     checkpoint the layer.
     """
 
@@ -954,7 +954,7 @@ class _StartsBeforeTheCall:
         self.function = function
 
     def __call__(self, function: Callable[..., Any], *args: Any) -> Any:
-        layer = getattr(function.func, "__self__", None) if isinstance(function, functools.partial) else None
+        layer = whole_call_layer(function)
         if layer is None:  # not a whole call: nothing to start early
             return self.function(function, *args)
         self.starts(layer, args, function.keywords)

@@ -73,6 +73,7 @@ __all__ = [
     "checkpointing_as",
     "saved_by_selective_checkpoint",
     "selective_checkpoint_function",
+    "whole_call_layer",
 ]
 
 ACTIONS = (KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL, FULL_TILED, TILED_LAYER)
@@ -154,7 +155,7 @@ class _TiledLayerCheckpoint:
     def __call__(self, function: Callable[..., Any], *args: Any) -> Any:
         layer = self._layer()
         tiled = tiled_forward(layer) if layer is not None else None
-        if tiled is not None and _calls_whole(function, layer):
+        if tiled is not None and whole_call_layer(function) is layer:
             return function(*args) if tiled.tiles(*args, **function.keywords) else self.function(function, *args)
         bound = isinstance(function, functools.partial) and len(function.args) == 1 and function.args[0] is layer
         if tiled is None or not bound or getattr(self._redirected, "active", False):
@@ -166,11 +167,13 @@ class _TiledLayerCheckpoint:
             self._redirected.active = False
 
 
-def _calls_whole(function: Callable[..., Any], layer: nn.Module) -> bool:
-    """Whether `function` is a checkpoint's `partial` of `layer`'s whole call (transformers 5.17's
-    `partial(super().__call__, **kwargs)`), hooks and all."""
-    return (isinstance(function, functools.partial) and not function.args
-            and getattr(function.func, "__self__", None) is layer)  # fmt: skip
+def whole_call_layer(function: Callable[..., Any]) -> nn.Module | None:
+    """The layer whose whole call, hooks and all, a checkpoint function was handed as `function` (transformers 5.17's
+    `partial(super().__call__, **kwargs)`); None for anything else (5.2x's `partial(forward, layer, **kwargs)`)."""
+    if not isinstance(function, functools.partial) or function.args:
+        return None
+    layer = getattr(function.func, "__self__", None)
+    return layer if isinstance(layer, nn.Module) else None
 
 
 class _InKeepingRegion:
