@@ -190,7 +190,7 @@ class MemoryBudgetController:
         self._budget_bytes()  # a share of the device, or "auto", without a device fails here
         self.plan: Plan | None = None
         self._profile: StepProfile | None = None
-        self._applied: AppliedActions | None = None
+        self._actions = _PlanActions()
         self._measured = _StepMeasurements()
         self._forwards = 0
         self._probing = False
@@ -220,6 +220,7 @@ class MemoryBudgetController:
         # function, before the call (`_StartsBeforeTheCall`).
         self._whole_call = _checkpoints_whole_calls(self._layers)
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
+        engine.track_hook(self._actions)
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
             engine.track_hook(layer.register_forward_pre_hook(hook, with_kwargs=True))
@@ -867,9 +868,8 @@ class MemoryBudgetController:
         in_registration_order = [None] * len(actions)
         for position, index in enumerate(self._order):
             in_registration_order[index] = actions[position]
-        if self._applied is not None:
-            self._applied.remove()
-        self._applied = apply_layer_actions(model, engine, in_registration_order, tile_tokens, layer_tile_tokens)
+        self._actions.replace(lambda: apply_layer_actions(model, engine, in_registration_order, tile_tokens,
+                                                          layer_tile_tokens))  # fmt: skip
         if self._whole_call:
             for index, layer in enumerate(self._layers):
                 if layer.gradient_checkpointing:
@@ -933,6 +933,24 @@ def _tile_tokens(model: nn.Module, option: str | bool, apply: Callable[..., Any]
         logger.info("hf_offload: the planner cannot tile %s: %s", what, error)
         return 0
     return tokens
+
+
+class _PlanActions:
+    """The layer actions of the plan in force: each plan's replace the last's, and the engine's `remove_hooks` takes
+    them off with its hooks, giving every layer back its own checkpointing and forward (a refused budget's too: its
+    profiled steps' plan may have tiled the layers)."""
+
+    def __init__(self) -> None:
+        self._applied: AppliedActions | None = None
+
+    def replace(self, apply: Callable[[], AppliedActions]) -> None:
+        self.remove()
+        self._applied = apply()
+
+    def remove(self) -> None:
+        if self._applied is not None:
+            self._applied.remove()
+            self._applied = None
 
 
 class _StartsBeforeTheCall:
