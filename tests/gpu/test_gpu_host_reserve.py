@@ -22,7 +22,11 @@ GIB, MIB = 2**30, 2**20
 def _settle() -> None:
     gc.collect()
     torch.cuda.synchronize()
+    # Pinned blocks the earlier tests freed stay in torch's host cache: a pool that takes them back grows without
+    # lowering MemAvailable, so the reserve would not be met where these tests expect it (after the bitwise, trainer
+    # and QLoRA tests on the H100: 5 GiB pinned against 3). torch 2.11 empties that cache only privately.
     empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    empty_host_cache = empty_host_cache or getattr(torch._C, "_host_emptyCache", None)
     if empty_host_cache is not None:
         empty_host_cache()
 
