@@ -641,7 +641,9 @@ class OffloadActivations(saved_tensors_hooks):
         self._module_hooks.append(handle)
 
     def remove_hooks(self) -> None:
-        """Remove every module hook installed for this context (by `get_act_offloading_ctx_manager`); idempotent.
+        """Remove every module hook installed for this context (by `get_act_offloading_ctx_manager`), and what a memory
+        plan or `tile_mlp`/`tile_layer` set on the layers (each gets its own checkpointing and forward back).
+        Idempotent.
 
         Example:
 
