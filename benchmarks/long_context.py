@@ -883,6 +883,7 @@ class ModeRun:
         force was made from, against the budget it plans for; its predicted step time gets the attention's quadratic
         share added when its profile scales attention linearly (the probes do not separate it)."""
         import hf_offload.memory_budget.controller as library_budget
+        from hf_offload.memory_budget.host import choose_plan_with_host
         from hf_offload.memory_budget.search import choose_plan
 
         s = self.settings
@@ -892,6 +893,9 @@ class ModeRun:
             return {"skipped": "the library made no plan during the profiled steps"}
         budget_bytes = controller.memory_budget.resolve(self.device_total)
         margin = int(budget_bytes * getattr(library_budget, "_PREDICTION_MARGIN", 0.005))
+        # As the controller plans: the pinned pool may grow past its cap, down to the host's reserve, where that is what
+        # fits the step (without it, the QLoRA prediction stopped at 425,984 tokens, the default cap's limit).
+        caps = self.offload.context.host_caps()
         attempts: dict[int, Any] = {}
 
         static_per_token = static_bytes_per_token({step["plan_tokens"]: step["plan_static_bytes"] for step in profiled
@@ -905,7 +909,8 @@ class ModeRun:
         def attempt(n: int) -> Any:  # a Plan, or the planner's ValueError
             if n not in attempts:
                 try:
-                    attempts[n] = choose_plan(at(n), budget_bytes, margin)
+                    attempts[n] = choose_plan_with_host(lambda candidate: choose_plan(candidate, budget_bytes, margin),
+                                                        at(n), caps.most_bytes, caps.reserve_bytes)  # fmt: skip
                 except ValueError as e:
                     attempts[n] = e
             return attempts[n]
@@ -962,10 +967,12 @@ class ModeRun:
                                "profile": dataclasses.asdict(profile)}  # fmt: skip
         how = [f"The library's planner: the longest multiple of {round_to} tokens for which "
                f"hf_offload.memory_budget.search.choose_plan(ctx.budget_controller.profile.scaled(N), {budget_bytes} "
-               f"(its 'auto' budget), {margin}) finds a plan (bisection; the profile is the one its plan at "
-               f"{profile.tokens} tokens was made from, its static bytes grown by {static_per_token:.0f} bytes/token, "
-               "the line through the profiled lengths' plans: the step's per-token tensors held when the first layer "
-               "starts)."]  # fmt: skip
+               f"(its 'auto' budget), {margin}) finds a plan, with the pinned pool grown from its cap of "
+               f"{caps.default_bytes / GIB:.1f} GiB up to {caps.most_bytes / GIB:.1f} GiB where that makes the step "
+               "fit (host.choose_plan_with_host, as the controller plans; bisection; the profile is the one its plan "
+               f"at {profile.tokens} tokens was made from, its static bytes grown by {static_per_token:.0f} "
+               "bytes/token, the line through the profiled lengths' plans: the step's per-token tensors held when the "
+               "first layer starts)."]  # fmt: skip
         if longest:
             found = attempt(longest)
             out.update(plan_code=found.code, predicted_peak_bytes=found.predicted.peak_bytes,
