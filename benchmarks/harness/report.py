@@ -17,9 +17,11 @@ from .scenarios import SCENARIOS
 
 Result = dict[str, Any]  # one mode's result, as its worker wrote it (plus the parent's process_s)
 
-# Issue 13's targets for the memory-budget planner. 1, 2 and 5: the step time at these budgets, (scenario, percent
-# of none's peak or "auto") -> at most this many times none's. 4: the predictions' error against the measurements.
-TARGET_X_NONE = {("S1", 50.0): 1.12, ("S1", 66.0): 1.06, ("S1", 85.0): 1.02, ("S2", 75.0): 1.08, ("S1", "auto"): 1.01}
+# The step time at these budgets, (scenario, percent of none's peak or "auto") -> at most this many times none's:
+# issue 20's target 3 for S1's frontier (issue 13's, 1.12 / 1.06 / 1.02 and S2 75% at 1.08, were its first, never
+# met), and "auto" costing nothing where everything fits (issue 13, 20 target 5). Also issue 13's bounds on the
+# predictions' error against the measurements.
+TARGET_X_NONE = {("S1", 50.0): 1.18, ("S1", 66.0): 1.11, ("S1", 85.0): 1.05, ("S1", "auto"): 1.01}
 PEAK_ERROR_TARGET = 0.05
 TIME_ERROR_TARGET = 0.10
 
