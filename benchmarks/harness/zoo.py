@@ -132,6 +132,11 @@ def reference_bytes(results: list[Result], cpu_reference: int | None) -> int | N
     return cpu_reference
 
 
+def steps_over(peaks: list[int], budget: int) -> list[int]:
+    """The steps (from 1) whose peak went over the budget."""
+    return [i + 1 for i, peak in enumerate(peaks) if peak > budget]
+
+
 def budget_checks(results: list[Result], rechecks: Sequence[Result] = (), pairs: int = 0) -> list[dict[str, Any]]:
     """Checks (a), (b) and (c) of every budget of the sweep (the probe excepted), in the order run. Each check is
     True, False, or None (nothing to check: no peak counter, no simple plan that fits, a budget refused). With
@@ -175,7 +180,7 @@ def budget_checks(results: list[Result], rechecks: Sequence[Result] = (), pairs:
                 row["a"] = row["x_fastest"] <= TIME_TOLERANCE
             peaks = step_peaks(r)
             if peaks is not None and budget is not None:
-                row["steps_over"] = [i + 1 for i, p in enumerate(peaks) if p > budget]
+                row["steps_over"] = steps_over(peaks, budget)
                 row["b"] = not row["steps_over"]
             row["c"] = True
         elif status == "infeasible":
@@ -236,8 +241,9 @@ def apply_recheck(row: dict[str, Any], runs: list[Result], pairs: int) -> None:
         peaks = step_peaks(x) or []
         if peaks:
             row["peak_all_bytes"] = max(row["peak_all_bytes"] or 0, *peaks)
-        if budget is not None and any(p > budget for p in peaks):
-            row["recheck_steps_over"][x["recheck"]["run"]] = [i + 1 for i, p in enumerate(peaks) if p > budget]
+        over = steps_over(peaks, budget) if budget is not None else []
+        if over:
+            row["recheck_steps_over"][x["recheck"]["run"]] = over
     if row["recheck_steps_over"] or any(x.get("status") == "OOM" for x in plan_runs):
         row["b"] = False
     expected = recheck_modes(row, pairs)
