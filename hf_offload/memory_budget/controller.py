@@ -38,9 +38,9 @@ to re-plan: a rank cannot know another's step, and one re-planning alone would w
 growth of a step is estimated there, before its layers run, from its input elements (`_estimated_step_tokens`)
 rather than seen as each stack starts.
 
-In the CPU test mode nothing on the host has a
-peak counter: static memory is counted from the parameters, the head's peak from the tensors it saved, and the
-plan is computed and applied the same way, so its bookkeeping is tested without a GPU.
+In the CPU test mode nothing on the host has a peak counter: static memory is counted from the parameters, the
+head's peak from the tensors it saved, and the plan is computed and applied the same way, so its bookkeeping is
+tested without a GPU.
 """
 
 from __future__ import annotations
