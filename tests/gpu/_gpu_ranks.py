@@ -7,7 +7,7 @@ import os
 import traceback
 
 import torch
-from _gpu_models import build_model, dispose, make_batch, make_ctx
+from _gpu_models import build_model, dispose, make_batch, make_ctx, step_peaks
 
 # NVLink multicast stays off on these shared hosts (the device's KINDS.md), in every process NCCL starts in.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -18,28 +18,9 @@ SIZE = dict(hidden=1024, layers=6, heads=16, kv_heads=8, intermediate=2816, voca
 ATTENTION = "sdpa"
 
 
-def _steps(model, lengths: tuple[int, ...], ctx) -> tuple[list[int], list[torch.Tensor], list[tuple | None]]:
-    """Each training step's peak allocated memory, loss, and after it the plan in force (code, tokens)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    peaks, losses, plans = [], [], []
-    for step, seq in enumerate(lengths):
-        batch = make_batch("llama", batch=1, seq=seq, seed=step)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        if ctx is None:
-            loss = model(**batch).loss
-        else:
-            with ctx:
-                loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated())
-        losses.append(loss.detach())
-        plan = ctx.memory_plan if ctx is not None else None
-        plans.append(None if plan is None else (plan.code, plan.tokens))
-    return peaks, losses, plans
+def _plan_and_tokens(ctx) -> tuple | None:
+    plan = ctx.memory_plan
+    return None if plan is None else (plan.code, plan.tokens)
 
 
 def budget_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...], ...], share: float) -> None:
@@ -55,16 +36,20 @@ def budget_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...]
                                          world_size=2)  # fmt: skip
     try:
         mine = lengths[rank]
-        none_peaks, reference, _ = _steps(
-            build_model("llama", dtype="bf16", seq=max(mine), attn=ATTENTION, **SIZE), mine, None
-        )
+
+        def batch(step: int) -> dict:
+            return make_batch("llama", batch=1, seq=mine[step], seed=step)
+
+        model = build_model("llama", dtype="bf16", seq=max(mine), attn=ATTENTION, **SIZE)
+        none_peaks, reference = step_peaks(model, batch, None, len(mine))
         largest = torch.tensor(max(none_peaks), device="cuda" if two else "cpu")
         torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
         budget = int(share * largest.item())
         model = build_model("llama", dtype="bf16", seq=max(mine), attn=ATTENTION, **SIZE)
         ctx = make_ctx(model, memory_budget=budget, tile_mlp=False, tile_layer=False)  # tiles are not bitwise
         try:
-            peaks, losses, plans = _steps(model, mine, ctx)
+            plans: list = []
+            peaks, losses = step_peaks(model, batch, ctx, len(mine), plans, describe=_plan_and_tokens)
         finally:
             dispose(ctx)
         exact = all(torch.equal(a, b) for a, b in zip(losses, reference))
