@@ -43,6 +43,7 @@ import datetime  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -329,6 +330,9 @@ def child_main(spec: dict[str, Any]) -> int:
         save_results(path, results)
 
     save()
+    # The library's plan tables, each time it plans: a step that fails a quarter of an hour in says which plan it ran.
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("hf_offload").setLevel(logging.INFO)
     started = time.time()
     try:
         ModeRun(spec, results, record, save).run()
@@ -451,7 +455,7 @@ def quantize_decoder_nf4(model: Any) -> dict[str, Any]:
                    "device"}  # fmt: skip
 
 
-def _innermost_frames(error: BaseException, frames: int = 8) -> list[str]:
+def _innermost_frames(error: BaseException, frames: int = 40) -> list[str]:
     """Where `error` was raised: its traceback's innermost `frames` frames as 'file:line function', outermost first. A
     step that runs out of memory 15 minutes in cannot be run again to find out where."""
     return [f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
@@ -692,6 +696,8 @@ class ModeRun:
                        reserved_bytes=torch.cuda.memory_reserved() if self.cuda else None)  # fmt: skip
         if failed is not None:
             del failed
+            with contextlib.suppress(Exception):  # the plan the failed step ran: the one in force at the failure
+                self._record_offload(rec)
             self.optimizer.zero_grad(set_to_none=True)
             gc.collect()
             if self.cuda:
