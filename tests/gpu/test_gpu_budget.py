@@ -238,6 +238,73 @@ def test_a_budget_only_layers_tiled_whole_reach_is_kept_on_every_step(record, mo
     dispose(run.ctx)
 
 
+def test_a_step_that_grows_into_layers_tiled_whole_tiles_every_layer_in_that_step(record, nondeterministic):
+    """Issue 23's 512K QLoRA step, small: the profiled steps are short (4096 tokens) and planned untiled, then a step
+    four times longer under a budget halfway between the lowest plan with tiled MLPs and the lowest with whole layers
+    tiled, at that length. The step re-plans before its layers run, and every layer the new plan tiles whole runs in
+    chunks in that very step, forward and backward: no attention projection of such a layer sees more rows than a
+    chunk (the 512K step ran out of memory in a whole-sequence o_proj of a LoRA layer, 8 GiB of fp32 input). LoRA,
+    whose fp32 adapters upcast each projection's input, as QLoRA's do; the step's peak stays under the budget."""
+    from hf_offload.memory_budget.simulate import simulate
+
+    short, long = 4096, LONG["seq"]
+    size = {**LONG, "seq": long}
+
+    def lora_model():
+        return build_model("llama", dtype="bf16", attn="sdpa", lora=True, **size)
+
+    def batch(step: int) -> dict:
+        return make_batch("llama", batch=1, seq=short if step < 4 else long, vocab=LONG["vocab"])
+
+    model = lora_model()
+    roomy = make_ctx(model, memory_budget=10**12)
+    step_peaks(model, batch, roomy, 3)
+    profile = roomy.budget_controller.profile.scaled(long)
+    dispose(roomy)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    lowest = {letter: simulate(profile, letter * LONG["layers"]).peak_bytes for letter in "TL"}
+    budget = (lowest["T"] + lowest["L"]) // 2
+    model = lora_model()
+    ctx = make_ctx(model, memory_budget=budget)
+    layers = list(model.base_model.model.model.layers)
+    rows: dict[tuple[int, int, bool], int] = {}
+    step = [0]
+
+    def projection_rows(index: int, module: torch.nn.Module, args: tuple) -> None:
+        in_backward = torch._C._current_graph_task_id() != -1
+        key = (step[0], index, in_backward)
+        rows[key] = max(rows.get(key, 0), args[0].shape[-2])
+
+    handles = [getattr(layer.self_attn, name).register_forward_pre_hook(
+                   lambda module, args, index=index: projection_rows(index, module, args))
+               for index, layer in enumerate(layers) for name in ("q_proj", "o_proj")]  # fmt: skip
+    seen: list = []
+
+    def describe(context) -> tuple:
+        step[0] += 1
+        plan = context.memory_plan
+        return (plan.code, plan.tokens, plan.layer_tile_tokens) if plan else None
+
+    peaks, losses = step_peaks(model, batch, ctx, 6, seen, describe=describe)
+    for handle in handles:
+        handle.remove()
+    code, tokens, chunk = seen[4]
+    record("grown_into_tiled_layers", {"budget": budget, "lowest_predicted": lowest, "plans": seen,
+                                       "step_peaks": peaks, "rows": {str(k): v for k, v in sorted(rows.items())}},
+           show=True)  # fmt: skip
+    assert seen[3][1] == short and tokens == long, seen
+    assert "L" not in seen[3][0] and set(code) & set("Ll"), seen
+    for index, letter in enumerate(code):
+        if letter in "Ll":
+            for in_backward in (False, True):
+                assert rows[(4, index, in_backward)] <= chunk, (index, in_backward, rows)
+    assert max(peaks[4:]) <= budget, f"plans {seen}: step peaks {peaks} over the budget {budget}"
+    assert all(torch.isfinite(loss) for loss in losses)
+    dispose(ctx)
+
+
 def test_plain_checkpointing_is_tried_and_the_plan_chosen_after_it_is_no_slower(record):
     """Issue 20, target 2 (a): under a budget that full checkpointing with every input kept fits and keeping every
     layer does not, the three steps after the profiled ones run it as a trial, with the engine standing aside (plain
