@@ -53,6 +53,12 @@ PROBE_MAX_TOKENS = 32768
 # layer read its selective recompute at 3.3, 6.1 and 2.8 ms (the plans' steps showed 2.8), and the planner chose
 # full checkpoints where selective ones were faster.
 _PROBE_RUNS = 3
+# A tiled layer's backward peaks either while a chunk runs (its intermediates alive) or in the phase over the whole
+# sequence (attention's backward), whichever is higher; at long context the second. Chunks of 1/64 of the probe's
+# tokens make the chunks' share negligible, so that run measures the second (issue 23: an 8B QLoRA layer with its MLP
+# tiled peaked at 144 KB per token from 16K tokens on, where the two chunked runs at 8K, which saw only the chunk
+# phase, gave 120 KB per token and a constant; its 512K step ran out of memory).
+SEQUENCE_PHASE_CHUNKS = 64
 _BANDWIDTH_PROBE_BYTES = 64 * 2**20
 # The names transformers has given a layer's cache argument (5.24 renamed `past_key_values` to `cache`); a value
 # that is a transformers `Cache` is dropped under any name.
@@ -151,6 +157,11 @@ class LayerProbe:
     layer_tiled_working_bytes: int | None = None
     layer_chunk_bytes_per_token: float = 0.0
     layer_tiling_error: str | None = None
+    # The whole-sequence phase of each tiling's backward (attention's, where no chunk is alive), measured in chunks of
+    # `tokens // SEQUENCE_PHASE_CHUNKS`: its saved tensors and its backward's peak over them; None where not measured
+    # (no memory counter, or that tiling not probed).
+    tiled_sequence_bytes: int | None = None
+    layer_tiled_sequence_bytes: int | None = None
 
     def at_step(self, nbytes: int) -> int:
         """`nbytes` measured by this probe, grown to the call it was cut from."""
@@ -269,22 +280,27 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
     if tokens < 4:
         return probe
 
-    def run_tiled(tiling: Callable[[int], Any]) -> tuple[_Kept, _Kept, float]:
-        """The layer tiled in chunks of a half and of a quarter of the tokens, and the backward's working bytes per
-        chunk token (the difference of the two)."""
+    def run_tiled(tiling: Callable[[int], Any]) -> tuple[_Kept, _Kept, float, int | None]:
+        """The layer tiled in chunks of a half and of a quarter of the tokens, the backward's working bytes per
+        chunk token (the difference of the two), and with a memory counter the whole-sequence phase's bytes (saved
+        and the backward's peak, in chunks too small to matter)."""
         runs = {}
-        for chunk in (tokens // 2, tokens // 4):
+        smallest = max(1, tokens // SEQUENCE_PHASE_CHUNKS)
+        for chunk in (tokens // 2, tokens // 4, smallest):
+            if chunk == smallest and meter.device is None:
+                break
             with tiling(chunk):
                 runs[chunk] = _fastest([_run_kept(layer, forward, parameters, pointers, meter)
                                         for _ in range(_PROBE_RUNS)])  # fmt: skip
-        half, quarter = runs[tokens // 2], runs[tokens // 4]
-        return half, quarter, max(0.0, (half.working_bytes - quarter.working_bytes) / (tokens // 2 - tokens // 4))
+        half, quarter, tiny = runs[tokens // 2], runs[tokens // 4], runs.get(smallest)
+        per_token = max(0.0, (half.working_bytes - quarter.working_bytes) / (tokens // 2 - tokens // 4))
+        return half, quarter, per_token, None if tiny is None else tiny.saved_bytes + tiny.working_bytes
 
     def less_a_chunk(run: _Kept, per_token: float) -> int:
         return max(0, round(run.working_bytes - per_token * (tokens // 4)))
 
     if tile is not None:
-        _, quarter, per_token = run_tiled(tile)
+        _, quarter, per_token, probe.tiled_sequence_bytes = run_tiled(tile)
         probe.profile = dataclasses.replace(probe.profile, tiled_saved_bytes=quarter.saved_bytes,
                                             tiled_extra_s=max(0.0, quarter.backward_s - kept.backward_s))  # fmt: skip
         probe.tiled_working_bytes, probe.chunk_bytes_per_token = less_a_chunk(quarter, per_token), per_token
@@ -292,7 +308,7 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         probe.layer_tiling_error = f"its calls' hidden states are {hidden.dim()}-d, not (batch, sequence, hidden)"
     elif tile_layer is not None:
         try:
-            half, quarter, per_token = run_tiled(tile_layer)
+            half, quarter, per_token, probe.layer_tiled_sequence_bytes = run_tiled(tile_layer)
         except ValueError as error:
             probe.layer_tiling_error = str(error)
             return probe

@@ -136,6 +136,10 @@ class StepProfile:
             attention's gradients, one head group's attention state, the weights' gradients.
         layer_tile_chunk_bytes: one chunk's working set in a tiled layer (the layer's activations and their
             gradients for `layer_tile_tokens` tokens): the part of its memory that does not grow with the step's tokens.
+        tiled_backward_sequence_bytes, layer_tiled_backward_sequence_bytes: what a layer with its MLP tiled (a layer
+            tiled whole) holds in all, its saved tensors included, in the phase of its backward over the whole
+            sequence (attention's), where no chunk is alive: a floor under its bytes in backward, which at long
+            context is above the chunk phase's (`probes.SEQUENCE_PHASE_CHUNKS`); 0 where not measured.
         late_gradient_bytes: the part of `gradient_bytes` that backward creates after every layer's backward (the
             input embeddings', unless tied to the head): absent at every layer's backward.
         optimizer_bytes: what the step needs after backward on top of static memory and every gradient (the
@@ -167,6 +171,8 @@ class StepProfile:
     layer_tile_tokens: int = 0
     layer_tiled_backward_working_bytes: int = 0
     layer_tile_chunk_bytes: int = 0
+    tiled_backward_sequence_bytes: int = 0
+    layer_tiled_backward_sequence_bytes: int = 0
     late_gradient_bytes: int = 0
     optimizer_bytes: int = 0
     tail_bytes: int = 0
@@ -180,7 +186,8 @@ class StepProfile:
             raise ValueError(f"StepProfile.layers must be one or more LayerProfile, got {self.layers!r}")
         for name in ("static_bytes", "gradient_bytes", "head_bytes", "backward_working_bytes", "host_cap_bytes",
                      "tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes", "layer_tile_tokens",
-                     "layer_tiled_backward_working_bytes", "layer_tile_chunk_bytes", "late_gradient_bytes",
+                     "layer_tiled_backward_working_bytes", "layer_tile_chunk_bytes", "tiled_backward_sequence_bytes",
+                     "layer_tiled_backward_sequence_bytes", "late_gradient_bytes",
                      "optimizer_bytes", "tail_bytes", "peak_correction_bytes"):  # fmt: skip
             check_bytes("StepProfile", name, getattr(self, name))
         if self.late_gradient_bytes > self.gradient_bytes:
@@ -228,6 +235,8 @@ class StepProfile:
             backward_working_bytes=grow(self.backward_working_bytes),
             tiled_backward_working_bytes=grow(self.tiled_backward_working_bytes),
             layer_tiled_backward_working_bytes=grow(self.layer_tiled_backward_working_bytes),
+            tiled_backward_sequence_bytes=grow(self.tiled_backward_sequence_bytes),
+            layer_tiled_backward_sequence_bytes=grow(self.layer_tiled_backward_sequence_bytes),
             head_s=self.head_s * ratio,
             other_s=self.other_s * ratio,
             tokens=tokens,

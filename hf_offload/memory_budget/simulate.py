@@ -52,8 +52,10 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     `layer_tiled_extra_s`). Memory = static + the gradients that
     exist by then + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it
     exists during its backward) + `backward_working_bytes` + min(window, the reloads of the layers before it). For
-    `T`/`t`: its bytes in the forward above, and `tiled_backward_working_bytes` in place of `backward_working_bytes`;
-    for `L`/`l` likewise with `layer_tiled_backward_working_bytes`. (A tiled layer's backward at the 8B shape holds
+    `T`/`t`: its bytes in the forward above, and `tiled_backward_working_bytes` in place of `backward_working_bytes`,
+    or as much as makes its bytes `tiled_backward_sequence_bytes` where that is more (the backward's phase over the
+    whole sequence, which at long context holds more than a chunk's); for `L`/`l` likewise with the `layer_tiled_`
+    fields. (A tiled layer's backward at the 8B shape holds
     3X + (Q + KV)(1 + 1/G) + 2A/G bytes per token, X a hidden state, Q a query, KV a key and a value, A attention's
     output, G head groups: about 40 KiB against about 127 for `T`; the probe measures it, see `tiled_layer`.)
     The gradients that exist are `gradient_bytes` less those still to come: the layers' before it
@@ -243,17 +245,26 @@ def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerO
         "c": LayerOption(inputs, 0, layer.forward_s, *times),
     }
     if tiling_available(profile):
-        tiled = (layer.forward_s + layer.tiled_extra_s, layer.tiled_saved_bytes + profile.tile_chunk_bytes,
-                 layer.forward_s, layer.backward_s, profile.tiled_backward_working_bytes)  # fmt: skip
+        saved_tiled = layer.tiled_saved_bytes + profile.tile_chunk_bytes
+        working = _backward_working(saved_tiled, profile.tiled_backward_working_bytes,
+                                    profile.tiled_backward_sequence_bytes)  # fmt: skip
+        tiled = (layer.forward_s + layer.tiled_extra_s, saved_tiled, layer.forward_s, layer.backward_s, working)
         options["T"] = LayerOption(0, inputs, *tiled, *sends_input)
         options["t"] = LayerOption(inputs, 0, *tiled)
     if layer_tiling_available(profile):
-        tiled = (layer.forward_s + layer.layer_tiled_extra_s,
-                 layer.layer_tiled_saved_bytes + profile.layer_tile_chunk_bytes, layer.forward_s, layer.backward_s,
-                 profile.layer_tiled_backward_working_bytes)  # fmt: skip
+        saved_tiled = layer.layer_tiled_saved_bytes + profile.layer_tile_chunk_bytes
+        working = _backward_working(saved_tiled, profile.layer_tiled_backward_working_bytes,
+                                    profile.layer_tiled_backward_sequence_bytes)  # fmt: skip
+        tiled = (layer.forward_s + layer.layer_tiled_extra_s, saved_tiled, layer.forward_s, layer.backward_s, working)
         options["L"] = LayerOption(0, inputs, *tiled, *sends_input)
         options["l"] = LayerOption(inputs, 0, *tiled)
     return options
+
+
+def _backward_working(saved: int, chunk_phase_working: int, sequence_phase: int) -> int:
+    """A tiled layer's working bytes in backward, on top of `saved`: the chunk phase's, or the whole-sequence phase's
+    where that phase holds more in all (`StepProfile.tiled_backward_sequence_bytes`)."""
+    return max(chunk_phase_working, sequence_phase - saved)
 
 
 def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: int | None = None,

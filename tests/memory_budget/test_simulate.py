@@ -284,6 +284,24 @@ def test_a_layer_tiled_whole_holds_its_own_working_set_and_one_chunk() -> None:
     assert "layer tiled, input offloaded" in choose_plan(profile, 30 * GIB).format_table()
 
 
+@pytest.mark.parametrize("code, field", [("T" * 32, "tiled_backward_sequence_bytes"),
+                                         ("L" * 32, "layer_tiled_backward_sequence_bytes")])  # fmt: skip
+def test_a_tiled_backward_holds_its_whole_sequence_phase_where_that_is_more(code, field) -> None:
+    """A tiled layer's backward peaks while a chunk runs or in attention's phase over the whole sequence, whichever
+    holds more: below the chunk phase the floor changes nothing, above it the layer's backward holds the floor (the
+    same one reload and static memory around it)."""
+    profile = tiled_layer_profile(layers=[dataclasses.replace(long_profile().layers[0], layer_tiled_saved_bytes=6 * GIB,
+                                                              layer_tiled_extra_s=1.0)] * 32)  # fmt: skip
+    chunk_phase = simulate(profile, code)
+    at_layer = chunk_phase.peak_bytes - (16 + 2) * GIB  # static and one reload
+    assert simulate(dataclasses.replace(profile, **{field: at_layer - GIB}), code).peak_bytes == chunk_phase.peak_bytes
+    higher = simulate(dataclasses.replace(profile, **{field: at_layer + 5 * GIB}), code)
+    assert (higher.peak_bytes, higher.peak_at) == (chunk_phase.peak_bytes + 5 * GIB, chunk_phase.peak_at)
+    # It grows with the step's tokens, as the chunk phase's working bytes do, and the chunk does not.
+    assert getattr(profile.scaled(2 * profile.tokens), field) == 0
+    assert getattr(dataclasses.replace(profile, **{field: 3}).scaled(2 * profile.tokens), field) == 6
+
+
 def test_tiling_whole_layers_needs_its_measurement() -> None:
     with pytest.raises(ValueError, match=r"tiles whole layers \(L, l\), but this profile has no tiled measurement .*"
                                          r"layer_tile_tokens=0"):  # fmt: skip
