@@ -64,8 +64,9 @@ from hf_offload.memory_budget.spec import parse_memory_budget  # noqa: E402
 
 VOCAB, HEADS, KV_HEADS = 1000, 8, 4
 # --varied-lengths: per step (cycling), each rank's tokens per sample in eighths of --seq-len, (rank 0, rank 1).
-# Step 0, profiled, is not the longest on either rank; step 2 is longer than step 0 on rank 0 only (a longer step
-# on one rank: the planner re-plans there), step 3 is the longest on rank 1. Each batch is packed (padding-free):
+# Step 0, profiled, is not the longest on either rank; in step 2 rank 0 trains on more tokens than in step 0, which its
+# plan (broadcast to every rank) was made for, and rank 1 on fewer (so only rank 0 finds the step longer than the
+# plan's); step 3 is the longest on rank 1. Each batch is packed (padding-free):
 # its second sample is an eighth of --seq-len shorter than its first, and the two are flattened into one row.
 VARIED_EIGHTHS = ((6, 4), (4, 6), (8, 5), (3, 8))
 
