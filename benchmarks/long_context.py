@@ -451,6 +451,13 @@ def quantize_decoder_nf4(model: Any) -> dict[str, Any]:
                    "device"}  # fmt: skip
 
 
+def _innermost_frames(error: BaseException, frames: int = 8) -> list[str]:
+    """Where `error` was raised: its traceback's innermost `frames` frames as 'file:line function', outermost first. A
+    step that runs out of memory 15 minutes in cannot be run again to find out where."""
+    return [f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+            for frame in traceback.extract_tb(error.__traceback__)[-frames:]]  # fmt: skip
+
+
 def _raised_by_planner(error: BaseException) -> bool:
     """Whether the error is hf_offload's planner refusing the budget (a budget no plan fits: the library's clear
     error, raised before anything runs out of memory)."""
@@ -680,7 +687,7 @@ class ModeRun:
                 raise
             failed = e
             rec.update(ok=False, error_kind="OOM" if isinstance(e, torch.cuda.OutOfMemoryError) else "no plan",
-                       error=str(e).splitlines()[0][:600], s=time.perf_counter() - start,
+                       error=str(e).splitlines()[0][:600], where=_innermost_frames(e), s=time.perf_counter() - start,
                        allocated_bytes=torch.cuda.memory_allocated() if self.cuda else None,
                        reserved_bytes=torch.cuda.memory_reserved() if self.cuda else None)  # fmt: skip
         if failed is not None:
@@ -692,7 +699,7 @@ class ModeRun:
             log(
                 f"{self.mode}: {phase} step at {tokens:,} tokens: {rec['error_kind']} ({rec['error'][:160]}); "
                 f"allocated {(rec['allocated_bytes'] or 0) / GIB:.2f} GiB, reserved "
-                f"{(rec['reserved_bytes'] or 0) / GIB:.2f} GiB"
+                f"{(rec['reserved_bytes'] or 0) / GIB:.2f} GiB; raised in {' < '.join(rec['where'][::-1][:4])}"
             )
             self.save()
             return rec

@@ -1,25 +1,25 @@
-"""What one rank of a gloo process group runs in the tests of planning across ranks
-(`tests/memory_budget/test_controller.py`).
+"""What one rank of a gloo process group runs in the tests of planning across ranks (`memory_budget/test_ranks.py`).
 
 Spawned processes import the module of their target: this one imports torch and hf_offload only, not transformers,
-so that starting each rank takes a second, not ten.
+so that starting a rank that only plans takes a second, not ten.
 """
 
 import functools
+import os
 
 import torch
 
 from hf_offload import InfeasibleBudgetError
-from hf_offload.memory_budget.controller import _same_on_every_rank
 from hf_offload.memory_budget.profile import LayerProfile, StepProfile
+from hf_offload.memory_budget.ranks import RankAgreement
 from hf_offload.memory_budget.search import choose_plan
 from hf_offload.memory_budget.simulate import MeasuredStep
 
 
 def plan_on_rank(rank: int, port: int, results) -> None:
-    """One of two gloo ranks: what `_same_on_every_rank` gives it for a budget that fits, one that does not, and the
-    same with a measured plan that meets it (measured on rank 0 alone, as the closed loop's plans are), planned on
-    rank 0 alone."""
+    """One of two gloo ranks: what `RankAgreement.rank_zeros_plan` gives it for a budget that fits, one that does not,
+    and the same with a measured plan that meets it (measured on rank 0 alone, as the closed loop's plans are),
+    planned on rank 0 alone."""
     layer = LayerProfile(saved_bytes=1000, selective_bytes=500, input_bytes=100, forward_s=0.001, backward_s=0.002,
                          selective_recompute_s=0.0005)  # fmt: skip
     profile = StepProfile(layers=[layer] * 2, static_bytes=10_000, head_bytes=100, backward_working_bytes=100,
@@ -31,10 +31,47 @@ def plan_on_rank(rank: int, port: int, results) -> None:
         measured = [MeasuredStep("CC", step_s=0.01, peak_bytes=10_001)] if rank == 0 else []
         for budget_bytes, steps in ((10**6, []), (10_001, []), (10_001, measured)):
             try:
-                chosen = _same_on_every_rank(functools.partial(choose_plan, profile, budget_bytes, 0, steps))
+                make_plan = functools.partial(choose_plan, profile, budget_bytes, 0, steps)
+                chosen = RankAgreement().rank_zeros_plan(make_plan)
                 outcomes.append(("plan", chosen.code, chosen.measured))
             except InfeasibleBudgetError as error:
                 outcomes.append(("refused", error.minimum_bytes, error.lowest_plan.code, str(error)))
     finally:
         torch.distributed.destroy_process_group()
         results.put((rank, outcomes))
+
+
+def train_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...], ...], budget: int,
+                  available_gib: tuple[float, ...]) -> None:  # fmt: skip
+    """One of two gloo ranks training the controller tests' tiny Llama under `budget` in CPU test mode, each on its
+    own sequence lengths and with its own host memory available (`available_gib`, of 128 GiB, two local ranks).
+
+    Puts, per step, the plan in force (code and tokens) and the pool's cap; whether the losses and gradients equal
+    those of the same steps without offloading, bitwise; and the most host memory this rank's pool could take."""
+    from test_controller import Unchanged, tiny_llama, train  # transformers: imported by the ranks that train only
+
+    from hf_offload import get_act_offloading_ctx_manager, host_memory
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    available = int(available_gib[rank] * 2**30)
+    host_memory.read_host_memory = lambda root="/": host_memory.HostMemory(128 * 2**30, available)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mine = lengths[rank]
+        baseline = train(tiny_llama(), Unchanged(), steps=len(mine), lengths=mine)
+        model = tiny_llama()
+        context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+        steps = []
+
+        def record() -> None:
+            plan = context.memory_plan
+            steps.append(None if plan is None else (plan.code, plan.tokens, context._host_pool().cap_bytes))
+
+        trained = train(model, context, steps=len(mine), lengths=mine, after_step=record)
+        exact = len(trained) == len(baseline) and all(torch.equal(a, b) for a, b in zip(trained, baseline))
+        outcome = (steps, exact, context.host_caps().most_bytes)
+    except Exception as error:  # the parent asserts on it
+        outcome = ("error", repr(error))
+    finally:
+        torch.distributed.destroy_process_group()
+        results.put((rank, outcome))

@@ -223,3 +223,25 @@ def test_qlora_quantizes_the_decoder_and_wraps_it_in_4bit_lora(tmp_path):
     assert quantization["compute_dtype"] == "bfloat16" and record["setup"]["lora_4bit_layers"] == 2 * 7
     assert record["confirm"]["ok"] and record["confirm"]["tokens"] == record["prediction"]["longest_tokens"] > 128
     assert record["confirm"]["peak_bytes"] <= TINY_DEVICE
+
+
+def test_a_failed_step_records_the_frames_it_was_raised_in():
+    """A confirmation step that runs out of memory after 15 minutes cannot be re-run to find out where it did."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("long_context_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def backward_of_a_layer():
+        raise MemoryError("out of memory")
+
+    def step():
+        backward_of_a_layer()
+
+    try:
+        step()
+    except MemoryError as error:
+        where = script._innermost_frames(error, frames=2)
+    assert [frame.split()[1] for frame in where] == ["step", "backward_of_a_layer"]
+    assert where[0].startswith("test_long_context_bench.py:")

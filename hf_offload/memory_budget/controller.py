@@ -30,10 +30,17 @@ training forwards of the model (grad enabled, model in training mode) and:
    only), saying so in the log. Measurements at other lengths are scaled by the model (`MeasuredStep.scaled`). Once
    a plan has passed its check, steps are no longer timed (timing a device step waits for it).
 
-While profiling, the device's peak-memory counter is reset at the phase boundaries it measures. Every rank plans
-the same: under `torch.distributed`, rank 0's plan is broadcast. In the CPU test mode nothing on the host has a
-peak counter: static memory is counted from the parameters, the head's peak from the tensors it saved, and the
-plan is computed and applied the same way, so its bookkeeping is tested without a GPU.
+While profiling, the device's peak-memory counter is reset at the phase boundaries it measures.
+
+Under `torch.distributed` every rank runs rank 0's plan, made for the longest of the ranks' steps and the smallest of
+their pinned host caps (`ranks.RankAgreement`). The ranks decide together, at each training forward's start, whether
+to re-plan: a rank cannot know another's step, and one re-planning alone would wait in the broadcast forever. So the
+growth of a step is estimated there, before its layers run, from its input elements (`_estimated_step_tokens`)
+rather than seen as each stack starts.
+
+In the CPU test mode nothing on the host has a peak counter: static memory is counted from the parameters, the
+head's peak from the tensors it saved, and the plan is computed and applied the same way, so its bookkeeping is
+tested without a GPU.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from torch import nn
 
 from ..allocator import release_unusable_cache
 from ..engine import OffloadActivations, default_prefetch_window_bytes
+from ..host_memory import HostCaps
 from ..model import find_decoder_layers, find_output_head, first_tensor
 from ..peak import queue_after_backward
 from ..random_state import random_state_untouched
@@ -61,6 +69,7 @@ from .host import choose_plan_with_host
 from .layer_actions import AppliedActions, apply_layer_actions, whole_call_layer
 from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_bandwidth, probe_layer
 from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
+from .ranks import RankAgreement
 from .search import InfeasibleBudgetError, choose_plan, plan_of
 from .simulate import (
     ACTION_CODES,
@@ -213,13 +222,22 @@ class MemoryBudgetController:
         self._peak_floor = 0
         self._peak_at_backward_end: int | None = None
         self._parameter_refs: list[weakref.ref] | None = None  # `_parameters`
+        # Under torch.distributed: the ranks' agreement (made at the first plan, which every rank reaches at once),
+        # the host caps they agreed on at the latest plan, and how this rank estimates its step's tokens before its
+        # layers run: in proportion to its forward's input elements (`_estimated_step_tokens`), from a step whose
+        # tokens and input elements it knows.
+        self._ranks: RankAgreement | None = None
+        self._ranks_known = False
+        self._agreed_host_caps: HostCaps | None = None
+        self._input_elements = 0
+        self._tokens_per_elements = (0, 0)
         # Tokens per chunk of a tiled MLP and of a layer tiled whole; 0 where the planner may not tile so.
         self._tile_tokens = _tile_tokens(model, engine.options.tile_mlp, apply_tiled_mlp, "the MLPs")
         self._layer_tile_tokens = _tile_tokens(model, engine.options.tile_layer, apply_tiled_layer, "whole layers")
         # transformers before 5.2x checkpoints a layer's whole call: the layer then starts from its checkpoint
         # function, before the call (`_StartsBeforeTheCall`).
         self._whole_call = _checkpoints_whole_calls(self._layers)
-        engine.track_hook(model.register_forward_pre_hook(self._forward_starts))
+        engine.track_hook(model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
         engine.track_hook(self._actions)
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
@@ -253,11 +271,12 @@ class MemoryBudgetController:
         in_backward = torch._C._current_graph_task_id() != -1
         return module.training and torch.is_grad_enabled() and not in_backward
 
-    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+    def _forward_starts(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if not self._training_forward(module):
             return
         self._forwards += 1
         self._previous_step_tokens, self._step_tokens = self._step_tokens, 0
+        self._input_elements = _input_elements(args, kwargs)
         if self._forwards == 1:
             self._apply(_actions("C" * len(self._layers)), "C" * len(self._layers), windows=None)
         elif self._forwards == 2:
@@ -273,12 +292,38 @@ class MemoryBudgetController:
             if self._meter.device is None and engine is not None:  # the last step's statistics: the second's
                 self._measured.head_saved_bytes = int(engine.get_stats()["bytes_kept_exempt"])
             self._record_profiled_step()
-            self._plan_and_apply(self._measured.step_tokens)
+            tokens = self._measured.step_tokens
+            ranks = self._agreement()
+            if ranks is not None:  # the longest step of the ranks: the profiled ones, or this one
+                tokens = ranks.largest([max(tokens, self._estimated_step_tokens())])[0]
+            self._plan_and_apply(tokens)
             self._start_timing()
         else:
             self._close_the_loop()
-            if self._static_grew():
+            ranks = self._agreement()
+            if ranks is None:
+                if self._static_grew():
+                    self._plan_and_apply(self.plan.tokens)
+                return
+            # Every rank re-plans, or none: for the longest step of the ranks, or for memory held that grew on one.
+            tokens, grew = ranks.largest([self._estimated_step_tokens(), int(self._static_grew())])
+            if tokens > self.plan.tokens:
+                self._plan_and_apply(tokens)
+            elif grew:
                 self._plan_and_apply(self.plan.tokens)
+
+    def _agreement(self) -> RankAgreement | None:
+        """The ranks' agreement, None when this process trains alone; made at its first use, the first plan."""
+        if not self._ranks_known:
+            self._ranks, self._ranks_known = RankAgreement.of_this_run(), True
+        return self._ranks
+
+    def _estimated_step_tokens(self) -> int:
+        """This step's tokens in the profile's terms, as estimated before its layers run: in proportion to its input
+        elements (token ids, labels, masks, pixels) from the first step, or from a later step whose layers saw more
+        tokens than so estimated (`_layer_starts`)."""
+        tokens, elements = self._tokens_per_elements
+        return in_proportion(tokens, elements, self._input_elements) if elements else tokens
 
     def _peak_since_own_reset(self) -> int | None:
         """The step that just ended's peak, read at the next forward's start: the device's counter if nobody else
@@ -400,6 +445,7 @@ class MemoryBudgetController:
         if self._forwards == 1:
             if not measured.step_tokens:
                 measured.step_tokens, measured.device = tokens, args[0].device
+                self._tokens_per_elements = (tokens, self._input_elements)
             measured.stack_tokens.setdefault(stack, tokens)
             if index not in self._called:
                 self._called.append(index)
@@ -410,8 +456,22 @@ class MemoryBudgetController:
             self._step_tokens = max(
                 self._step_tokens, in_proportion(measured.step_tokens, measured.stack_tokens[stack], tokens)
             )
-            if self._step_tokens > self.plan.tokens:
+            if self._step_tokens <= self.plan.tokens:
+                return
+            if self._agreement() is None:
                 self._plan_and_apply(self._step_tokens)
+                return
+            # Under torch.distributed the ranks re-plan together, at a forward's start, from what each estimated of
+            # its step there: this rank estimated too few tokens. It cannot re-plan alone (the others would not
+            # join the broadcast), so this step runs the plan in force, and later steps are estimated from it.
+            self._tokens_per_elements = (self._step_tokens, self._input_elements)
+            engine = self._engine()
+            if engine is not None:
+                engine.warn_once("ranks_estimate", f"hf_offload: memory_budget: a step of {self._step_tokens} tokens "
+                                 f"(in the profile's terms) on rank {torch.distributed.get_rank()} ran the plan made "
+                                 f"for {self.plan.tokens}: its input elements predicted fewer tokens, which the ranks "
+                                 "agree on before the step's layers run. Later steps are predicted from this one; "
+                                 "this one may have exceeded the budget.")  # fmt: skip
 
     def _probe(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         """Probes the kind of layer `index` on the arguments of its call, from its pre-hook; once every kind is
@@ -585,7 +645,7 @@ class MemoryBudgetController:
             other_s=0.0,
             d2h_bytes_per_s=measured.d2h_bytes_per_s,
             h2d_bytes_per_s=measured.h2d_bytes_per_s,
-            host_cap_bytes=engine.host_caps().default_bytes if engine is not None else 0,
+            host_cap_bytes=self._host_caps().default_bytes if engine is not None else 0,
             tokens=measured.step_tokens,
             **_tiled_fields(probes, self._tile_tokens, *_MLP_TILING),
             **_tiled_fields(probes, self._layer_tile_tokens, *_LAYER_TILING),
@@ -659,6 +719,7 @@ class MemoryBudgetController:
                 smallest peak any plan reaches (naming it and what dominates it).
         """
         self._parameter_refs = None
+        self._agree_on_host_caps()
         profile = self._profile_now(tokens)
         budget_bytes = self._budget_bytes()
         margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
@@ -675,7 +736,7 @@ class MemoryBudgetController:
                 return error.lowest_plan
             return (self._trial(calibrated, plan, measured, budget_bytes, margin_bytes) if first else None) or plan
 
-        self._use(_same_on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
+        self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
 
     def _choose(self, profile: StepProfile, budget_bytes: int, margin_bytes: int, measured: list[MeasuredStep],
                 measured_only: bool = False) -> Plan:  # fmt: skip
@@ -685,13 +746,29 @@ class MemoryBudgetController:
         Raises:
             InfeasibleBudgetError: as `choose_plan`, with the most host the pool may take.
         """
-        engine = self._engine()
-        caps = engine.host_caps() if engine is not None else None
+        caps = self._host_caps() if self._engine() is not None else None
         return choose_plan_with_host(
             lambda candidate: choose_plan(candidate, budget_bytes, margin_bytes, measured, measured_only=measured_only),
             profile, caps.most_bytes if caps is not None else profile.host_cap_bytes,
             caps.reserve_bytes if caps is not None else 0,
         )  # fmt: skip
+
+    def _on_every_rank(self, make_plan: Callable[[], Plan]) -> Plan:
+        """`make_plan()`, or under torch.distributed rank 0's plan on every rank (`RankAgreement.rank_zeros_plan`)."""
+        ranks = self._agreement()
+        return make_plan() if ranks is None else ranks.rank_zeros_plan(make_plan)
+
+    def _agree_on_host_caps(self) -> None:
+        """Under torch.distributed, before each plan: the host caps that every rank's pool can count on."""
+        ranks, engine = self._agreement(), self._engine()
+        if ranks is not None and engine is not None:
+            self._agreed_host_caps = ranks.smallest_host_caps(engine.host_caps())
+
+    def _host_caps(self) -> HostCaps:
+        """The pinned host memory a plan may count on: this rank's pool's, or under torch.distributed the smallest of
+        the ranks' pools' as agreed before the latest plan (rank 0 plans for every rank, and sets every rank's cap).
+        Only while the engine lives."""
+        return self._agreed_host_caps or self._engine().host_caps()
 
     def _calibrated(self, profile: StepProfile, measured: list[MeasuredStep]) -> StepProfile:
         """`profile` with what the measured plans teach the model (`calibrate`), which is kept for the log."""
@@ -718,6 +795,7 @@ class MemoryBudgetController:
         """The closed loop's check of the plan in force, after its `_MEASURED_STEPS` clean steps: plans again, for
         the same tokens, with every plan's measurements, and switches (a correction, logged with its figures) when
         the plan in force ran `_SLOWER_TOLERANCE` slower than the answer is expected to run. Rank 0 decides."""
+        self._agree_on_host_caps()
         profile = self._profile_now(self.plan.tokens)
         budget_bytes = self._budget_bytes()
         margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
@@ -749,7 +827,7 @@ class MemoryBudgetController:
                         self.calibration.describe())  # fmt: skip
             return better
 
-        new_plan = _same_on_every_rank(make_plan)
+        new_plan = self._on_every_rank(make_plan)
         if new_plan.code != in_force.code:
             self._corrections += 1
             self._use(new_plan, profile, budget_bytes, margin_bytes)
@@ -759,6 +837,7 @@ class MemoryBudgetController:
         was measured and learned."""
         trial = self.plan
         self._trialled.add(trial.code)
+        self._agree_on_host_caps()
         profile = self._profile_now(trial.tokens)
         budget_bytes = self._budget_bytes()
         margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
@@ -778,7 +857,7 @@ class MemoryBudgetController:
                         plan.expected_step_s * 1000)  # fmt: skip
             return plan
 
-        self._use(_same_on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
+        self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
 
     def _measured_plans(self, profile: StepProfile) -> list[MeasuredStep]:
         """What each plan run so far measured, scaled to `profile`: per plan, the fastest of its steps' times and the
@@ -982,29 +1061,12 @@ class _StartsBeforeTheCall:
         return (current.function if isinstance(current, _StartsBeforeTheCall) else current)(function, *args)
 
 
+def _input_elements(args: tuple, kwargs: dict[str, Any]) -> int:
+    """The elements of a forward's tensor arguments (token ids, labels, masks, pixels): known before any layer runs,
+    they grow with the step's tokens."""
+    return sum(value.numel() for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
+
+
 def _checkpoints_whole_calls(layers: list[nn.Module]) -> bool:
     """Whether transformers checkpoints these layers' whole calls (`_StartsBeforeTheCall`)."""
     return any(type(layer).__call__ is not nn.Module.__call__ for layer in layers)
-
-
-def _same_on_every_rank(make_plan: Callable[[], Plan]) -> Plan:
-    """Rank 0's plan on every rank (ranks that checkpoint different layers can hang FSDP); the plan alone otherwise.
-
-    Raises:
-        InfeasibleBudgetError: rank 0's refusal, on every rank: raised on rank 0 alone, it would leave the others
-            waiting in the broadcast.
-    """
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not distributed or torch.distributed.get_world_size() == 1:
-        return make_plan()
-    message: list[Any] = [None]
-    if torch.distributed.get_rank() == 0:
-        try:
-            message = [{"plan": make_plan().to_dict()}]
-        except InfeasibleBudgetError as error:
-            message = [{"refused": (str(error), error.budget_bytes, error.minimum_bytes, error.lowest_plan.to_dict())}]
-    torch.distributed.broadcast_object_list(message, src=0)
-    if "refused" in message[0]:
-        text, budget_bytes, minimum_bytes, lowest = message[0]["refused"]
-        raise InfeasibleBudgetError(text, budget_bytes, minimum_bytes, Plan.from_dict(lowest))
-    return Plan.from_dict(message[0]["plan"])

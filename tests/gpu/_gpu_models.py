@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import warnings
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -500,6 +500,40 @@ class RunResult:
     final_params: dict[str, torch.Tensor]
     stats: list[dict[str, Any]]
     mem_after_step: list[int]
+
+
+def _plan_in_force(ctx) -> tuple:
+    """The plan in force after a step (code, whether a trial) and whether the engine stood aside."""
+    plan = ctx.memory_plan
+    return plan.code if plan else None, plan.trial if plan else None, ctx.standing_aside
+
+
+def step_peaks(model, batch: dict | Callable[[int], dict], ctx, steps: int, seen: list | None = None,
+               describe: Callable[[Any], Any] = _plan_in_force) -> tuple[list[int], list[torch.Tensor]]:  # fmt: skip
+    """The peak allocated memory of each training step (forward, backward, optimizer), and the losses. `batch`: the
+    inputs of every step, or a function of the step's index that gives them. With `seen`, after each step
+    `describe(ctx)`: by default the plan in force (code, whether a trial) and whether the engine stood aside."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    peaks, losses = [], []
+    for step in range(steps):
+        inputs = batch(step) if callable(batch) else batch
+        torch.manual_seed(100 + step)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if ctx is None:
+            loss = model(**inputs).loss
+        else:
+            with ctx:
+                loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+        losses.append(loss.detach())
+        if seen is not None:
+            seen.append(describe(ctx))
+    return peaks, losses
 
 
 def _sync(device) -> None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, run_steps
+from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, run_steps, step_peaks
 
 from hf_offload import OffloadActivations
 from hf_offload.memory_budget.layer_actions import _layer_function, apply_layer_actions
@@ -111,32 +111,6 @@ def test_offloaded_layers_reload_ahead_within_the_planned_windows(record):
     assert after_head and all(0 < nbytes <= max(layer_bytes, largest_copy) for nbytes in after_head)
     applied.remove()
     dispose(ctx)
-
-
-def step_peaks(model, batch, ctx, steps: int, seen: list | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """The peak allocated memory of each training step (forward, backward, optimizer), and the losses; with `seen`,
-    after each step the plan in force (code, whether a trial) and whether the engine stood aside."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    peaks, losses = [], []
-    for step in range(steps):
-        torch.manual_seed(100 + step)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        if ctx is None:
-            loss = model(**batch).loss
-        else:
-            with ctx:
-                loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated())
-        losses.append(loss.detach())
-        if seen is not None:
-            plan = ctx.memory_plan
-            seen.append((plan.code if plan else None, plan.trial if plan else None, ctx.standing_aside))
-    return peaks, losses
 
 
 def medium_model():

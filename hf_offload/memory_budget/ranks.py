@@ -1,0 +1,82 @@
+"""What the ranks of a distributed run agree on for a memory budget: one plan, made for the largest rank's step.
+
+Every rank must run the same plan: ranks that checkpoint different layers can hang FSDP or DeepSpeed ZeRO-3, whose
+recomputations gather parameters. So rank 0 plans and broadcasts its plan. But a plan fits every rank only if it is
+made for every rank's step: with padding-free packing the ranks' batches have different lengths in one step, rank 0's
+may be the shortest, and the host of several ranks leaves each its own room for pinned memory. So before each plan the
+ranks agree on the largest step and the smallest host caps, and decide together whether to re-plan at all: a rank
+that entered a plan's broadcast alone would wait for the others forever.
+
+The agreements are small integer messages exchanged over a gloo group of their own, on the host: over NCCL, each
+would wait for the device to finish the work queued before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..host_memory import HostCaps
+from .search import InfeasibleBudgetError
+from .simulate import Plan
+
+__all__ = ["RankAgreement"]
+
+
+class RankAgreement:
+    """The collective decisions of a memory budget under `torch.distributed`, over a gloo process group.
+
+    Every method is a collective: every rank must call it, in the same order, with lists of the same length.
+
+    Args:
+        group: the gloo group the agreements run in (None: the default group, which must then be gloo's).
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    @classmethod
+    def of_this_run(cls) -> RankAgreement | None:
+        """The agreement among this run's ranks; None when this process runs alone (no process group, or one rank).
+
+        The default group's backend is used where it is gloo; under NCCL a gloo group is made (a collective of the
+        default group: every rank must get here at the same point of its run)."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not distributed or torch.distributed.get_world_size() == 1:
+            return None
+        if torch.distributed.get_backend() == "gloo":
+            return cls()
+        return cls(torch.distributed.new_group(backend="gloo"))
+
+    def largest(self, values: Sequence[int]) -> list[int]:
+        """Each value's largest over the ranks."""
+        tensor = torch.tensor(list(values), dtype=torch.int64)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return tensor.tolist()
+
+    def smallest_host_caps(self, caps: HostCaps) -> HostCaps:
+        """The host caps every rank can count on: the smallest of each over the ranks (the reserve is the host's)."""
+        default, most = self.largest([-caps.default_bytes, -caps.most_bytes])
+        return HostCaps(-default, -most, caps.reserve_bytes)
+
+    def rank_zeros_plan(self, make_plan: Callable[[], Plan]) -> Plan:
+        """Rank 0's plan, on every rank; `make_plan` runs on rank 0 only.
+
+        Raises:
+            InfeasibleBudgetError: rank 0's refusal, on every rank: raised on rank 0 alone, it would leave the others
+                waiting in the broadcast.
+        """
+        message: list[Any] = [None]
+        if torch.distributed.get_rank() == 0:
+            try:
+                message = [{"plan": make_plan().to_dict()}]
+            except InfeasibleBudgetError as error:
+                message = [{"refused": (str(error), error.budget_bytes, error.minimum_bytes,
+                                        error.lowest_plan.to_dict())}]  # fmt: skip
+        torch.distributed.broadcast_object_list(message, src=0, group=self.group)
+        if "refused" in message[0]:
+            text, budget_bytes, minimum_bytes, lowest = message[0]["refused"]
+            raise InfeasibleBudgetError(text, budget_bytes, minimum_bytes, Plan.from_dict(lowest))
+        return Plan.from_dict(message[0]["plan"])

@@ -1,0 +1,60 @@
+"""The memory budget across ranks (`memory_budget/ranks.py` and the controller's use of it), with two processes of a
+gloo group on the CPU: rank 0's plan on every rank, made for the longest of the ranks' steps and the smallest of
+their host caps, and the ranks re-planning together or not at all (one re-planning alone would hang)."""
+
+import multiprocessing
+import socket
+
+from ranks import plan_on_rank, train_on_rank
+from test_controller import LAYERS, planned_minimum
+
+from hf_offload.memory_budget.simulate import MeasuredStep
+
+
+def on_two_ranks(target, *args) -> dict[int, object]:
+    """What `target(rank, port, queue, *args)` puts on its queue in each of two spawned processes of a gloo group."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=target, args=(rank, port, results, *args)) for rank in (0, 1)]
+    try:
+        for process in processes:
+            process.start()
+        return dict(results.get(timeout=240) for _ in processes)  # a rank left waiting in a collective fails here
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+def test_every_rank_gets_rank_zeros_plan_or_its_refusal():
+    """A refusal raised on rank 0 alone would leave the other ranks waiting in the plan's broadcast."""
+    outcomes = on_two_ranks(plan_on_rank)
+    assert outcomes[0] == outcomes[1]
+    assert [outcome[0] for outcome in outcomes[0]] == ["plan", "refused", "plan"]
+    assert outcomes[1][2][1:] == ("CC", MeasuredStep("CC", step_s=0.01, peak_bytes=10_001))
+
+
+def test_ranks_with_steps_of_different_lengths_run_one_plan_made_for_the_longest_and_the_smallest_host():
+    """Padding-free packing gives the ranks different lengths in one step; here rank 1's step is longer at the 4th
+    and 9th steps, rank 0's at the 6th and 10th. Every rank runs the same plan at every step, made for at least the
+    longest rank's tokens (the 4th and 9th re-plan on both ranks, though rank 0's steps did not grow), with the same
+    pool cap, which the rank with less host memory can hold; and the arithmetic is exact on both."""
+    lengths = ((16, 16, 16, 16, 16, 24, 16, 16, 16, 40), (16, 16, 16, 32, 16, 16, 16, 16, 48, 16))
+    budget = int(planned_minimum() * 1.5)
+    outcomes = on_two_ranks(train_on_rank, lengths, budget, (100.0, 16.0))
+    for rank in (0, 1):
+        assert outcomes[rank][0] != "error", outcomes[rank]
+    (steps, exact, _), (other_steps, other_exact, smaller_most) = outcomes[0], outcomes[1]
+    assert exact and other_exact
+    assert steps == other_steps
+    assert steps[:2] == [None, None]  # the profiled steps: no plan yet
+    for index in range(2, len(steps)):
+        code, tokens, cap = steps[index]
+        assert len(code) == LAYERS
+        assert tokens >= 2 * max(lengths[0][index], lengths[1][index])  # two sequences per step
+        assert cap <= smaller_most
+    assert [step[1] for step in steps[2:]] == [32, 64, 64, 64, 64, 64, 96, 96]
