@@ -30,14 +30,15 @@ trainable weights (its local shard under FSDP2), the hf-offload statistics, and 
     and their storages are live parameter storages for the check.
 
 The memory budget (`--memory-budget`, with `--offload`): hf-offload profiles the first two steps and plans per
-decoder layer; rank 0's plan is broadcast. Each rank records, per optimizer step, the plan code in force
-(`plans`, None in the profiled steps), the tokens it trained on (`step_tokens`), the memory allocated as the step
-began and the device's peak over the step (`peaks`: the peak counter is reset as each step begins, and every reset
-made during the step, by the planner while it profiles, is seen first, so the value is the whole step's peak),
-and the budget in bytes (`budget_bytes`). Tiling stays off (`tile_mlp=False`, `tile_layer=False`), so every plan
-is bitwise comparable with no offloading. `check_budget.py` reads these. `--varied-lengths` gives the ranks
-padding-free packed batches (`DataCollatorWithFlattening`) of different lengths in each step, sometimes longer on
-rank 0, sometimes on rank 1, and the profiled first step is not the longest (`VARIED_EIGHTHS`).
+decoder layer; rank 0's plan, made for the longest of the ranks' steps, is broadcast. Each rank records, per
+optimizer step, the plan code in force (`plans`, None in the profiled steps), the tokens it trained on
+(`step_tokens`), the memory allocated as the step began and the device's peak over the step (`peaks`: the peak
+counter is reset as each step begins, and every reset made during the step, by the planner while it profiles, is
+seen first, so the value is the whole step's peak), and the budget in bytes (`budget_bytes`). Tiling stays off
+(`tile_mlp=False`, `tile_layer=False`), so every plan is bitwise comparable with no offloading. `check_budget.py`
+reads these. `--varied-lengths` gives the ranks padding-free packed batches (`DataCollatorWithFlattening`) of
+different lengths in each step, sometimes longer on rank 0, sometimes on rank 1, and the profiled first step is not
+the longest (`VARIED_EIGHTHS`).
 
 `--device-type cpu` runs the engine in its CPU test mode (for `accelerate launch --cpu`, gloo), so that the
 bookkeeping, the audit and the comparison can be checked without a GPU (no peaks there: the host has no counter).
@@ -64,9 +65,9 @@ from hf_offload.memory_budget.spec import parse_memory_budget  # noqa: E402
 
 VOCAB, HEADS, KV_HEADS = 1000, 8, 4
 # --varied-lengths: per step (cycling), each rank's tokens per sample in eighths of --seq-len, (rank 0, rank 1).
-# Step 0, profiled, is not the longest on either rank; in step 2 rank 0 trains on more tokens than in step 0, which its
-# plan (broadcast to every rank) was made for, and rank 1 on fewer (so only rank 0 finds the step longer than the
-# plan's); step 3 is the longest on rank 1. Each batch is packed (padding-free):
+# Step 0, profiled, is not the longest on either rank; in step 2, as the first plan is made, rank 0 trains on the most
+# tokens (rank 1 on fewer than rank 0's step 0), and the ranks agree on that longest step first, so both run a plan made
+# for it; step 3 is the longest on rank 1 (as long as step 2 on rank 0). Each batch is packed (padding-free):
 # its second sample is an eighth of --seq-len shorter than its first, and the two are flattened into one row.
 VARIED_EIGHTHS = ((6, 4), (4, 6), (8, 5), (3, 8))
 
