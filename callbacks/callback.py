@@ -82,6 +82,12 @@ class ActivationOffloadingCallback(TrainerCallback):
         self._shown_plan: Any = None  # the memory plan last printed, so that each new one is printed once
 
     @property
+    def context(self) -> OffloadActivations | None:
+        """The offloading context in use while training (its `memory_plan` is the plan in force under a memory
+        budget); None outside training, when offloading is off, or when the context is inactive (no accelerator)."""
+        return self._context
+
+    @property
     def stats(self) -> dict[str, float]:
         """Statistics summed over the current (or last) training run; empty when offloading was inactive."""
         return dict(self._stats)

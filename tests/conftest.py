@@ -12,6 +12,7 @@ Where a new test goes: next to the module it tests, in the file named after it.
   controller across families of models is `memory_budget/test_controller_families.py`, and what holds for the pure
   modules together (their imports, their doctests) is at the end of `memory_budget/test_search.py`.
 - `callbacks/`: `test_integration.py` (the Trainer), `test_trl.py` (TRL's trainers), `test_output.py` (logs, summary).
+- `examples/distributed/`: `test_distributed_examples.py` (two gloo processes in the CPU test mode).
 - Across families of models: `test_architectures.py` (offloading), `memory_budget/test_controller_families.py` (the
   budget); `test_qlora.py` for 4-bit models; `test_reliability.py` for faults and leaks over many steps.
 - The user's view: `test_readme.py`, `test_main_job.py`, `test_notebook.py`, `test_packaging.py`; the benchmarks'

@@ -1,0 +1,98 @@
+"""examples/distributed/ on the CPU: two processes over gloo, the engine in its CPU test mode.
+
+The memory budget across ranks whose batches differ in length in one step (`train_distributed.py --varied-lengths`:
+packed batches, sometimes longer on rank 0, sometimes on rank 1, the profiled first step not the longest): every rank
+must run rank 0's plan at every step, made for at least the longest of the ranks' steps (the ranks agree on it before
+each plan, `hf_offload/memory_budget/ranks.py`), and the losses must be bitwise those of the same run without
+offloading. A rank that planned or re-planned alone would wait in the plan's broadcast while the other waits in DDP's
+gradient all-reduce, so the runs are bounded by a timeout: a hang fails the test instead of stalling the suite.
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "distributed" / "train_distributed.py"
+# Small enough for about 10-20 s a run on two CPU cores; 6 steps: 2 profiled, then the plan, made at step 2 for the
+# longest step of the ranks so far (that step's on rank 0, the longest of VARIED_EIGHTHS).
+MODEL = ["--hidden", "64", "--layers", "4", "--seq-len", "128", "--batch", "2", "--steps", "6"]
+# In the CPU test mode the planner counts parameters, gradients and the bytes each layer saves (no peak counter).
+# For this model at the profiled step's 176 tokens (checked with fixed lengths of 88 tokens a sample): 3 MiB is
+# refused (the lowest plan peaks at 3.16 MiB), 6 MiB plans 'cccc' then 'OOOK', 8 MiB keeps every layer. With
+# --varied-lengths, 6 MiB plans for 240 tokens: 'cccc', then 'cccK'.
+BUDGET = "6MiB"
+RUN_TIMEOUT_S = 90  # a run takes 10-20 s on two cores
+
+
+def launch(out: Path, *args: str) -> subprocess.Popen:
+    """`torchrun --standalone --nproc_per_node 2 train_distributed.py` (what `accelerate launch` runs)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
+               "--device-type", "cpu", "--out", str(out), *MODEL, *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def finish(process: subprocess.Popen, started: float) -> tuple[int | None, str]:
+    """The launch's exit status and output; None as the status when it ran past RUN_TIMEOUT_S after `started` (its
+    `time.monotonic()` at launch), and was then ended."""
+    try:
+        output, _ = process.communicate(timeout=max(1.0, started + RUN_TIMEOUT_S - time.monotonic()))
+        return process.returncode, output
+    except subprocess.TimeoutExpired:
+        # The launcher and its ranks, which this test started; the ranks run in sessions of their own (torchrun's), so
+        # they are found as the launcher's children, and they hold the output pipe open until they end.
+        launcher = psutil.Process(process.pid)
+        for member in [*launcher.children(recursive=True), launcher]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.kill()
+        output, _ = process.communicate()
+        return None, output
+
+
+def outcome(status: int | None) -> str:
+    return f"did not finish in {RUN_TIMEOUT_S} s" if status is None else f"exited with {status}"
+
+
+def ranks(out: Path) -> list[dict]:
+    return [json.loads(out.with_name(f"{out.stem}.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_memory_budget_with_varied_lengths_runs_one_plan_on_both_ranks_and_changes_no_loss(tmp_path):
+    # Both runs at once: they share nothing but the CPU.
+    started = time.monotonic()
+    baseline = launch(tmp_path / "off.json", "--no-offload", "--varied-lengths")
+    budgeted = launch(tmp_path / "on.json", "--offload", "--memory-budget", BUDGET, "--varied-lengths")
+    base_status, base_output = finish(baseline, started)
+    status, output = finish(budgeted, started)
+    assert base_status == 0, f"the run without offloading {outcome(base_status)}:\n{base_output[-3000:]}"
+    assert status == 0, f"the budgeted run {outcome(status)}:\n{output[-3000:]}"
+
+    off, on = ranks(tmp_path / "off.json"), ranks(tmp_path / "on.json")
+    tokens = [record["step_tokens"] for record in on]
+    assert tokens == [record["step_tokens"] for record in off]
+    # The premise: in some steps rank 0 trained on more tokens, in others rank 1, and a later step is longer than the
+    # profiled first one.
+    assert any(a > b for a, b in zip(*tokens)) and any(a < b for a, b in zip(*tokens))
+    assert max(tokens[0][2:]) > tokens[0][0] or max(tokens[1][2:]) > tokens[1][0]
+
+    plans = [record["plans"] for record in on]
+    assert plans[0] == plans[1], f"the ranks ran different plans: {plans}"
+    assert plans[0][:2] == [None, None]  # the profiled steps
+    assert all(plans[0][2:]), plans[0]
+    assert set(plans[0][-1]) != {"K"}, f"the budget forced nothing: {plans[0]}"
+    plan_tokens = [record["plan_tokens"] for record in on]
+    assert plan_tokens[0] == plan_tokens[1], plan_tokens
+    for step in range(2, len(tokens[0])):  # each plan fits the longer rank's step (one packed row: tokens = elements)
+        assert plan_tokens[0][step] >= max(tokens[0][step], tokens[1][step]), (step, plan_tokens[0], tokens)
+    assert on[0]["budget_bytes"] == on[1]["budget_bytes"] == 6 * 2**20
+
+    for record_off, record_on in zip(off, on):
+        assert record_on["losses_hex"] == record_off["losses_hex"], f"rank {record_on['rank']}"
+        assert record_on["weights_sha256"] == record_off["weights_sha256"]
+        assert record_on["problems"] == [] and record_on["param_audit"]["violations"] == 0
