@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 import trl  # noqa: E402
 from example_utils import DEFAULT_DATASET, TEXT_COLUMN, fit_word_tokenizer  # noqa: E402
-from train_distributed import StepMemory, budget_bytes, offload_stats, rank_file, weights_hash  # noqa: E402
+from train_distributed import StepMemory, offload_stats, rank_file, run_record, weights_hash  # noqa: E402
 
 from hf_offload.callbacks.trl import SFTConfig  # noqa: E402
 
@@ -163,18 +163,10 @@ def main(argv=None) -> int:
             "vocab": len(tokenizer),
             "packing_strategy": cli.packing_strategy,
         },  # fmt: skip
-        "losses_hex": [loss.hex() for loss in trainer.step_losses],
-        "losses": trainer.step_losses,
-        "step_tokens": trainer.step_tokens,
+        **run_record(trainer, memory, cli.memory_budget, args.device.type),
         "weights_sha256": sha,
         "trainable_numel_local": numel,
         "offload_stats": stats,
-        "memory_budget": cli.memory_budget,
-        "budget_bytes": budget_bytes(cli.memory_budget, args.device.type),
-        "plans": memory.plans,
-        "plan_tokens": memory.plan_tokens,
-        "peaks": memory.peaks,
-        "allocated_at_step_begin": memory.allocated_at_begin,
         "versions": {name: __import__(name).__version__ for name in ("torch", "transformers", "trl", "hf_offload")},
         "problems": problems,
     }

@@ -361,6 +361,22 @@ def budget_bytes(memory_budget: str | None, device_type: str) -> int | None:
 # ---------------------------------------------------------------------------------------------------- main
 
 
+def run_record(trainer: transformers.Trainer, memory: StepMemory, memory_budget: str | None, device_type: str) -> dict:
+    """The fields of a rank's record that every example writes: its losses and tokens per step, the budget, and the
+    plans and peaks `memory` saw."""
+    return {
+        "losses_hex": [loss.hex() for loss in trainer.step_losses],
+        "losses": trainer.step_losses,
+        "step_tokens": trainer.step_tokens,
+        "memory_budget": memory_budget,
+        "budget_bytes": budget_bytes(memory_budget, device_type),
+        "plans": memory.plans,
+        "plan_tokens": memory.plan_tokens,
+        "peaks": memory.peaks,
+        "allocated_at_step_begin": memory.allocated_at_begin,
+    }
+
+
 def main(argv=None) -> int:
     cli = parse_args(argv)
     transformers.set_seed(cli.seed)
@@ -445,18 +461,10 @@ def main(argv=None) -> int:
         "varied_lengths": cli.varied_lengths,
         "optimizer": optimizer,
         "zero_stage": zero_stage,
-        "losses_hex": [loss.hex() for loss in trainer.step_losses],
-        "losses": trainer.step_losses,
-        "step_tokens": trainer.step_tokens,
+        **run_record(trainer, memory, cli.memory_budget, args.device.type),
         "weights_sha256": sha,
         "trainable_numel_local": numel,
         "offload_stats": stats,
-        "memory_budget": cli.memory_budget,
-        "budget_bytes": budget_bytes(cli.memory_budget, args.device.type),
-        "plans": memory.plans,
-        "plan_tokens": memory.plan_tokens,
-        "peaks": memory.peaks,
-        "allocated_at_step_begin": memory.allocated_at_begin,
         "param_audit": {
             "eligible_checked": audit.eligible,
             "violations": len(audit.violations),
