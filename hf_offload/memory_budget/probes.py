@@ -284,17 +284,17 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         """The layer tiled in chunks of a half and of a quarter of the tokens, the backward's working bytes per
         chunk token (the difference of the two), and with a memory counter the whole-sequence phase's bytes (saved
         and the backward's peak, in chunks too small to matter)."""
-        runs = {}
-        smallest = max(1, tokens // SEQUENCE_PHASE_CHUNKS)
-        for chunk in (tokens // 2, tokens // 4, smallest):
-            if chunk == smallest and meter.device is None:
-                break
+        chunks = [tokens // 2, tokens // 4]
+        if meter.device is not None:  # only a memory counter sees the whole-sequence phase
+            chunks.append(max(1, tokens // SEQUENCE_PHASE_CHUNKS))
+        runs = []
+        for chunk in chunks:
             with tiling(chunk):
-                runs[chunk] = _fastest([_run_kept(layer, forward, parameters, pointers, meter)
-                                        for _ in range(_PROBE_RUNS)])  # fmt: skip
-        half, quarter, tiny = runs[tokens // 2], runs[tokens // 4], runs.get(smallest)
+                runs.append(_fastest([_run_kept(layer, forward, parameters, pointers, meter)
+                                      for _ in range(_PROBE_RUNS)]))  # fmt: skip
+        half, quarter, *smallest = runs
         per_token = max(0.0, (half.working_bytes - quarter.working_bytes) / (tokens // 2 - tokens // 4))
-        return half, quarter, per_token, None if tiny is None else tiny.saved_bytes + tiny.working_bytes
+        return half, quarter, per_token, smallest[0].saved_bytes + smallest[0].working_bytes if smallest else None
 
     def less_a_chunk(run: _Kept, per_token: float) -> int:
         return max(0, round(run.working_bytes - per_token * (tokens // 4)))
