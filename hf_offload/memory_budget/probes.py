@@ -2,12 +2,12 @@
 
 The controller probes one layer of each kind in the first training step, from the layer's forward pre-hook, on the
 very arguments it receives (on the first `PROBE_MAX_TOKENS` of them at long context, `first_tokens`): `probe_layer`
-runs it kept, then selectively checkpointed, then (when the planner may tile MLPs) kept with its MLP tiled, then (when
-it may tile whole layers) tiled whole, and returns the bytes it saves, the bytes a selective checkpoint would keep, and
-the times of its forward, backward and selective recompute (a `LayerProbe`, whose `LayerProfile` the step's profile is
-made of). `measure_link_bandwidth`
-times the copies between the device and the host. A `Meter` reads time and memory on the engine's device, or the host
-clock in the CPU test mode, which has no memory counters.
+runs it kept (once more timing its attention operators apart, `_TimeAttention`), then selectively checkpointed, then
+(when the planner may tile MLPs) kept with its MLP tiled, then (when it may tile whole layers) tiled whole, and
+returns the bytes it saves, the bytes a selective checkpoint would keep, and the times of its forward, backward,
+attention and selective recompute (a `LayerProbe`, whose `LayerProfile` the step's profile is made of).
+`measure_link_bandwidth` times the copies between the device and the host. A `Meter` reads time and memory on the
+engine's device, or the host clock in the CPU test mode, which has no memory counters.
 
 Probes leave no trace in the step: their saved tensors stay out of the engine (the controller sets it aside), the
 random streams are restored, the cache is not passed, and transformers' output recorders (router logits, for the
@@ -115,6 +115,41 @@ class _CountSavedBytes(saved_tensors_hooks):
         super().__init__(pack, lambda tensor: tensor)
 
 
+# Substrings of the names of the fused attention operators (sdpa's kernels, FlashAttention's): the part of a layer's
+# time that grows with the square of the sequence. Eager attention's matrix products are not recognised and stay in the
+# per-token part, as before this was measured (eager attention's memory, quadratic too, rules out long steps anyway).
+_ATTENTION_OPERATORS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention", "flash_attn")
+
+
+class _TimeAttention(TorchDispatchMode):
+    """Times the fused attention operators a layer's forward and backward run, each direction on its own.
+
+    A layer's time grows with its tokens except attention's, which grows with their square: a profile taken at 8K
+    tokens and scaled in proportion predicted 380 s for a 512K-token step that took 945 s (issue 23). The probe's
+    whole-layer times cannot separate the two, so this mode brackets each attention operator with the meter's marks
+    (timing events on the device's current stream, where the operator's kernels run; the host clock on CPU).
+    Dispatch modes are thread-local state that autograd carries into its device threads, so backward's operators are
+    seen too.
+    """
+
+    def __init__(self, meter: Meter) -> None:
+        super().__init__()
+        self.meter = meter
+        self.marks: dict[str, list[tuple[Any, Any]]] = {"forward": [], "backward": []}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.name()
+        if not any(part in name for part in _ATTENTION_OPERATORS):
+            return func(*args, **(kwargs or {}))
+        start = self.meter.mark()
+        out = func(*args, **(kwargs or {}))
+        self.marks["backward" if "backward" in name else "forward"].append((start, self.meter.mark()))
+        return out
+
+    def seconds(self, direction: str) -> float:
+        return sum(self.meter.seconds(start, end) for start, end in self.marks[direction])
+
+
 class _CountSelectiveOutputs(TorchDispatchMode):
     """Counts the bytes of the outputs a selective checkpoint would save (matmuls, attention)."""
 
@@ -211,6 +246,17 @@ def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], po
                  forward_working_bytes=None if forward_peak is None else forward_peak - before_forward)  # fmt: skip
 
 
+def _time_attention(layer: nn.Module, forward: Any, parameters: list[nn.Parameter],
+                    meter: Meter) -> tuple[float, float]:  # fmt: skip
+    """The seconds of the layer's attention operators in one run without a checkpoint: forward, backward. Run after
+    the kept runs, so kernel selection is done; its own run, as the dispatch mode slows the host for every operator."""
+    timer = _TimeAttention(meter)
+    with checkpointing_as(layer, None), timer:
+        x, out = forward()
+        _gradients(out, x, parameters)
+    return timer.seconds("forward"), timer.seconds("backward")
+
+
 def _fastest(runs: list[_Kept]) -> _Kept:
     """The last of `runs` with the fastest forward and backward of those after the first."""
     return dataclasses.replace(runs[-1], forward_s=min(run.forward_s for run in runs[1:]),
@@ -266,6 +312,7 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         checkpointed_s.append(meter.seconds(checkpointed_start, meter.mark()))
         del x, out
     kept = _fastest(kept_runs)
+    attention_forward_s, attention_backward_s = _time_attention(layer, forward, parameters, meter)
     profile = LayerProfile(
         saved_bytes=kept.saved_bytes,
         selective_bytes=kept.selective_bytes,
@@ -273,6 +320,8 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         forward_s=kept.forward_s,
         backward_s=kept.backward_s,
         selective_recompute_s=max(0.0, min(checkpointed_s[1:]) - kept.backward_s),
+        attention_forward_s=min(attention_forward_s, kept.forward_s),
+        attention_backward_s=min(attention_backward_s, kept.backward_s),
         parameter_gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
     )
     tokens = hidden.shape[:-1].numel()

@@ -381,3 +381,31 @@ def test_a_budget_at_the_lowest_plans_measured_peak_is_met_on_every_step(record)
     if not set(plan.code) & set("TtLl"):  # tiled MLPs and layers sum over chunks: close, not bitwise
         assert torch.equal(torch.stack(losses), torch.stack(reference))
     dispose(ctx)
+
+
+def test_the_probe_times_attention_apart_and_its_share_grows_with_the_tokens(record):
+    """Attention is the part of a layer's time that grows with the square of the tokens (issue 23: a profile scaled in
+    proportion predicted 380 s for a 512K-token step that took 945 s). The probe times sdpa's fused operators with the
+    device's events, backward's too, which autograd runs in its device thread; a part of the layer's forward and
+    backward, whose share grows four times longer calls (16x the work against 4x for the rest)."""
+    from hf_offload.memory_budget import probes
+
+    model = build_model("llama", dtype="bf16", attn="sdpa", **{**MEDIUM, "layers": 1, "seq": 8192})
+    layer, rotary = model.model.layers[0], model.model.rotary_emb
+    shares = {}
+    for tokens in (2048, 8192):
+        hidden = torch.randn(1, tokens, MEDIUM["hidden"], device="cuda", dtype=torch.bfloat16)
+        position = torch.arange(tokens, device="cuda")[None]
+        profile = probes.probe_layer(layer, (hidden,), {"position_embeddings": rotary(hidden, position)},
+                                     probes.Meter("cuda")).profile  # fmt: skip
+        assert 0 < profile.attention_forward_s <= profile.forward_s, profile
+        assert 0 < profile.attention_backward_s <= profile.backward_s, profile
+        times = ("forward_s", "attention_forward_s", "backward_s", "attention_backward_s")
+        shares[tokens] = {name: getattr(profile, name) for name in times}
+    record("attention_probe", shares, show=True)
+
+    def share(tokens: int) -> float:
+        s = shares[tokens]
+        return (s["attention_forward_s"] + s["attention_backward_s"]) / (s["forward_s"] + s["backward_s"])
+
+    assert share(8192) > share(2048), shares

@@ -72,15 +72,17 @@ def test_a_probe_drops_the_cache_under_any_name():
 def test_a_probe_keeps_the_fastest_of_its_runs_after_the_first():
     """The host's stalls add time to some runs: of the probe's runs after the first (kernel selection, allocator
     growth), the fastest forward, backward and selective recompute are kept. A clock that reads each interval as
-    scripted: the first run slowest, then a slow and a fast one."""
+    scripted: the first run slowest, then a slow and a fast one; then the run that times the attention operators
+    apart, which are part of the kept forward and backward."""
     from hf_offload.memory_budget import probes
 
-    layer = build_model("llama", dtype="fp32", device="cpu", **SIZE).model.layers[0]
+    layer = build_model("llama", dtype="fp32", device="cpu", attn="sdpa", **SIZE).model.layers[0]
     hidden = torch.randn(1, SEQ, SIZE["hidden"])
     position = torch.arange(SEQ)[None]
     rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(layer.self_attn.config)
-    # Per run, in the order measured: forward, backward, backward of the selective checkpoint.
-    intervals = iter([9.0, 9.0, 9.0, 3.0, 6.0, 7.0, 2.0, 4.0, 5.0])
+    # Per run, in the order measured: forward, backward, backward of the selective checkpoint; then the attention
+    # operator's forward and backward (one layer, one call each).
+    intervals = iter([9.0, 9.0, 9.0, 3.0, 6.0, 7.0, 2.0, 4.0, 5.0, 0.5, 1.5])
 
     class ScriptedMeter(probes.Meter):
         def seconds(self, start, end):
@@ -91,6 +93,28 @@ def test_a_probe_keeps_the_fastest_of_its_runs_after_the_first():
     assert probes._PROBE_RUNS == 3
     assert (probe.profile.forward_s, probe.profile.backward_s) == (2.0, 4.0)
     assert probe.profile.selective_recompute_s == 5.0 - 4.0
+    assert (probe.profile.attention_forward_s, probe.profile.attention_backward_s) == (0.5, 1.5)
+    assert next(intervals, None) is None  # every interval read: exactly one attention operator each way
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_probe_times_the_fused_attention_apart(attn):
+    """Attention's time grows with the square of the tokens, the rest in proportion: the probe times sdpa's fused
+    operators apart, within the layer's forward and backward (on the host clock here). Eager attention's matrix
+    products are not recognised: its time stays in the part that grows in proportion."""
+    from hf_offload.memory_budget import probes
+
+    layer = build_model("llama", dtype="fp32", device="cpu", attn=attn, **SIZE).model.layers[0]
+    hidden = torch.randn(1, 4 * SEQ, SIZE["hidden"])
+    position = torch.arange(4 * SEQ)[None]
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(layer.self_attn.config)
+    profile = probes.probe_layer(layer, (hidden,), {"position_embeddings": rotary(hidden, position)},
+                                 probes.Meter("cpu")).profile  # fmt: skip
+    if attn == "eager":
+        assert profile.attention_forward_s == profile.attention_backward_s == 0.0
+    else:
+        assert 0 < profile.attention_forward_s <= profile.forward_s
+        assert 0 < profile.attention_backward_s <= profile.backward_s
 
 
 # Layers tiled whole: probed where the model's layers can be, refused (and said) where they cannot
