@@ -496,6 +496,10 @@ class MemoryBudgetController:
         self._measured.probes[self._kinds[index]] = probe
         if probe.layer_tiling_error is not None:
             self._no_layer_tiling(f"{self._names[index]}: {probe.layer_tiling_error}")
+        if probe.quadratic_error is not None:
+            logger.info("hf_offload: %s was probed at one length only, so all its bytes are scaled in proportion to "
+                        "the tokens (eager attention's grow with their square): %s", self._names[index],
+                        probe.quadratic_error)  # fmt: skip
         if self._measured.probes.keys() >= set(self._kinds):
             self._finish_probes()
 
@@ -635,12 +639,14 @@ class MemoryBudgetController:
         if head_bytes is None:  # CPU test mode: what the head and loss saved (nothing known before the second step)
             head_bytes = measured.head_saved_bytes or 0
         static_bytes, gradient_bytes = self._static_bytes()
+        working_bytes, quadratic_working_bytes = max(probe.working_at_step() for probe in probes)
         profile = StepProfile(
             layers=tuple(probe.profile.scaled(probe.tokens, probe.step_tokens) for probe in probes),
             static_bytes=static_bytes,
             gradient_bytes=gradient_bytes,
             head_bytes=max(head_bytes, 0),
-            backward_working_bytes=max(probe.at_step(probe.working_bytes) for probe in probes),
+            backward_working_bytes=working_bytes,
+            quadratic_backward_working_bytes=quadratic_working_bytes,
             head_s=measured.head_s or 0.0,
             other_s=0.0,
             d2h_bytes_per_s=measured.d2h_bytes_per_s,

@@ -2,7 +2,8 @@
 
 The controller probes one layer of each kind in the first training step, from the layer's forward pre-hook, on the
 very arguments it receives (on the first `PROBE_MAX_TOKENS` of them at long context, `first_tokens`): `probe_layer`
-runs it kept (once more timing its attention operators apart, `_TimeAttention`), then selectively checkpointed, then
+runs it kept (once more timing its attention operators apart, `_TimeAttention`; and on a half and a quarter of its
+tokens, for the part of its bytes that grows with their square, `_quadratic_part`), then selectively checkpointed, then
 (when the planner may tile MLPs) kept with its MLP tiled, then (when it may tile whole layers) tiled whole, and
 returns the bytes it saves, the bytes a selective checkpoint would keep, and the times of its forward, backward,
 attention and selective recompute (a `LayerProbe`, whose `LayerProfile` the step's profile is made of).
@@ -30,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..model import first_tensor
 from .layer_actions import checkpointing_as, saved_by_selective_checkpoint, selective_checkpoint_function
-from .profile import LayerProfile, in_proportion
+from .profile import LayerProfile, in_proportion, in_square, with_square
 from .tiled_layer import layer_bytes_per_token
 
 __all__ = [
@@ -198,9 +199,19 @@ class LayerProbe:
     tiled_sequence_bytes: int | None = None
     layer_tiled_sequence_bytes: int | None = None
 
+    # The part of `working_bytes` that grows with the square of the tokens (the gradient of eager attention's weights),
+    # or why the quadratic parts were not measured (every byte then grows in proportion).
+    quadratic_working_bytes: int = 0
+    quadratic_error: str | None = None
+
     def at_step(self, nbytes: int) -> int:
         """`nbytes` measured by this probe, grown to the call it was cut from."""
         return in_proportion(nbytes, self.tokens, self.step_tokens)
+
+    def working_at_step(self) -> tuple[int, int]:
+        """`working_bytes` grown to the call it was cut from, and its part that grows with the square of the tokens."""
+        return (with_square(self.working_bytes, self.quadratic_working_bytes, self.tokens, self.step_tokens),
+                in_square(self.quadratic_working_bytes, self.tokens, self.step_tokens))  # fmt: skip
 
 
 # A kind of layer that did not run in the first step: it held and cost nothing there.
@@ -257,6 +268,15 @@ def _time_attention(layer: nn.Module, forward: Any, parameters: list[nn.Paramete
     return timer.seconds("forward"), timer.seconds("backward")
 
 
+def _quadratic_part(points: list[tuple[int, int]]) -> int:
+    """The part of bytes measured at three lengths, `(tokens, bytes)` longest first, that grows with the square of the
+    tokens, at the longest: the quadratic `a + b * t + c * t**2` through the three points (divided differences), and of
+    it `c * t**2`. A constant or a part in proportion reads as none; bounded by the bytes themselves."""
+    (t1, b1), (t2, b2), (t3, b3) = points
+    c = ((b1 - b2) / (t1 - t2) - (b2 - b3) / (t2 - t3)) / (t1 - t3)
+    return min(b1, max(0, round(c * t1 * t1)))
+
+
 def _fastest(runs: list[_Kept]) -> _Kept:
     """The last of `runs` with the fastest forward and backward of those after the first."""
     return dataclasses.replace(runs[-1], forward_s=min(run.forward_s for run in runs[1:]),
@@ -298,10 +318,14 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
     kwargs = {name: None if name in _CACHE_ARGUMENTS or is_cache(value) else value for name, value in kwargs.items()}
     kwargs["use_cache"] = False
 
-    def forward() -> tuple[torch.Tensor, torch.Tensor]:
-        x = hidden.detach().clone().requires_grad_(True)
-        return x, first_tensor(layer(x, *rest, **kwargs))
+    def forward_on(hidden: torch.Tensor, rest: tuple, kwargs: dict) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            x = hidden.detach().clone().requires_grad_(True)
+            return x, first_tensor(layer(x, *rest, **kwargs))
 
+        return forward
+
+    forward = forward_on(hidden, rest, kwargs)
     kept_runs, checkpointed_s = [], []
     for _ in range(_PROBE_RUNS):
         kept_runs.append(_run_kept(layer, forward, parameters, pointers, meter))
@@ -313,6 +337,27 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         del x, out
     kept = _fastest(kept_runs)
     attention_forward_s, attention_backward_s = _time_attention(layer, forward, parameters, meter)
+    tokens = hidden.shape[:-1].numel()
+    # Once more on the first half and the first quarter of the tokens: eager attention saves tokens x tokens weights a
+    # head, whose bytes a profile scaled in proportion misses at a longer step (2048 -> 4096 tokens: predicted
+    # 8.34 GB, peaked 10.35). Three lengths, as a part that does not grow (a constant) would blur two.
+    quadratic, quadratic_error = {"saved": 0, "selective": 0, "working": 0}, None
+    if hidden.dim() == 3 and hidden.shape[-2] >= 4:  # packed sequences (2-d) cannot be cut
+        runs = [(tokens, kept)]
+        try:
+            for fewer in (tokens // 2, tokens // 4):
+                (cut, *cut_rest), cut_kwargs = first_tokens(args, kwargs, fewer)
+                run = _run_kept(layer, forward_on(cut, tuple(cut_rest), cut_kwargs), parameters, pointers, meter)
+                runs.append((cut.shape[:-1].numel(), run))
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError) as error:
+            # `first_tokens` cuts every dimension as long as the sequence: where another has that size too (a
+            # head size equal to a short step's length), the cut arguments do not fit together.
+            quadratic_error = f"its arguments cut to fewer tokens do not run ({str(error).splitlines()[0][:160]})"
+        else:
+            quadratic = {name: _quadratic_part([(n, getattr(run, f"{name}_bytes")) for n, run in runs])
+                         for name in quadratic}  # fmt: skip
     profile = LayerProfile(
         saved_bytes=kept.saved_bytes,
         selective_bytes=kept.selective_bytes,
@@ -323,9 +368,11 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         attention_forward_s=min(attention_forward_s, kept.forward_s),
         attention_backward_s=min(attention_backward_s, kept.backward_s),
         parameter_gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
+        quadratic_saved_bytes=quadratic["saved"],
+        quadratic_selective_bytes=quadratic["selective"],
     )
-    tokens = hidden.shape[:-1].numel()
-    probe = LayerProbe(profile, kept.working_bytes, tokens, step_tokens)
+    probe = LayerProbe(profile, kept.working_bytes, tokens, step_tokens, quadratic_working_bytes=quadratic["working"],
+                       quadratic_error=quadratic_error)  # fmt: skip
     if tokens < 4:
         return probe
 

@@ -20,6 +20,17 @@ def in_proportion(amount: int, measured_tokens: int, tokens: int) -> int:
     return -(-amount * tokens // measured_tokens)
 
 
+def in_square(amount: int, measured_tokens: int, tokens: int) -> int:
+    """An amount measured at `measured_tokens` that grows with the square of the tokens, at `tokens`, rounded up."""
+    return -(-amount * tokens**2 // measured_tokens**2)
+
+
+def with_square(amount: int, quadratic: int, measured_tokens: int, tokens: int) -> int:
+    """Bytes measured at `measured_tokens`, of which `quadratic` grow with the square of the tokens (eager attention's
+    weights, tokens x tokens a head) and the rest in proportion, at `tokens`; rounded up."""
+    return in_proportion(amount - quadratic, measured_tokens, tokens) + in_square(quadratic, measured_tokens, tokens)
+
+
 @dataclass(frozen=True)
 class LayerProfile:
     """What one decoder layer costs, as measured at `StepProfile.tokens` tokens.
@@ -49,6 +60,9 @@ class LayerProfile:
             one more attention forward and (3 + G) forwards of the projections before attention (G head groups),
             and the chunks' smaller matrix products. Its attention part, at most `attention_forward_s`, grows with the
             square of the tokens.
+        quadratic_saved_bytes: the part of `saved_bytes` that grows with the square of the tokens: eager attention's
+            weights (a probe at two lengths separates it); 0 for fused attention, whose saved tensors are per token.
+        quadratic_selective_bytes: the same part of `selective_bytes`.
     """
 
     saved_bytes: int
@@ -64,11 +78,18 @@ class LayerProfile:
     tiled_extra_s: float = 0.0
     layer_tiled_saved_bytes: int = 0
     layer_tiled_extra_s: float = 0.0
+    quadratic_saved_bytes: int = 0
+    quadratic_selective_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("saved_bytes", "selective_bytes", "input_bytes", "parameter_gradient_bytes",
-                     "tiled_saved_bytes", "layer_tiled_saved_bytes"):  # fmt: skip
+                     "tiled_saved_bytes", "layer_tiled_saved_bytes", "quadratic_saved_bytes",
+                     "quadratic_selective_bytes"):  # fmt: skip
             check_bytes("LayerProfile", name, getattr(self, name))
+        for part, whole in (("quadratic_saved_bytes", "saved_bytes"), ("quadratic_selective_bytes", "selective_bytes")):
+            if getattr(self, part) > getattr(self, whole):
+                raise ValueError(f"LayerProfile.{part} is part of {whole}, so it cannot exceed it: "
+                                 f"{getattr(self, part)!r} > {getattr(self, whole)!r}")  # fmt: skip
         for name in ("forward_s", "backward_s", "selective_recompute_s", "attention_forward_s",
                      "attention_backward_s", "tiled_extra_s", "layer_tiled_extra_s"):  # fmt: skip
             check_seconds("LayerProfile", name, getattr(self, name))
@@ -86,8 +107,10 @@ class LayerProfile:
 
         return dataclasses.replace(  # parameter gradients do not grow with the tokens
             self,
-            saved_bytes=in_proportion(self.saved_bytes, measured_tokens, tokens),
-            selective_bytes=in_proportion(self.selective_bytes, measured_tokens, tokens),
+            saved_bytes=with_square(self.saved_bytes, self.quadratic_saved_bytes, measured_tokens, tokens),
+            selective_bytes=with_square(self.selective_bytes, self.quadratic_selective_bytes, measured_tokens, tokens),
+            quadratic_saved_bytes=in_square(self.quadratic_saved_bytes, measured_tokens, tokens),
+            quadratic_selective_bytes=in_square(self.quadratic_selective_bytes, measured_tokens, tokens),
             input_bytes=in_proportion(self.input_bytes, measured_tokens, tokens),
             forward_s=grow_time(self.forward_s, self.attention_forward_s),
             backward_s=grow_time(self.backward_s, self.attention_backward_s),
@@ -118,6 +141,8 @@ class StepProfile:
         head_bytes: the head's and loss's peak on top of static memory and what the plan's layers hold (and the
             engine's tail): what the forward leaves besides (its last hidden states) is part of it.
         backward_working_bytes: transient gradient buffers of one layer's backward, on top of its activations.
+        quadratic_backward_working_bytes: the part of `backward_working_bytes` that grows with the square of the
+            tokens (the gradient of eager attention's weights).
         head_s: the head and loss, forward and backward.
         other_s: the rest of the step: embedding, optimizer step, and so on.
         d2h_bytes_per_s: device-to-host bandwidth.
@@ -179,6 +204,7 @@ class StepProfile:
     input_offload_s: float = 0.0
     saved_offload_s: float = 0.0
     peak_correction_bytes: int = 0
+    quadratic_backward_working_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -188,8 +214,13 @@ class StepProfile:
                      "tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes", "layer_tile_tokens",
                      "layer_tiled_backward_working_bytes", "layer_tile_chunk_bytes", "tiled_backward_sequence_bytes",
                      "layer_tiled_backward_sequence_bytes", "late_gradient_bytes",
-                     "optimizer_bytes", "tail_bytes", "peak_correction_bytes"):  # fmt: skip
+                     "optimizer_bytes", "tail_bytes", "peak_correction_bytes",
+                     "quadratic_backward_working_bytes"):  # fmt: skip
             check_bytes("StepProfile", name, getattr(self, name))
+        if self.quadratic_backward_working_bytes > self.backward_working_bytes:
+            raise ValueError(f"StepProfile.quadratic_backward_working_bytes is part of backward_working_bytes, so it "
+                             f"cannot exceed it: {self.quadratic_backward_working_bytes!r} > "
+                             f"{self.backward_working_bytes!r}")  # fmt: skip
         if self.late_gradient_bytes > self.gradient_bytes:
             raise ValueError(f"StepProfile.late_gradient_bytes is part of gradient_bytes, so it cannot exceed it: "
                              f"{self.late_gradient_bytes!r} > {self.gradient_bytes!r}")  # fmt: skip
@@ -203,7 +234,8 @@ class StepProfile:
     def scaled(self, tokens: int) -> StepProfile:
         """The same step at another number of tokens.
 
-        Activation bytes grow in proportion to the tokens (rounded up), static, gradient and optimizer bytes do not,
+        Activation bytes grow in proportion to the tokens (rounded up), their quadratic parts (eager attention's
+        weights) with the square, static, gradient and optimizer bytes do not,
         nor does a tiled MLP's or layer's chunk (`tile_tokens`, `tile_chunk_bytes`, `layer_tile_tokens`,
         `layer_tile_chunk_bytes`), the tail's bound or the peak's correction; times grow in proportion too, except the
         attention parts, which grow with the square, and the host's time per offloading layer.
@@ -232,7 +264,10 @@ class StepProfile:
             self,
             layers=layers,
             head_bytes=grow(self.head_bytes),
-            backward_working_bytes=grow(self.backward_working_bytes),
+            backward_working_bytes=with_square(
+                self.backward_working_bytes, self.quadratic_backward_working_bytes, self.tokens, tokens
+            ),
+            quadratic_backward_working_bytes=in_square(self.quadratic_backward_working_bytes, self.tokens, tokens),
             tiled_backward_working_bytes=grow(self.tiled_backward_working_bytes),
             layer_tiled_backward_working_bytes=grow(self.layer_tiled_backward_working_bytes),
             tiled_backward_sequence_bytes=grow(self.tiled_backward_sequence_bytes),

@@ -73,7 +73,7 @@ def test_a_probe_keeps_the_fastest_of_its_runs_after_the_first():
     """The host's stalls add time to some runs: of the probe's runs after the first (kernel selection, allocator
     growth), the fastest forward, backward and selective recompute are kept. A clock that reads each interval as
     scripted: the first run slowest, then a slow and a fast one; then the run that times the attention operators
-    apart, which are part of the kept forward and backward."""
+    apart, which are part of the kept forward and backward; then the runs on fewer tokens, for bytes only."""
     from hf_offload.memory_budget import probes
 
     layer = build_model("llama", dtype="fp32", device="cpu", attn="sdpa", **SIZE).model.layers[0]
@@ -81,8 +81,9 @@ def test_a_probe_keeps_the_fastest_of_its_runs_after_the_first():
     position = torch.arange(SEQ)[None]
     rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(layer.self_attn.config)
     # Per run, in the order measured: forward, backward, backward of the selective checkpoint; then the attention
-    # operator's forward and backward (one layer, one call each).
-    intervals = iter([9.0, 9.0, 9.0, 3.0, 6.0, 7.0, 2.0, 4.0, 5.0, 0.5, 1.5])
+    # operator's forward and backward (one layer, one call each); then the forward and backward on half and on a
+    # quarter of the tokens, whose bytes alone are used.
+    intervals = iter([9.0, 9.0, 9.0, 3.0, 6.0, 7.0, 2.0, 4.0, 5.0, 0.5, 1.5, 8.0, 8.0, 8.0, 8.0])
 
     class ScriptedMeter(probes.Meter):
         def seconds(self, start, end):
@@ -94,7 +95,7 @@ def test_a_probe_keeps_the_fastest_of_its_runs_after_the_first():
     assert (probe.profile.forward_s, probe.profile.backward_s) == (2.0, 4.0)
     assert probe.profile.selective_recompute_s == 5.0 - 4.0
     assert (probe.profile.attention_forward_s, probe.profile.attention_backward_s) == (0.5, 1.5)
-    assert next(intervals, None) is None  # every interval read: exactly one attention operator each way
+    assert next(intervals, None) is None  # every interval read: one attention operator each way, two shorter runs
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -160,3 +161,30 @@ def test_a_layer_that_cannot_be_tiled_whole_is_probed_without_it(caplog, arch, o
     probe, said = probed_layer_tiling(arch, caplog, tokens=2 * SIZE["hidden"], **options)
     assert probe.layer_tiled_working_bytes is None and len(said) == 1
     assert re.search(reason, said[0]), said[0]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_probe_separates_the_bytes_that_grow_with_the_square_of_the_tokens(attn):
+    """Eager attention saves its softmax's weights, tokens x tokens a head in fp32: a profile scaled in proportion
+    missed them at a longer step (2048 -> 4096 tokens on the GPU: predicted 8.34 GB, peaked 10.35). The probe runs
+    again on the first half and quarter of the tokens and separates the part that grows with the square; fused
+    attention's saved tensors are per token, so nothing there."""
+    from hf_offload.memory_budget import probes
+
+    tokens, heads = 4 * SEQ, 4
+    layer = build_model("llama", dtype="fp32", device="cpu", attn=attn, heads=heads, kv_heads=2, **SIZE).model.layers[0]
+    hidden = torch.randn(1, tokens, SIZE["hidden"])
+    position = torch.arange(tokens)[None]
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(layer.self_attn.config)
+    probe = probes.probe_layer(layer, (hidden,), {"position_embeddings": rotary(hidden, position)}, probes.Meter("cpu"))
+    profile, weights = probe.profile, heads * tokens * tokens * 4
+    if attn == "sdpa":
+        assert profile.quadratic_saved_bytes == profile.quadratic_selective_bytes == 0
+    else:
+        assert weights <= profile.quadratic_saved_bytes <= profile.saved_bytes
+        assert profile.quadratic_saved_bytes % weights == 0  # whole tokens x tokens tensors, nothing per token
+        assert weights <= profile.quadratic_selective_bytes <= profile.selective_bytes  # q @ k's product
+    # Scaled to twice the tokens, the square part grows four times and the rest twice.
+    doubled = profile.scaled(tokens, 2 * tokens)
+    assert doubled.saved_bytes == 2 * profile.saved_bytes + 2 * profile.quadratic_saved_bytes
+    assert probe.quadratic_working_bytes == 0  # on CPU: the gradients of the input and the weights, none quadratic
