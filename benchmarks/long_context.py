@@ -24,6 +24,7 @@ pinned blocks against the host's RAM), step time a + b*t + c*t^2 with c from a t
 the library's own planner; (3) with --confirm, one step at that length (skipped when its predicted time does not fit
 in what is left of --max-seconds). Every measurement rewrites <out>/long_context-[<family>-]<precision>[-<tag>].json
 and .md (the family named unless it is llama3-8b); the log (with timestamps) goes to stdout and the .log beside them.
+Each step records the least host memory available while it ran (read every 0.5 s), as well as what is left after it.
 
   python benchmarks/long_context.py --confirm --out $OUT                      # bf16, all five modes
   python benchmarks/long_context.py --precision qlora --confirm --out $OUT    # 4-bit base, LoRA on top
@@ -694,6 +695,8 @@ class ModeRun:
         """One training step of ``tokens`` tokens, timed (synchronised) and measured; an out-of-memory step is
         recorded with the allocator's figures at the failure."""
         torch = self.torch
+        from harness.measure import HostAvailableMin
+
         rec: dict[str, Any] = {"phase": phase, "tokens": tokens,
                                "started": datetime.datetime.now().isoformat(timespec="seconds")}  # fmt: skip
         self.record["steps"].append(rec)
@@ -711,9 +714,10 @@ class ModeRun:
         start = time.perf_counter()
         failed = None
         try:
-            with tracker if tracker is not None else contextlib.nullcontext():
-                loss = self._train_step(ids)
-            self._sync()
+            with HostAvailableMin() as host:  # issue 23: the host's reserve must hold during the step, not only after
+                with tracker if tracker is not None else contextlib.nullcontext():
+                    loss = self._train_step(ids)
+                self._sync()
         except (torch.cuda.OutOfMemoryError, ValueError) as e:
             if isinstance(e, ValueError) and not _raised_by_planner(e):
                 raise
@@ -722,6 +726,7 @@ class ModeRun:
                        error=str(e).splitlines()[0][:600], where=_innermost_frames(e), s=time.perf_counter() - start,
                        allocated_bytes=torch.cuda.memory_allocated() if self.cuda else None,
                        reserved_bytes=torch.cuda.memory_reserved() if self.cuda else None)  # fmt: skip
+        rec["host_available_min_bytes"] = host.min_bytes
         if failed is not None:
             del failed
             with contextlib.suppress(Exception):  # the plan the failed step ran: the one in force at the failure
@@ -755,6 +760,7 @@ class ModeRun:
         log(f"{self.mode}: {phase} step, {tokens:,} tokens: {seconds:.2f} s ({rec['tokens_per_s']:,.0f} tokens/s), "
             f"peak {fmt_size(rec['peak_bytes'])}" + (f", reserved {fmt_size(rec['reserved_peak_bytes'])}"
                                                      if self.cuda else "")
+            + (f", host available at least {fmt_size(host.min_bytes)}" if host.min_bytes is not None else "")
             + (f", offloaded {fmt_size(rec['bytes_offloaded'])}" if "bytes_offloaded" in rec else "")
             + (f", pinned {fmt_size(rec['pinned_bytes'])}" if rec.get("pinned_bytes") else "")
             + (f", plan {rec['plan']}" if rec.get("plan") else ""))  # fmt: skip

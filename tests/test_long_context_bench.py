@@ -6,11 +6,13 @@ and the confirmed step's peak is the one predicted; the same for a tiny Qwen3 (-
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +156,8 @@ def test_fitted_modes_predict_the_peak_that_their_confirmation_measures(tiny, mo
                                ("confirm", longest_tokens)]  # fmt: skip
     profiled = [s for s in record["steps"] if s["phase"] == "profile"]
     assert all(s["ok"] and s["s"] > 0 and s["rss_bytes"] > 0 for s in profiled)
+    host_total = results["environment"]["host_total_bytes"]
+    assert all(0 < s["host_available_min_bytes"] <= host_total for s in record["steps"])  # sampled during each step
     assert profiled[1]["peak_bytes"] > profiled[0]["peak_bytes"] > record["setup"]["static_bytes"] > 0
     if mode == "ckpt+hfo":
         assert all(s["bytes_offloaded"] > 0 and s["pinned_bytes"] > 0 for s in profiled)
@@ -211,9 +215,14 @@ def test_markdown_and_log_are_written(tiny):
     markdown = (out / "long_context-bf16.md").read_text()
     for mode in results["order"]:
         assert f"| `{mode}` | {results['modes'][mode]['status']} |" in markdown
+    assert "| reserved GiB | host avail. min GiB |" in markdown
+    least_host = r"^Host memory available during the steps .*, at its least: [\d.]+ GiB, in `[^`]+`'s "
+    assert re.search(least_host, markdown, re.M)
     assert "## How each prediction was made" in markdown and "attention probe" in markdown
     log = (out / "long_context-bf16.log").read_text()
-    assert re.search(r"^\[\d\d:\d\d:\d\d\] ckpt: confirm step, [\d,]+ tokens: ", log, re.M)  # timestamped progress
+    # timestamped progress, with the least host memory available during the step
+    progress = r"^\[\d\d:\d\d:\d\d\] ckpt: confirm step, [\d,]+ tokens: .*, host available at least "
+    assert re.search(progress, log, re.M)
 
 
 @pytest.mark.parametrize("family", ["llama3-8b", "qwen3-8b"])
@@ -266,6 +275,8 @@ def test_qwen3_family_builds_a_qwen3_and_predicts(tmp_path):
     prediction = record["prediction"]
     assert prediction["longest_tokens"] > 128 and prediction["plan_code"]
     assert record["confirm"]["ok"] and record["confirm"]["tokens"] == 192 and record["confirm"]["plan"]
+    host_total = results["environment"]["host_total_bytes"]
+    assert all(0 < step["host_available_min_bytes"] <= host_total for step in record["steps"])
     assert "(qwen3-8b, bf16, issue 14)" in (tmp_path / "long_context-qwen3-8b-bf16.md").read_text()
 
 
@@ -293,3 +304,23 @@ def test_the_harness_builds_each_family_and_refuses_others():
         build_model(dataclasses.replace(tiny, family="gemma"), 0, cpu)
     with pytest.raises(ValueError, match="'gemma'"):
         apply_liger(cpu, [], "gemma")
+
+
+def test_host_available_min_is_the_least_read_while_entered(monkeypatch):
+    """A dip between the readings on entry and on exit is what a reading after the step misses."""
+    from harness import measure
+
+    from hf_offload.host_memory import HostMemory
+
+    readings = itertools.chain([100, 10], itertools.repeat(100))
+    monkeypatch.setattr(measure, "read_host_memory", lambda: HostMemory(200, next(readings)))
+    with measure.HostAvailableMin(interval_s=0.01) as host:
+        assert host.min_bytes == 100  # read on entry
+        deadline = time.monotonic() + 10
+        while host.min_bytes != 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert host.min_bytes == 10 and host._thread is None  # the thread's reading, kept past the one on exit
+    monkeypatch.setattr(measure.HostAvailableMin, "MEMINFO", Path("/nonexistent/meminfo"))
+    with measure.HostAvailableMin(interval_s=0.01) as host:
+        pass
+    assert host.min_bytes is None
