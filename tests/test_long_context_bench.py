@@ -310,11 +310,8 @@ def test_host_available_min_is_the_least_read_while_entered(monkeypatch):
     """A dip between the readings on entry and on exit is what a reading after the step misses."""
     from harness import measure
 
-    from hf_offload.host_memory import HostMemory
-
     readings = itertools.chain([100, 10], itertools.repeat(100))
-    monkeypatch.setattr(measure, "read_host_memory", lambda: HostMemory(200, next(readings)))
-    with measure.HostAvailableMin(interval_s=0.01) as host:
+    with measure.HostAvailableMin(interval_s=0.01, read=lambda: next(readings)) as host:
         assert host.min_bytes == 100  # read on entry
         deadline = time.monotonic() + 10
         while host.min_bytes != 10 and time.monotonic() < deadline:

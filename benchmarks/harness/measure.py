@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from hf_offload.host_memory import read_host_memory
-
 from . import GIB, lower_quartile
 from .offloaders import Offload
 
@@ -90,6 +88,13 @@ class StepPeaks:
         return max(self._folded[0], allocated), max(self._folded[1], reserved)
 
 
+def _library_host_available() -> int:
+    # Imported here, not with the harness: its other offloaders' modes run where hf_offload does not import.
+    from hf_offload.host_memory import read_host_memory
+
+    return read_host_memory().available_bytes
+
+
 class HostAvailableMin:
     """The least host memory available while it is entered: read on entry, on exit and every ``interval_s`` between
     by a daemon thread, as ``hf_offload.host_memory.read_host_memory`` reads it (``MemAvailable``, lowered to a
@@ -98,14 +103,16 @@ class HostAvailableMin:
 
     MEMINFO = Path("/proc/meminfo")  # Linux's (the GPU hosts'); elsewhere nothing is sampled
 
-    def __init__(self, interval_s: float = 0.5) -> None:
+    def __init__(self, interval_s: float = 0.5, read: Callable[[], int] | None = None) -> None:
+        """``read``: the bytes available now (for tests); None: the library's reading."""
         self.interval_s = interval_s
+        self._available = read or _library_host_available
         self.min_bytes: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _read(self) -> None:
-        available = read_host_memory().available_bytes
+        available = self._available()
         self.min_bytes = available if self.min_bytes is None else min(self.min_bytes, available)
 
     def _sample(self) -> None:
