@@ -2,11 +2,13 @@
 """Long-context benchmark (issue 14): the longest sequence that completes one training step in each mode, at what
 tokens/s and peak memory, and which limit stops it (GPU memory, host RAM, time).
 
-The model: Llama-3-8B's shape (hidden 4096, intermediate 14336, 32 layers, 32/8 heads, vocab 128256, rope theta
-500000), random bf16 weights built from a config, LoRA r=16 on all linear layers (peft), Liger
-(``apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)``), batch 1, labels = input_ids, AdamW on the
-adapters. ``--precision qlora`` quantizes the decoder's linear layers to 4-bit NF4 with bitsandbytes (bf16 compute),
-as ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)`` does.
+The model (--family): Llama-3-8B (``LlamaForCausalLM``: hidden 4096, intermediate 14336, 32 layers, 32/8 heads,
+vocab 128256, rope theta 500000) or Qwen3-8B (``Qwen3ForCausalLM``, q/k RMSNorm: hidden 4096, intermediate 12288, 36
+layers, 32/8 heads, vocab 151936, rope theta 1000000), random bf16 weights built from a config, LoRA r=16 on all
+linear layers (peft), Liger (``apply_liger_kernel_to_llama`` or ``_qwen3``, ``fused_linear_cross_entropy=True``),
+batch 1, labels = input_ids, AdamW on the adapters. ``--precision qlora`` quantizes the decoder's linear layers to
+4-bit NF4 with bitsandbytes (bf16 compute), as ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_compute_dtype=torch.bfloat16)`` does.
 
 Modes, each in a child process of its own (an out-of-memory step cannot poison the next mode):
   ckpt         non-reentrant activation checkpointing alone
@@ -20,12 +22,15 @@ library's two profiling steps at the shortest); (2) predict the longest multiple
 memory as a line in the tokens, pinned host memory (the engine's pool and its cap; TRL's and native's power-of-two
 pinned blocks against the host's RAM), step time a + b*t + c*t^2 with c from a timed attention call; plan@auto with
 the library's own planner; (3) with --confirm, one step at that length (skipped when its predicted time does not fit
-in what is left of --max-seconds). Every measurement rewrites <out>/long_context-<precision>[-<tag>].json and .md;
-the log (with timestamps) goes to stdout and the .log beside them.
+in what is left of --max-seconds). Every measurement rewrites <out>/long_context-[<family>-]<precision>[-<tag>].json
+and .md (the family named unless it is llama3-8b); the log (with timestamps) goes to stdout and the .log beside them.
+Each step records the least host memory available while it ran (read every 0.5 s), as well as what is left after it.
 
   python benchmarks/long_context.py --confirm --out $OUT                      # bf16, all five modes
   python benchmarks/long_context.py --precision qlora --confirm --out $OUT    # 4-bit base, LoRA on top
+  python benchmarks/long_context.py --family qwen3-8b --precision qlora --modes plan@auto --out $OUT  # Qwen3-8B
   python benchmarks/long_context.py --tiny --confirm --out /tmp/lc            # CPU smoke run, a tiny model
+  python benchmarks/long_context.py --tiny --family qwen3-8b --confirm --out /tmp/lc  # the same, a tiny Qwen3
 
 See benchmarks/README.md ("Long context").
 """
@@ -76,9 +81,19 @@ from harness.longest import (  # noqa: E402
 )
 
 MODES = ["ckpt", "ckpt+hfo", "ckpt+trl", "ckpt+native", "plan@auto"]
-EIGHT_B = {"hidden": 4096, "intermediate": 14336, "layers": 32, "heads": 32, "kv_heads": 8, "vocab": 128256}
+# --family: the real model's shape and rope theta, and the harness's model class for it (Scenario.family). Both have
+# untied embeddings and head_dim = hidden / heads (128).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama3-8b": {"model": "Llama-3-8B", "family": "llama", "layer_kind": "Llama layers", "rope_theta": 500000.0,
+                  "shape": {"hidden": 4096, "intermediate": 14336, "layers": 32, "heads": 32, "kv_heads": 8,
+                            "vocab": 128256}},
+    "qwen3-8b": {"model": "Qwen3-8B", "family": "qwen3", "layer_kind": "Qwen3 layers (q/k RMSNorm)",
+                 "rope_theta": 1000000.0,
+                 "shape": {"hidden": 4096, "intermediate": 12288, "layers": 36, "heads": 32, "kv_heads": 8,
+                           "vocab": 151936}},
+}  # fmt: skip
+DEFAULT_FAMILY = "llama3-8b"
 TINY = {"hidden": 64, "intermediate": 256, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512}
-ROPE = {"rope_type": "default", "rope_theta": 500000.0}
 # Defaults that differ between the GPU run and the CPU smoke run (--tiny).
 DEFAULTS = {
     False: {"profile_tokens": "8192,16384", "round": 8192, "margin_gib": 2.0, "max_tokens": 2**20,
@@ -118,6 +133,13 @@ def save_results(path: Path, results: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precision", choices=["bf16", "qlora"], default="bf16")
+    ap.add_argument(
+        "--family",
+        choices=list(FAMILIES),
+        default=DEFAULT_FAMILY,
+        help="the model: its shape, rope theta, model class and Liger patch (--tiny keeps the tiny shape, of this "
+        "family's class)",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     ap.add_argument(
         "--profile-tokens",
@@ -171,7 +193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="hf-offload's max_pinned_memory_fraction for ckpt+hfo and plan@auto (the library's default "
         "when not given): the share of available host RAM its pinned pool may take",
     )
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (32; tiny 2)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (the family's: 32, qwen3-8b 36; tiny 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, hf-offload in its CPU test mode")
     ap.add_argument("--tag", default=None, help="appended to the output files' names")
@@ -193,7 +215,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     profile_tokens = sorted({int(t) for t in str(pick("profile_tokens")).split(",") if t.strip()})
     if len(profile_tokens) < 2:
         raise SystemExit("--profile-tokens needs at least two lengths: peak and time are fitted through them")
-    shape = dict(TINY if args.tiny else EIGHT_B)
+    family = FAMILIES[args.family]
+    shape = dict(TINY if args.tiny else family["shape"])
     if args.layers is not None:
         shape["layers"] = args.layers
     precision_detail = ("bf16 weights" if args.precision == "bf16" else
@@ -208,10 +231,13 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "attn_probe_tokens": pick("attn_probe_tokens"), "confirm": args.confirm or bool(args.confirm_tokens),
         "confirm_tokens": args.confirm_tokens, "max_seconds": args.max_seconds, "seed": args.seed,
         "max_pinned_fraction": args.max_pinned_fraction,
-        "shape_dims": shape, "rope_parameters": ROPE,
-        "shape": (f"hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} layers, "
-                  f"{shape['heads']}/{shape['kv_heads']} heads, vocab {shape['vocab']}, rope theta 500000, LoRA r=16 "
-                  f"all-linear, {'no Liger (CPU)' if args.tiny else 'Liger (fused linear cross-entropy)'}, batch 1, "
+        "family": args.family, "model_family": family["family"],
+        "shape_dims": shape, "rope_parameters": {"rope_type": "default", "rope_theta": family["rope_theta"]},
+        "shape": (f"{'tiny' if args.tiny else family['model']}: {family['layer_kind']}, hidden {shape['hidden']}, "
+                  f"intermediate {shape['intermediate']}, {shape['layers']} layers, "
+                  f"{shape['heads']}/{shape['kv_heads']} heads, vocab {shape['vocab']}, "
+                  f"rope theta {family['rope_theta']:.0f}, LoRA r=16 all-linear, "
+                  f"{'no Liger (CPU)' if args.tiny else 'Liger (fused linear cross-entropy)'}, batch 1, "
                   "AdamW on the adapters, sdpa"),
         "precision_detail": precision_detail, "mode_estimate_s": defaults["mode_estimate_s"],
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
@@ -232,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out).resolve()  # the children run in the repository's root
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"long_context-{settings['precision']}" + (f"-{args.tag}" if args.tag else "")
+    family = "" if args.family == DEFAULT_FAMILY else f"{args.family}-"  # the Llama runs' names as they were
+    stem = f"long_context-{family}{settings['precision']}" + (f"-{args.tag}" if args.tag else "")
     path = out / f"{stem}.json"
     _LOG_FILE = out / f"{stem}.log"
     _LOG_FILE.write_text("")
@@ -245,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     save_results(path, results)
     log(
-        f"long context, {settings['precision']}: modes {', '.join(modes)}; profile at {settings['profile_tokens']}; "
-        f"confirm {'on' if settings['confirm'] else 'off'}; budget {settings['max_seconds']:.0f} s; writing {path}"
+        f"long context, {settings['family']}, {settings['precision']}: modes {', '.join(modes)}; profile at "
+        f"{settings['profile_tokens']}; confirm {'on' if settings['confirm'] else 'off'}; budget "
+        f"{settings['max_seconds']:.0f} s; writing {path}"
     )
     deadline = started + settings["max_seconds"]
     estimate = settings["mode_estimate_s"]
@@ -542,13 +570,14 @@ class ModeRun:
         shape = s["shape_dims"]
         self.shape = shape
         started = time.perf_counter()
-        liger = (not s["tiny"]) and apply_liger(self.device, notes)
+        liger = (not s["tiny"]) and apply_liger(self.device, notes, s["model_family"])
         setup["liger"] = liger
         scenario = Scenario(hidden=shape["hidden"], intermediate=shape["intermediate"], layers=shape["layers"],
                             heads=shape["heads"], kv_heads=shape["kv_heads"], vocab=shape["vocab"],
                             seq=max(s["max_tokens"], s["confirm_tokens"]), batch=1, lora=True, liger=liger,
-                            force_ckpt=False, steps=1, warmup=1)  # fmt: skip
+                            force_ckpt=False, steps=1, warmup=1, family=s["model_family"])  # fmt: skip
         model = build_model(scenario, s["seed"], self.device, rope_parameters=dict(s["rope_parameters"]))
+        setup["model_class"] = type(model).__name__
         if s["precision"] == "qlora":
             setup["quantization"] = quantize_decoder_nf4(model)
             if s["qlora_prepare"] == "peft":
@@ -593,9 +622,9 @@ class ModeRun:
         setup["static_bytes"] = torch.cuda.memory_allocated() if self.cuda else self._held_bytes()
         setup["attn_implementation"] = model.config._attn_implementation
         self.generator = torch.Generator().manual_seed(s["seed"] + 1)
-        log(f"{self.mode}: built in {setup['build_s']:.1f} s, static {fmt_size(setup['static_bytes'])}, "
-            f"{setup['trainable_params']:,} trainable parameters" + (f"; {setup.get('ckpt_call')}" if
-                                                                     setup.get("ckpt_call") else ""))  # fmt: skip
+        log(f"{self.mode}: built {setup['model_class']} in {setup['build_s']:.1f} s, static "
+            f"{fmt_size(setup['static_bytes'])}, {setup['trainable_params']:,} trainable parameters"
+            + (f"; {setup.get('ckpt_call')}" if setup.get("ckpt_call") else ""))  # fmt: skip
         self.save()
 
     def _counted_offload(self, offloader: str, factory: Any, model: Any) -> Any:
@@ -666,6 +695,8 @@ class ModeRun:
         """One training step of ``tokens`` tokens, timed (synchronised) and measured; an out-of-memory step is
         recorded with the allocator's figures at the failure."""
         torch = self.torch
+        from harness.measure import HostAvailableMin
+
         rec: dict[str, Any] = {"phase": phase, "tokens": tokens,
                                "started": datetime.datetime.now().isoformat(timespec="seconds")}  # fmt: skip
         self.record["steps"].append(rec)
@@ -683,9 +714,10 @@ class ModeRun:
         start = time.perf_counter()
         failed = None
         try:
-            with tracker if tracker is not None else contextlib.nullcontext():
-                loss = self._train_step(ids)
-            self._sync()
+            with HostAvailableMin() as host:  # issue 23: the host's reserve must hold during the step, not only after
+                with tracker if tracker is not None else contextlib.nullcontext():
+                    loss = self._train_step(ids)
+                self._sync()
         except (torch.cuda.OutOfMemoryError, ValueError) as e:
             if isinstance(e, ValueError) and not _raised_by_planner(e):
                 raise
@@ -694,6 +726,7 @@ class ModeRun:
                        error=str(e).splitlines()[0][:600], where=_innermost_frames(e), s=time.perf_counter() - start,
                        allocated_bytes=torch.cuda.memory_allocated() if self.cuda else None,
                        reserved_bytes=torch.cuda.memory_reserved() if self.cuda else None)  # fmt: skip
+        rec["host_available_min_bytes"] = host.min_bytes
         if failed is not None:
             del failed
             with contextlib.suppress(Exception):  # the plan the failed step ran: the one in force at the failure
@@ -727,6 +760,7 @@ class ModeRun:
         log(f"{self.mode}: {phase} step, {tokens:,} tokens: {seconds:.2f} s ({rec['tokens_per_s']:,.0f} tokens/s), "
             f"peak {fmt_size(rec['peak_bytes'])}" + (f", reserved {fmt_size(rec['reserved_peak_bytes'])}"
                                                      if self.cuda else "")
+            + (f", host available at least {fmt_size(host.min_bytes)}" if host.min_bytes is not None else "")
             + (f", offloaded {fmt_size(rec['bytes_offloaded'])}" if "bytes_offloaded" in rec else "")
             + (f", pinned {fmt_size(rec['pinned_bytes'])}" if rec.get("pinned_bytes") else "")
             + (f", plan {rec['plan']}" if rec.get("plan") else ""))  # fmt: skip
@@ -776,8 +810,8 @@ class ModeRun:
         import torch.nn.functional as F
 
         tokens = self.settings["attn_probe_tokens"]
-        heads, kv_heads = self.shape["heads"], self.shape["kv_heads"]
-        head_dim = self.shape["hidden"] // heads
+        config = self.model.config  # the built model's heads: its family may size them otherwise than hidden / heads
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.record["phase"] = "attention probe"
         probe: dict[str, Any] = {"tokens": tokens}
         self.record["attention_probe"] = probe

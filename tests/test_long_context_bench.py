@@ -1,15 +1,18 @@
 """benchmarks/long_context.py (issue 14's long-context benchmark) on CPU: the prediction's arithmetic
 (benchmarks/harness/longest.py) on numbers worked out by hand, then the script end to end in its --tiny mode (a tiny
 Llama on a pretend 16 MiB device, hf-offload in its CPU test mode): every mode is profiled, predicted and confirmed,
-and the confirmed step's peak is the one predicted. Keeps the GPU benchmark's logic from rotting between GPU runs."""
+and the confirmed step's peak is the one predicted; the same for a tiny Qwen3 (--family qwen3-8b, issue 23's target
+3). Keeps the GPU benchmark's logic from rotting between GPU runs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,7 +118,9 @@ def _run(out: Path, *args: str) -> dict:
                           capture_output=True, text=True, timeout=300, cwd=str(REPO))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     precision = args[args.index("--precision") + 1] if "--precision" in args else "bf16"
-    return json.loads((out / f"long_context-{precision}.json").read_text())
+    family = args[args.index("--family") + 1] if "--family" in args else "llama3-8b"
+    stem = f"long_context-{precision}" if family == "llama3-8b" else f"long_context-{family}-{precision}"
+    return json.loads((out / f"{stem}.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +156,8 @@ def test_fitted_modes_predict_the_peak_that_their_confirmation_measures(tiny, mo
                                ("confirm", longest_tokens)]  # fmt: skip
     profiled = [s for s in record["steps"] if s["phase"] == "profile"]
     assert all(s["ok"] and s["s"] > 0 and s["rss_bytes"] > 0 for s in profiled)
+    host_total = results["environment"]["host_total_bytes"]
+    assert all(0 < s["host_available_min_bytes"] <= host_total for s in record["steps"])  # sampled during each step
     assert profiled[1]["peak_bytes"] > profiled[0]["peak_bytes"] > record["setup"]["static_bytes"] > 0
     if mode == "ckpt+hfo":
         assert all(s["bytes_offloaded"] > 0 and s["pinned_bytes"] > 0 for s in profiled)
@@ -208,18 +215,25 @@ def test_markdown_and_log_are_written(tiny):
     markdown = (out / "long_context-bf16.md").read_text()
     for mode in results["order"]:
         assert f"| `{mode}` | {results['modes'][mode]['status']} |" in markdown
+    assert "| reserved GiB | host avail. min GiB |" in markdown
+    least_host = r"^Host memory available during the steps .*, at its least: [\d.]+ GiB, in `[^`]+`'s "
+    assert re.search(least_host, markdown, re.M)
     assert "## How each prediction was made" in markdown and "attention probe" in markdown
     log = (out / "long_context-bf16.log").read_text()
-    assert re.search(r"^\[\d\d:\d\d:\d\d\] ckpt: confirm step, [\d,]+ tokens: ", log, re.M)  # timestamped progress
+    # timestamped progress, with the least host memory available during the step
+    progress = r"^\[\d\d:\d\d:\d\d\] ckpt: confirm step, [\d,]+ tokens: .*, host available at least "
+    assert re.search(progress, log, re.M)
 
 
-def test_qlora_quantizes_the_decoder_and_wraps_it_in_4bit_lora(tmp_path):
+@pytest.mark.parametrize("family", ["llama3-8b", "qwen3-8b"])
+def test_qlora_quantizes_the_decoder_and_wraps_it_in_4bit_lora(tmp_path, family):
     pytest.importorskip("bitsandbytes")
-    results = _run(tmp_path, "--precision", "qlora", "--modes", "ckpt+hfo")
+    results = _run(tmp_path, "--precision", "qlora", "--modes", "ckpt+hfo", "--family", family)
     record = results["modes"]["ckpt+hfo"]
     assert record["status"] == "ok", record.get("error")
     quantization = record["setup"]["quantization"]
-    assert quantization["linears"] == 2 * 7 and quantization["quant_type"] == "nf4"  # q, k, v, o, gate, up, down
+    # q, k, v, o, gate, up, down (Qwen3's q/k norms are not linear layers)
+    assert quantization["linears"] == 2 * 7 and quantization["quant_type"] == "nf4"
     assert quantization["compute_dtype"] == "bfloat16" and record["setup"]["lora_4bit_layers"] == 2 * 7
     assert record["confirm"]["ok"] and record["confirm"]["tokens"] == record["prediction"]["longest_tokens"] > 128
     assert record["confirm"]["peak_bytes"] <= TINY_DEVICE
@@ -245,3 +259,65 @@ def test_a_failed_step_records_the_frames_it_was_raised_in():
         where = script._innermost_frames(error, frames=2)
     assert [frame.split()[1] for frame in where] == ["step", "backward_of_a_layer"]
     assert where[0].startswith("test_long_context_bench.py:")
+
+
+def test_qwen3_family_builds_a_qwen3_and_predicts(tmp_path):
+    """Issue 23's target 3 on another 8B family: the tiny shape of Qwen3's class, through the planner's mode (its
+    confirmation short: at the predicted length it takes as long as the rest of the run on CPU)."""
+    results = _run(tmp_path, "--family", "qwen3-8b", "--modes", "plan@auto", "--confirm-tokens", "192")
+    settings = results["settings"]
+    assert (settings["family"], settings["model_family"]) == ("qwen3-8b", "qwen3")
+    assert settings["rope_parameters"]["rope_theta"] == 1e6 and settings["shape"].startswith("tiny: Qwen3 layers")
+    record = results["modes"]["plan@auto"]
+    assert record["status"] == "ok", record.get("error")
+    assert record["setup"]["model_class"] == "Qwen3ForCausalLM"
+    assert record["attention_probe"]["forward_s"] > 0
+    prediction = record["prediction"]
+    assert prediction["longest_tokens"] > 128 and prediction["plan_code"]
+    assert record["confirm"]["ok"] and record["confirm"]["tokens"] == 192 and record["confirm"]["plan"]
+    host_total = results["environment"]["host_total_bytes"]
+    assert all(0 < step["host_available_min_bytes"] <= host_total for step in record["steps"])
+    assert "(qwen3-8b, bf16, issue 14)" in (tmp_path / "long_context-qwen3-8b-bf16.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------- the harness
+
+
+def test_the_harness_builds_each_family_and_refuses_others():
+    import dataclasses
+
+    import torch
+    from harness.model import apply_liger, build_model
+    from harness.scenarios import SCENARIOS
+
+    cpu = torch.device("cpu")
+    tiny = SCENARIOS["tiny"]
+    assert tiny.family == "llama"  # run.py's and the zoo's scenarios build what they built
+    for family, model_class in (("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")):
+        model = build_model(dataclasses.replace(tiny, family=family), 0, cpu)
+        assert type(model).__name__ == model_class and model.config.head_dim == tiny.hidden // tiny.heads
+    assert model.model.layers[0].self_attn.q_norm.weight.shape == (tiny.hidden // tiny.heads,)
+    assert "qwen3 model class" in dataclasses.replace(tiny, family="qwen3").describe()
+    notes: list[str] = []
+    assert apply_liger(cpu, notes, "qwen3") is False and "needs an accelerator" in notes[0]
+    with pytest.raises(ValueError, match="'gemma': the harness builds llama, qwen3"):
+        build_model(dataclasses.replace(tiny, family="gemma"), 0, cpu)
+    with pytest.raises(ValueError, match="'gemma'"):
+        apply_liger(cpu, [], "gemma")
+
+
+def test_host_available_min_is_the_least_read_while_entered(monkeypatch):
+    """A dip between the readings on entry and on exit is what a reading after the step misses."""
+    from harness import measure
+
+    readings = itertools.chain([100, 10], itertools.repeat(100))
+    with measure.HostAvailableMin(interval_s=0.01, read=lambda: next(readings)) as host:
+        assert host.min_bytes == 100  # read on entry
+        deadline = time.monotonic() + 10
+        while host.min_bytes != 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert host.min_bytes == 10 and host._thread is None  # the thread's reading, kept past the one on exit
+    monkeypatch.setattr(measure.HostAvailableMin, "MEMINFO", Path("/nonexistent/meminfo"))
+    with measure.HostAvailableMin(interval_s=0.01) as host:
+        pass
+    assert host.min_bytes is None

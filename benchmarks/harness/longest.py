@@ -290,20 +290,34 @@ def _profiled(record: dict[str, Any]) -> str:
 def _confirmed(record: dict[str, Any]) -> list[str]:
     confirm = record.get("confirm")
     if not confirm:
-        return ["", "", "", "", ""]
+        return [""] * 6
     if confirm.get("skipped"):
-        return [f"skipped: {confirm['skipped']}", "", "", "", ""]
+        return [f"skipped: {confirm['skipped']}"] + [""] * 5
     if "ok" not in confirm:
-        return [f"{confirm.get('tokens')}: did not finish", "", "", "", ""]
+        return [f"{confirm.get('tokens')}: did not finish"] + [""] * 5
+    host_min = _gib(confirm.get("host_available_min_bytes"), "{:.1f}")
     if not confirm["ok"]:
         at_failure = ""
         if confirm.get("allocated_bytes") is not None:
             at_failure = f"; allocated {_size(confirm['allocated_bytes'])}, reserved {_size(confirm['reserved_bytes'])}"
         return [f"{confirm['tokens']}: **{confirm.get('error_kind', 'failed')}** ({confirm.get('error', '')[:100]}"
-                f"{at_failure})", "", "", "", ""]  # fmt: skip
+                f"{at_failure})", "", "", "", "", host_min]  # fmt: skip
     return [f"{confirm['tokens']}: ok" + (f", plan `{confirm['plan']}`" if confirm.get("plan") else ""),
             _num(confirm.get("s"), "{:.1f}"), _num(confirm.get("tokens_per_s"), "{:,.0f}"),
-            _gib(confirm.get("peak_bytes")), _gib(confirm.get("reserved_peak_bytes"))]  # fmt: skip
+            _gib(confirm.get("peak_bytes")), _gib(confirm.get("reserved_peak_bytes")), host_min]  # fmt: skip
+
+
+def _least_host_available(results: dict[str, Any]) -> str:
+    """The least host memory available during any step of the run, and in which (issue 23: the host's reserve must
+    hold throughout every run)."""
+    sampled = [(step["host_available_min_bytes"], mode, step) for mode in results.get("order", [])
+               for step in results.get("modes", {}).get(mode, {}).get("steps", [])
+               if isinstance(step.get("host_available_min_bytes"), int)]  # fmt: skip
+    if not sampled:
+        return "Host memory available during the steps: not sampled."
+    least, mode, step = min(sampled, key=lambda found: found[0])
+    return (f"Host memory available during the steps (sampled while each ran), at its least: {_size(least)}, in "
+            f"`{mode}`'s {step['phase']} step at {step['tokens']:,} tokens.")  # fmt: skip
 
 
 def render_markdown(results: dict[str, Any]) -> str:
@@ -311,7 +325,8 @@ def render_markdown(results: dict[str, Any]) -> str:
     settings = results.get("settings", {})
     env = results.get("environment", {})
     lines = [
-        f"# Long context: the longest sequence per mode ({settings.get('precision', '')}, issue 14)",
+        f"# Long context: the longest sequence per mode ({settings.get('family', 'llama3-8b')}, "
+        f"{settings.get('precision', '')}, issue 14)",
         "",
         f"{results.get('started', '')}; device {env.get('device_name', '?')} "
         f"({_size(env.get('device_total_bytes'))}), host {_size(env.get('host_total_bytes'))}; "
@@ -323,8 +338,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"Command: `{results.get('command', '')}`",
         "",
         "| mode | status | profiled (tokens: s/step, peak GiB) | predicted longest | limit | pred. peak GiB | "
-        "pred. host GiB | pred. s/step | pred. tokens/s | confirmed | s/step | tokens/s | peak GiB | reserved GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "pred. host GiB | pred. s/step | pred. tokens/s | confirmed | s/step | tokens/s | peak GiB | reserved GiB | "
+        "host avail. min GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode in results.get("order", []):
         record = results.get("modes", {}).get(mode, {})
@@ -338,7 +354,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             _gib(prediction.get("predicted_host_bytes"), "{:.1f}"), _num(prediction.get("predicted_step_s"), "{:.1f}"),
             _num(prediction.get("predicted_tokens_per_s"), "{:,.0f}"), *_confirmed(record),
         ]) + " |")  # fmt: skip
-    lines += ["", "## How each prediction was made", ""]
+    lines += ["", _least_host_available(results), "", "## How each prediction was made", ""]
     for mode in results.get("order", []):
         record = results.get("modes", {}).get(mode, {})
         prediction = record.get("prediction") or {}

@@ -1,12 +1,15 @@
 """The timed training steps of one mode: step times, device memory, bytes offloaded, the host side (pinned bytes,
-pinned allocations, RSS), and the first step's loss bits and gradient fingerprint."""
+pinned allocations, RSS, the least host memory available during a step), and the first step's loss bits and gradient
+fingerprint."""
 
 from __future__ import annotations
 
 import contextlib
 import statistics
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,6 +86,54 @@ class StepPeaks:
     def step_peak(self) -> tuple[int, int]:
         allocated, reserved = self._counters()
         return max(self._folded[0], allocated), max(self._folded[1], reserved)
+
+
+def _library_host_available() -> int:
+    # Imported here, not with the harness: its other offloaders' modes run where hf_offload does not import.
+    from hf_offload.host_memory import read_host_memory
+
+    return read_host_memory().available_bytes
+
+
+class HostAvailableMin:
+    """The least host memory available while it is entered: read on entry, on exit and every ``interval_s`` between
+    by a daemon thread, as ``hf_offload.host_memory.read_host_memory`` reads it (``MemAvailable``, lowered to a
+    cgroup's room: what the library keeps its host reserve against). A reading after a step misses its pinned pool
+    and host copies at their largest. Without ``/proc/meminfo`` it reads nothing: ``min_bytes`` stays None."""
+
+    MEMINFO = Path("/proc/meminfo")  # Linux's (the GPU hosts'); elsewhere nothing is sampled
+
+    def __init__(self, interval_s: float = 0.5, read: Callable[[], int] | None = None) -> None:
+        """``read``: the bytes available now (for tests); None: the library's reading."""
+        self.interval_s = interval_s
+        self._available = read or _library_host_available
+        self.min_bytes: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> None:
+        available = self._available()
+        self.min_bytes = available if self.min_bytes is None else min(self.min_bytes, available)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._read()
+
+    def __enter__(self) -> HostAvailableMin:
+        self.min_bytes = None
+        if self.MEMINFO.is_file():
+            self._read()
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._sample, name="host-available-min", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._read()
 
 
 def time_steps(

@@ -1,41 +1,68 @@
-"""What a scenario trains: a Llama from its config (random bf16 weights), Liger and LoRA where it asks for them,
-the optimizer, and the batch (labels = input_ids). The same seed gives every mode the same weights and data."""
+"""What a scenario trains: a model of its family (Llama, Qwen3) from its config (random bf16 weights), Liger and LoRA
+where it asks for them, the optimizer, and the batch (labels = input_ids). The same seed gives every mode the same
+weights and data."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from .scenarios import Scenario
 
-LIGER_CALL = (
-    "apply_liger_kernel_to_llama(fused_linear_cross_entropy=True) before building the model (rope, "
-    "rms_norm, swiglu on: the defaults)"
-)
+
+@dataclass(frozen=True)
+class Family:
+    config: type[PretrainedConfig]
+    model: type[PreTrainedModel]
+    liger_patch: str  # liger_kernel.transformers' class-level patch of this family
 
 
-def apply_liger(device: torch.device, notes: list[str]) -> bool:
-    """Liger's class-level patch of Llama; it must come before the model is built. Returns whether it was applied
-    (why not goes to ``notes``: the mode then runs without)."""
+# Scenario.family -> what is built. Qwen3's layers differ from Llama's by their q/k RMSNorm.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(LlamaConfig, LlamaForCausalLM, "apply_liger_kernel_to_llama"),
+    "qwen3": Family(Qwen3Config, Qwen3ForCausalLM, "apply_liger_kernel_to_qwen3"),
+}
+
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"model family {name!r}: the harness builds {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def liger_call(family_name: str = "llama") -> str:
+    """How Liger is applied, for the results."""
+    return (
+        f"{family(family_name).liger_patch}(fused_linear_cross_entropy=True) before building the model (rope, "
+        "rms_norm, swiglu on: the defaults)"
+    )
+
+
+def apply_liger(device: torch.device, notes: list[str], family_name: str = "llama") -> bool:
+    """Liger's class-level patch of the family; it must come before the model is built. Returns whether it was
+    applied (why not goes to ``notes``: the mode then runs without)."""
+    patch = family(family_name).liger_patch  # an unknown family is the caller's error, not a missing Liger
     if device.type != "cuda":
         notes.append("liger skipped: needs an accelerator (ran without)")
         return False
     try:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers
 
-        apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)
+        getattr(liger_kernel.transformers, patch)(fused_linear_cross_entropy=True)
         return True
     except Exception as e:
         notes.append(f"liger not applied ({type(e).__name__}: {str(e)[:120]}); ran without")
         return False
 
 
-def build_model(scenario: Scenario, seed: int, device: torch.device, **config_overrides: Any) -> LlamaForCausalLM:
-    """Random bf16 weights drawn on ``device`` from ``seed``, sdpa attention. ``config_overrides`` are further
-    ``LlamaConfig`` fields that the scenario does not set (e.g. ``rope_parameters``)."""
-    config = LlamaConfig(
+def build_model(scenario: Scenario, seed: int, device: torch.device, **config_overrides: Any) -> PreTrainedModel:
+    """The scenario's family's model, random bf16 weights drawn on ``device`` from ``seed``, sdpa attention.
+    ``config_overrides`` are further config fields that the scenario does not set (e.g. ``rope_parameters``)."""
+    built = family(scenario.family)
+    config = built.config(
         hidden_size=scenario.hidden,
         intermediate_size=scenario.intermediate,
         num_hidden_layers=scenario.layers,
@@ -46,7 +73,8 @@ def build_model(scenario: Scenario, seed: int, device: torch.device, **config_ov
         use_cache=False,
         tie_word_embeddings=False,
         attn_implementation="sdpa",
-        **({"head_dim": scenario.head_dim} if scenario.head_dim else {}),
+        # Given always: Qwen3Config's default is 128 whatever the hidden size (Llama's is hidden / heads).
+        head_dim=scenario.head_dim or scenario.hidden // scenario.heads,
         **config_overrides,
     )
     torch.manual_seed(seed)
@@ -56,7 +84,7 @@ def build_model(scenario: Scenario, seed: int, device: torch.device, **config_ov
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            return LlamaForCausalLM(config)
+            return built.model(config)
     finally:
         torch.set_default_dtype(prev_dtype)
 

@@ -1,4 +1,5 @@
-"""The scenarios: a Llama-style model's shape, the tokens per step, and what else the scenario turns on.
+"""The scenarios: a model's shape and family (Llama unless it says otherwise), the tokens per step, and what else the
+scenario turns on.
 
 Besides run.py's scenarios (S1, S2, S3, M36 and the CPU smoke tests), the shape zoo of `benchmarks/zoo.py` (issue 20,
 target 2): the layer shape and vocabulary of real 1B-8B models, some with fewer layers than the real model so that a
@@ -21,12 +22,13 @@ class Scenario:
     seq: int
     batch: int
     lora: bool  # LoRA r=16 on all linear layers (peft)
-    liger: bool  # Liger's Llama kernels, fused linear cross-entropy included
+    liger: bool  # Liger's kernels for the family, fused linear cross-entropy included
     force_ckpt: bool  # checkpointing on in every mode: only ckpt* modes run
     steps: int  # timed steps, unless --steps
     warmup: int  # warm-up steps, unless --warmup
     head_dim: int | None = None  # attention head size where it is not hidden / heads (Gemma's 256)
     model: str = ""  # the real model whose layer shape and vocabulary these are (the zoo's shapes)
+    family: str = "llama"  # the transformers model class built (harness.model.FAMILIES): "llama" or "qwen3"
 
     def describe(self) -> str:
         text = (
@@ -42,6 +44,8 @@ class Scenario:
             extras.append("Liger (fused linear CE)")
         if self.force_ckpt:
             extras.append("checkpointing on in every mode")
+        if self.family != "llama":
+            extras.append(f"{self.family} model class")
         text += "; " + ", ".join(extras) if extras else ""
         return f"{self.model}: {text}" if self.model else text
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .measure import make_train_step, time_steps
-from .model import LIGER_CALL, apply_liger, apply_lora, build_model, make_input_ids, make_optimizer
+from .model import apply_liger, apply_lora, build_model, liger_call, make_input_ids, make_optimizer
 from .modes import ModeSpec, parse_mode
 from .offloaders import SkipMode, enable_checkpointing, load_offloader, start_offload
 from .scenarios import SCENARIOS
@@ -35,9 +35,10 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
     notes = res["notes"]
 
     factory = load_offloader(mode.offloader, device)
-    liger = scenario.liger and apply_liger(device, notes)  # before the model is built: it patches the classes
+    # before the model is built: it patches the classes
+    liger = scenario.liger and apply_liger(device, notes, scenario.family)
     if liger:
-        res["liger_call"] = LIGER_CALL
+        res["liger_call"] = liger_call(scenario.family)
     res["liger"] = liger
 
     model = build_model(scenario, spec["seed"], device)
