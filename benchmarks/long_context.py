@@ -67,7 +67,6 @@ from harness.longest import (  # noqa: E402
     LIMIT_TIME,
     MemoryModel,
     TimeModel,
-    attention_correction,
     attention_seconds_per_token2,
     fit_line,
     fit_time,
@@ -927,8 +926,7 @@ class ModeRun:
 
     def _predict_with_planner(self, profiled: list[dict[str, Any]]) -> dict[str, Any]:
         """plan@auto: bisection over the lengths the library's planner finds a plan for, from the profile its plan in
-        force was made from, against the budget it plans for; its predicted step time gets the attention's quadratic
-        share added when its profile scales attention linearly (the probes do not separate it)."""
+        force was made from, against the budget it plans for, with the planner's own step time."""
         import hf_offload.memory_budget.controller as library_budget
         from hf_offload.memory_budget.host import choose_plan_with_host
         from hf_offload.memory_budget.search import choose_plan
@@ -965,24 +963,13 @@ class ModeRun:
         def fits(n: int) -> bool:
             return not isinstance(attempt(n), ValueError)
 
-        quadratic_missing = all(layer.attention_forward_s == 0 and layer.attention_backward_s == 0
-                                for layer in profile.layers)  # fmt: skip
         # The library's probes ran on the first step's tokens (at most its PROBE_MAX_TOKENS), per kind of layer: the
         # first layer's is the decoder's.
         probes = getattr(getattr(controller, "_measured", None), "probes", None)
         probe_tokens = next(iter(probes.values())).tokens if probes else s["profile_tokens"][0]
-        attention = self.record.get("attention_probe") or {}
-        c_forward = c_backward = None
-        if "forward_s" in attention:  # per layer and attention call, seconds per token^2
-            c_forward = attention["forward_s"] / attention["tokens"] ** 2
-            c_backward = attention["backward_s"] / attention["tokens"] ** 2
 
-        def step_s(n: int) -> float:
-            found = attempt(n)
-            extra = 0.0
-            if quadratic_missing and c_forward is not None:
-                extra = attention_correction(found.code, n, probe_tokens, c_forward, c_backward)
-            return found.predicted.step_s + extra
+        def step_s(n: int) -> float:  # the probes time attention apart: the profile scales it with the square
+            return attempt(n).predicted.step_s
 
         round_to, max_tokens = s["round"], s["max_tokens"]
         by_memory = largest_multiple(fits, round_to, max_tokens)
@@ -1026,19 +1013,10 @@ class ModeRun:
                        predicted_host_bytes=found.predicted.host_bytes, planner_step_s=found.predicted.step_s,
                        predicted_step_s=step_s(longest), predicted_tokens_per_s=longest / step_s(longest),
                        plan_table=found.format_table())  # fmt: skip
-            out["attention_correction_s"] = out["predicted_step_s"] - found.predicted.step_s
             if self.time_model is not None:
                 out["fit_step_s"] = self.time_model(longest)
-        if quadratic_missing and c_forward is not None:
-            how.append(f"Time: the planner's step time plus what it misses of the attention (its profile scales it "
-                       f"linearly from {probe_tokens} tokens; the probe's c per layer: forward "
-                       f"{c_forward * 1e12:.4f}, backward {c_backward * 1e12:.4f} ps/token^2, two forwards where the "
-                       "plan recomputes a layer).")  # fmt: skip
-        else:
-            how.append(
-                "Time: the planner's predicted step time"
-                + ("" if not quadratic_missing else " (no attention probe to correct it)")
-            )
+        how.append(f"Time: the planner's predicted step time (its probes, on {probe_tokens} tokens, time attention "
+                   "apart and scale it with the square of the tokens).")  # fmt: skip
         if self.time_model is not None:
             how.append(f"Cross-check (fit_step_s): {self.time_model.how}, through this mode's own profiled steps.")
         out["how"] = how

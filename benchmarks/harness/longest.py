@@ -16,9 +16,6 @@ GIB = 2**30
 # docs/DESIGN.md (the measured facts): allocating pinned memory costs about 0.4 s per GB. A step longer than the
 # profiled ones pins new host memory once, so its first step (the confirmation) pays this on top of its predicted time.
 PIN_SECONDS_PER_BYTE = 0.4 / 1e9
-# The layer letters of a memory plan (hf_offload.memory_budget.simulate.ACTION_CODES) that recompute the whole layer,
-# attention included, in backward; a selective checkpoint keeps the attention's output, so it does not run it again.
-RECOMPUTING_CODES = "CcTt"
 
 LIMIT_GPU = "GPU memory"
 LIMIT_POOL_CAP = "host pinned cap"  # the engine's pool is full, so what it cannot take stays on the GPU
@@ -114,16 +111,6 @@ def fit_time(tokens: Sequence[int], seconds: Sequence[float], c: float | None = 
             "both steps (all superlinear time taken as attention's)",
         )
     raise ValueError(f"a time model needs two distinct lengths, got {list(tokens)}")
-
-
-def attention_correction(code: str, tokens: int, probe_tokens: int, forward_s_per_token2: float,
-                         backward_s_per_token2: float) -> float:  # fmt: skip
-    """Seconds a memory plan's predicted step misses at ``tokens`` when its profile scaled the attention's time
-    linearly from ``probe_tokens`` (the library's probes do not separate it): per layer, attention forwards (one,
-    two where the plan recomputes the layer) and one backward, each c * (tokens**2 - probe_tokens * tokens)."""
-    forwards = sum(2 if letter in RECOMPUTING_CODES else 1 for letter in code)
-    per_call = tokens * tokens - probe_tokens * tokens
-    return max(0.0, (forwards * forward_s_per_token2 + len(code) * backward_s_per_token2) * per_call)
 
 
 def pow2ceil(n: int) -> int:

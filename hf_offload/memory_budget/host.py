@@ -66,7 +66,7 @@ def choose_plan_with_host(choose: Callable[[StepProfile], Plan], profile: StepPr
         plan, refusal = None, error
     if plan is not None and not _tiles(plan) or most_cap_bytes <= profile.host_cap_bytes:
         if plan is None:
-            raise refusal
+            raise _with_what_dominates(refusal, choose, profile)
         return plan
     why = "no exact plan fits the budget within it" if plan is not None else "no plan fits the budget within it"
     bound = f", down to the host memory reserve of {format_bytes(reserve_bytes)}" if reserve_bytes else ""
@@ -79,11 +79,38 @@ def choose_plan_with_host(choose: Callable[[StepProfile], Plan], profile: StepPr
         lowest = dataclasses.replace(error.lowest_plan, host_default_cap_bytes=profile.host_cap_bytes,
                                      host_growth=f"{why}: the lowest-memory plan, over the budget{bound}")  # fmt: skip
         grown_by = f"from its cap of {format_bytes(profile.host_cap_bytes)} to {format_bytes(most_cap_bytes)}"
-        raise InfeasibleBudgetError(f"{error} (That is with the pinned host pool grown {grown_by}{bound}.)",
-                                    error.budget_bytes, error.minimum_bytes, lowest) from None  # fmt: skip
+        raise _with_what_dominates(
+            InfeasibleBudgetError(f"{error} (That is with the pinned host pool grown {grown_by}{bound}.)",
+                                  error.budget_bytes, error.minimum_bytes, lowest), choose, grown_profile,
+        ) from None  # fmt: skip
     if plan is not None and _tiles(grown):
         return plan  # tiled either way: the default cap is enough for that
     return dataclasses.replace(grown, host_default_cap_bytes=profile.host_cap_bytes, host_growth=f"{why}{bound}")
+
+
+def _with_what_dominates(refusal: InfeasibleBudgetError, choose: Callable[[StepProfile], Plan],
+                         profile: StepProfile) -> InfeasibleBudgetError:  # fmt: skip
+    """`refusal` (made within `profile.host_cap_bytes`), saying whether host or GPU memory is what the step lacks
+    (issue 23: a length no plan fits names the least of each it needs): the same step planned with room on the host
+    for every layer's saved tensors either fits, with that much host, or does not, and needs that much GPU memory
+    whatever the host."""
+    unlimited = sum(max(layer.saved_bytes, layer.input_bytes) for layer in profile.layers)
+    if unlimited <= profile.host_cap_bytes:
+        lacks = " GPU memory is what this step lacks: the host has room for every layer's saved tensors."
+    else:
+        try:
+            plan = choose(dataclasses.replace(profile, host_cap_bytes=unlimited))
+        except InfeasibleBudgetError as error:
+            needs, on_host = error.minimum_bytes, error.lowest_plan.predicted.host_bytes
+            lacks = (f" GPU memory is what this step lacks: with any host, it needs at least {format_bytes(needs)}"
+                     + (f" (with {format_bytes(on_host)} of pinned host memory)." if needs < refusal.minimum_bytes
+                        else ", as more host memory would lower nothing."))  # fmt: skip
+        else:
+            lacks = (f" Host memory is what this step lacks: a plan fits the budget with "
+                     f"{format_bytes(plan.predicted.host_bytes)} of pinned host memory, where this host gives the pool "
+                     f"{format_bytes(profile.host_cap_bytes)}.")  # fmt: skip
+    return InfeasibleBudgetError(f"{refusal}{lacks}", refusal.budget_bytes, refusal.minimum_bytes,
+                                 refusal.lowest_plan)  # fmt: skip
 
 
 def _tiles(plan: Plan) -> bool:

@@ -3,13 +3,15 @@ only one that tiles (MLPs or whole layers); and how the plan says so."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from step_profiles import long_profile, tiled_layer_profile
 
 from hf_offload.memory_budget.host import choose_plan_with_host
 from hf_offload.memory_budget.search import InfeasibleBudgetError, choose_plan
 from hf_offload.memory_budget.simulate import Plan
-from hf_offload.units import GIB
+from hf_offload.units import GIB, format_bytes
 
 
 class Chooser:
@@ -64,10 +66,15 @@ def test_a_plan_that_tiles_either_way_keeps_to_the_cap() -> None:
 
 
 def test_a_cap_that_may_not_grow_is_planned_with_as_it_is() -> None:
+    """The refusal names what the step lacks (issue 23): here host memory, as with room on the host for every layer's
+    tensors (the last cap planned with, never taken) a plan fits this budget."""
     choose = Chooser(60 * GIB)
     with pytest.raises(InfeasibleBudgetError) as error:
         choose_plan_with_host(choose, long_profile(host_cap_bytes=8 * GIB), 8 * GIB)
-    assert choose.caps == [8 * GIB] and "pinned host pool grown" not in str(error.value)
+    assert choose.caps[0] == 8 * GIB and choose.caps[1] > 64 * GIB
+    assert "pinned host pool grown" not in str(error.value)
+    assert str(error.value).endswith("Host memory is what this step lacks: a plan fits the budget with 62.00 GiB of "
+                                     "pinned host memory, where this host gives the pool 8.00 GiB.")  # fmt: skip
     assert choose_plan_with_host(Chooser(80 * GIB), long_profile(host_cap_bytes=32 * GIB), 0).tiled_layers
 
 
@@ -78,8 +85,17 @@ def test_a_budget_no_host_can_meet_is_refused_with_the_most_host_and_says_so() -
     with pytest.raises(InfeasibleBudgetError) as within:
         choose(long_profile(host_cap_bytes=8 * GIB))
     assert error.value.minimum_bytes < within.value.minimum_bytes  # the most host's minimum: the lowest
-    assert str(error.value).endswith("(That is with the pinned host pool grown from its cap of 8.00 GiB to 64.00 GiB, "
-                                     "down to the host memory reserve of 8.00 GiB.)")  # fmt: skip
+    assert ("(That is with the pinned host pool grown from its cap of 8.00 GiB to 64.00 GiB, down to the host memory "
+            "reserve of 8.00 GiB.)") in str(error.value)  # fmt: skip
+    # More host lowers nothing: the GPU's memory is what this step lacks.
+    assert str(error.value).endswith(f"GPU memory is what this step lacks: with any host, it needs at least "
+                                     f"{format_bytes(error.value.minimum_bytes)}, as more host memory would lower "
+                                     "nothing.")  # fmt: skip
+    # Where the cap may not grow, the same budget names both: the GPU memory it needs with more host, and that host.
+    with pytest.raises(InfeasibleBudgetError) as capped:
+        choose_plan_with_host(Chooser(30 * GIB), long_profile(host_cap_bytes=8 * GIB), 8 * GIB)
+    assert re.search(r"GPU memory is what this step lacks: with any host, it needs at least [\d.]+ GiB \(with "
+                     r"[\d.]+ GiB of pinned host memory\)\.$", str(capped.value))  # fmt: skip
     lowest = error.value.lowest_plan  # what a later step that must run anyway runs on, with that host
     assert lowest.host_cap_bytes == 64 * GIB and lowest.host_default_cap_bytes == 8 * GIB
     assert lowest.host_growth == ("no plan fits the budget within it: the lowest-memory plan, over the budget, down "
