@@ -20,6 +20,7 @@ from example_utils import (
     load_text_dataset,
     parse_arguments,
 )
+from gloo_exit import exit_process
 
 from hf_offload import TrainingArguments
 
@@ -54,3 +55,4 @@ def main(argv: list[str] | None = None) -> transformers.Trainer:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    exit_process()  # a gloo rank without the interpreter's shutdown: gloo_exit.py says why

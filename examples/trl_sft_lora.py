@@ -18,6 +18,7 @@ import torch
 import transformers
 import trl
 from example_utils import DataArguments, ModelArguments, load_model_and_tokenizer, load_text_dataset, parse_arguments
+from gloo_exit import exit_process
 
 from hf_offload.callbacks.trl import SFTConfig
 
@@ -58,3 +59,4 @@ def main(argv: list[str] | None = None) -> trl.SFTTrainer:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    exit_process()  # a gloo rank without the interpreter's shutdown: gloo_exit.py says why

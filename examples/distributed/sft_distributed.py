@@ -29,15 +29,16 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# The shared pieces of train_distributed.py (this folder) and examples/example_utils.py (the tokenizer the examples
-# fit); named explicitly, as run_multi_gpu.sh runs with PYTHONSAFEPATH=1 (no script folder on the path).
+# The shared pieces of train_distributed.py (this folder), examples/example_utils.py (the tokenizer the examples
+# fit) and examples/gloo_exit.py; named explicitly, as run_multi_gpu.sh runs with PYTHONSAFEPATH=1 (no script folder
+# on the path).
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import datasets  # noqa: E402
-import torch  # noqa: E402
 import transformers  # noqa: E402
 import trl  # noqa: E402
 from example_utils import DEFAULT_DATASET, TEXT_COLUMN, fit_word_tokenizer  # noqa: E402
+from gloo_exit import exit_process  # noqa: E402
 from train_distributed import StepMemory, offload_stats, rank_file, run_record, weights_hash  # noqa: E402
 
 from hf_offload.callbacks.trl import SFTConfig  # noqa: E402
@@ -181,10 +182,8 @@ def main(argv=None) -> int:
           f"{f' max peak {max(peaks)}' if peaks else ''} | offloaded {(stats or {}).get('tensors_offloaded', 0)} "
           f"tensors | weights {sha[:12]} | {'OK' if not problems else 'FAIL: ' + '; '.join(problems)} -> {path}",
           flush=True)  # fmt: skip
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     return 1 if problems else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # destroys the process group, but a gloo one's rank leaves at once: gloo_exit.py says why

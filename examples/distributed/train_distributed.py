@@ -55,9 +55,13 @@ from pathlib import Path
 # cuBLAS reads this when it initialises; deterministic algorithms need it (full_determinism sets it too, later).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # no fragmentation at long context
+# examples/gloo_exit.py; named explicitly, as run_multi_gpu.sh runs with PYTHONSAFEPATH=1 (no script folder on the
+# path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from gloo_exit import exit_process  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload import OffloadActivations, TrainingArguments  # noqa: E402
@@ -495,10 +499,8 @@ def main(argv=None) -> int:
           f"offloaded {moved} tensors, kept as parameter {kept_param}, audited {audit.eligible} eligible, "
           f"parameter violations {len(audit.violations)}{gathered} | weights {sha[:12]}{budget} | "
           f"{'OK' if not problems else 'FAIL: ' + '; '.join(problems)} -> {path}", flush=True)  # fmt: skip
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     return 1 if problems else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # destroys the process group, but a gloo one's rank leaves at once: gloo_exit.py says why
