@@ -238,6 +238,19 @@ def test_a_budget_only_layers_tiled_whole_reach_is_kept_on_every_step(record, mo
     dispose(run.ctx)
 
 
+def roomy_profile(model, batch, steps: int, tokens: int):
+    """The profile a roomy budget measured over `steps` steps of `batch` (a function of the step), scaled to `tokens`;
+    the model and its context are freed, so that the run under test starts from an empty device."""
+    roomy = make_ctx(model, memory_budget=10**12)
+    step_peaks(model, batch, roomy, steps)
+    profile = roomy.budget_controller.profile.scaled(tokens)
+    dispose(roomy)
+    del model, roomy
+    gc.collect()
+    torch.cuda.empty_cache()
+    return profile
+
+
 def test_a_step_that_grows_into_layers_tiled_whole_tiles_every_layer_in_that_step(record, nondeterministic):
     """Issue 23's 512K QLoRA step, small: the profiled steps are short (4096 tokens) and planned untiled, then a step
     four times longer under a budget halfway between the lowest plan with tiled MLPs and the lowest with whole layers
@@ -256,14 +269,7 @@ def test_a_step_that_grows_into_layers_tiled_whole_tiles_every_layer_in_that_ste
     def batch(step: int) -> dict:
         return make_batch("llama", batch=1, seq=short if step < 4 else long, vocab=LONG["vocab"])
 
-    model = lora_model()
-    roomy = make_ctx(model, memory_budget=10**12)
-    step_peaks(model, batch, roomy, 3)
-    profile = roomy.budget_controller.profile.scaled(long)
-    dispose(roomy)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    profile = roomy_profile(lora_model(), batch, 3, long)
     lowest = {letter: simulate(profile, letter * LONG["layers"]).peak_bytes for letter in "TL"}
     budget = (lowest["T"] + lowest["L"]) // 2
     model = lora_model()
@@ -429,14 +435,7 @@ def test_a_step_that_grows_with_eager_attention_stays_under_the_budget(record):
         return make_batch("llama", batch=1, seq=short if step < 3 else long, vocab=size["vocab"])
 
     none_peaks, _ = step_peaks(eager_model(), lambda step: batch(3), None, 2)
-    model = eager_model()
-    roomy = make_ctx(model, memory_budget=10**12)
-    step_peaks(model, batch, roomy, 3)
-    profile = roomy.budget_controller.profile.scaled(long)
-    dispose(roomy)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    profile = roomy_profile(eager_model(), batch, 3, long)
     lowest = simulate(profile, "C" * size["layers"]).peak_bytes
     budget = (lowest + none_peaks[-1]) // 2
     model = eager_model()
