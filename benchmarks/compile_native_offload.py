@@ -22,8 +22,11 @@ batch, `--steps` steps without an optimizer (so that every step computes the sam
   compiled                   torch.compile(model)
   compiled+native-sync       the partitioner's pass, synchronous copies
   compiled+native-async      the partitioner's pass on a side stream, waits sunk, reloads prefetched
-  ckpt/compiled              non-reentrant checkpointing + torch.compile(model)
-  ckpt/compiled+native-async the same with the partitioner's pass on a side stream
+  ckpt/...                    the same with non-reentrant checkpointing (ckpt/eager, ckpt/eager+hfo, ckpt/compiled,
+                             ckpt/compiled+native-sync, ckpt/compiled+native-async)
+
+Each variant's losses and gradients are compared bitwise with those of its baseline: the same checkpointing, eager or
+compiled, without offloading.
 
 Usage (GPU machine): python benchmarks/compile_native_offload.py [--variants a,b] [--out DIR]
 CPU smoke run: python benchmarks/compile_native_offload.py --tiny --variants compiled,compiled+native-sync
@@ -55,7 +58,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "compiled": {"compiled": True},
     "compiled+native-sync": {"compiled": True, "native": {}},
     "compiled+native-async": {"compiled": True, "native": _ASYNC},
+    "ckpt/eager": {"compiled": False, "ckpt": True},
+    "ckpt/eager+hfo": {"compiled": False, "ckpt": True, "hfo": True},
     "ckpt/compiled": {"compiled": True, "ckpt": True},
+    "ckpt/compiled+native-sync": {"compiled": True, "ckpt": True, "native": {}},
     "ckpt/compiled+native-async": {"compiled": True, "ckpt": True, "native": _ASYNC},
 }
 _LAYER = re.compile(r"layers[\.\[]'?(\d+)")
@@ -173,9 +179,11 @@ def main() -> int:
     for name in variants:
         row = run_variant(args, model_config, reference, input_ids, **VARIANTS[name])
         grads[name] = row.pop("grads", None)
-        baseline = "ckpt/compiled" if name.startswith("ckpt/") else "compiled"
+        variant = VARIANTS[name]
+        baseline = ("ckpt/" if variant.get("ckpt") else "") + ("compiled" if variant["compiled"] else "eager")
         if name != baseline and grads.get(baseline) and grads[name]:
-            row["bitwise_vs_" + baseline] = {
+            row["bitwise_vs"] = {
+                "baseline": baseline,
                 "loss": row["loss"] == results["variants"][baseline]["loss"],
                 "grads": all(torch.equal(grads[name][key], grads[baseline][key]) for key in grads[baseline]),
             }
