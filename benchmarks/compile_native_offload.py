@@ -147,6 +147,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=4096, help="sequence length")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--nondeterministic", action="store_true",
+                    help="leave torch's deterministic algorithms off (by default they are on, and cuBLAS gets a fixed "
+                         "workspace, so that a gradient that differs from its baseline's is not attention's atomic "
+                         "adds in backward)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: hidden 64, 2 layers, 64 tokens")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/compile-native-offload"))
     args = ap.parse_args()
@@ -157,6 +161,9 @@ def main() -> int:
     if args.tiny:
         args.hidden, args.layers, args.tokens = 64, 2, 64
     args.device = "cpu" if args.tiny else "cuda"
+    if not args.nondeterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, after this line
+        torch.use_deterministic_algorithms(True)
     from transformers import LlamaConfig
 
     heads = max(1, args.hidden // 128)
@@ -172,6 +179,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "torch": torch.__version__,
                                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                               "deterministic": not args.nondeterministic,
                                "shape": {"layers": args.layers, "hidden": args.hidden, "batch": args.batch,
                                          "tokens": args.tokens},
                                "variants": {}}  # fmt: skip
