@@ -49,6 +49,9 @@ from typing import Any
 
 import torch
 import torch._functorch.config as functorch_config
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # hf_offload from this checkout
 
 _ASYNC = {"activation_offload_separate_stream": True, "activation_offload_sink_wait": True,
           "activation_reload_prefetch": True}  # fmt: skip
@@ -93,8 +96,6 @@ class MarkLayerActivations:
 def run_variant(args: argparse.Namespace, model_config: Any, state: dict[str, torch.Tensor], input_ids: torch.Tensor,
                 compiled: bool, native: dict[str, bool] | None = None, hfo: bool = False,
                 ckpt: bool = False) -> dict[str, Any]:  # fmt: skip
-    from transformers import LlamaForCausalLM
-
     torch._dynamo.reset()
     model = LlamaForCausalLM(model_config).to(device=args.device, dtype=torch.bfloat16)
     model.load_state_dict(state)
@@ -103,7 +104,7 @@ def run_variant(args: argparse.Namespace, model_config: Any, state: dict[str, to
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     offloading = None
     if hfo:
-        from hf_offload import get_act_offloading_ctx_manager
+        from hf_offload import get_act_offloading_ctx_manager  # only where a variant offloads with it
 
         offloading = get_act_offloading_ctx_manager(model)
     mark = MarkLayerActivations(model_config.num_hidden_layers)
@@ -164,8 +165,6 @@ def main() -> int:
     if not args.nondeterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, after this line
         torch.use_deterministic_algorithms(True)
-    from transformers import LlamaConfig
-
     heads = max(1, args.hidden // 128)
     model_config = LlamaConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                                num_hidden_layers=args.layers, num_attention_heads=heads,
@@ -205,8 +204,6 @@ def main() -> int:
 
 def initial_weights(model_config: Any, device: str) -> dict[str, torch.Tensor]:
     """The weights every variant loads: one random initialisation from the seed."""
-    from transformers import LlamaForCausalLM
-
     model = LlamaForCausalLM(model_config).to(device=device, dtype=torch.bfloat16)
     return {key: value.clone() for key, value in model.state_dict().items()}
 
