@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # hf_offload from this checkout
@@ -162,6 +163,9 @@ def main() -> int:
     if args.tiny:
         args.hidden, args.layers, args.tokens = 64, 2, 64
     args.device = "cpu" if args.tiny else "cuda"
+    # Compile every variant afresh: a cached graph skips the joint-graph pass (nothing marked, nothing measured), and
+    # the cache key need not tell the passes of two variants apart.
+    inductor_config.force_disable_caches = True
     if not args.nondeterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, after this line
         torch.use_deterministic_algorithms(True)
