@@ -1011,7 +1011,7 @@ class ModeRun:
             found = attempt(longest)
             out.update(plan_code=found.code, predicted_peak_bytes=found.predicted.peak_bytes,
                        predicted_host_bytes=found.predicted.host_bytes, planner_step_s=found.predicted.step_s,
-                       predicted_step_s=step_s(longest), predicted_tokens_per_s=longest / step_s(longest),
+                       predicted_step_s=found.predicted.step_s, predicted_tokens_per_s=longest / found.predicted.step_s,
                        plan_table=found.format_table())  # fmt: skip
             if self.time_model is not None:
                 out["fit_step_s"] = self.time_model(longest)
@@ -1020,7 +1020,7 @@ class ModeRun:
         if self.time_model is not None:
             how.append(f"Cross-check (fit_step_s): {self.time_model.how}, through this mode's own profiled steps.")
         out["how"] = how
-        self._attempt, self._plan_step_s = attempt, step_s
+        self._attempt = attempt
         return out
 
     # ------------------------------------------------------------------ confirmation
@@ -1070,7 +1070,7 @@ class ModeRun:
             found = attempt(tokens) if attempt is not None else None
             if found is None or isinstance(found, ValueError):
                 return seconds, 0.0, None
-            return self._plan_step_s(tokens), pinning_seconds(found.predicted.host_bytes), found.predicted.peak_bytes
+            return found.predicted.step_s, pinning_seconds(found.predicted.host_bytes), found.predicted.peak_bytes
         if self.memory is None:
             return seconds, 0.0, None
         return seconds, pinning_seconds(self.memory.host_bytes(tokens)), int(self.memory.gpu_bytes(tokens))
