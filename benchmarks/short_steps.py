@@ -13,6 +13,7 @@ microsecond of Python in a hook is a microsecond of the step.
 Usage (GPU machine):
   python benchmarks/short_steps.py --scenario M36 --out $OUT
   python benchmarks/short_steps.py --scenario M36 --variants ckpt,ckpt+hfo,ckpt+hfo:use_streams=False
+  python benchmarks/short_steps.py --scenario M36 --regional --variants ckpt,ckpt+hfo
 A variant is `ckpt` (checkpointing alone), `none` (no checkpointing, no offloading), or `ckpt+hfo` / `hfo` with
 `:key=value` engine options after it (`ckpt+hfo:min_offload_size=1099511627776`: nothing eligible).
 """
@@ -39,6 +40,7 @@ from harness.model import build_model, make_input_ids, make_optimizer  # noqa: E
 from harness.offloaders import enable_checkpointing  # noqa: E402
 from harness.scenarios import SCENARIOS  # noqa: E402
 from harness.trace import busy_and_gaps, save_trace, stream_work  # noqa: E402
+from harness.worker import compile_model  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload.engine import OffloadActivations  # noqa: E402
@@ -122,6 +124,9 @@ def main() -> int:
         help="move every object alive after the model is built out of the garbage collector's reach (gc.freeze()), "
         "as training loops that manage the collector do: a full collection then scans only what the steps allocate",
     )
+    ap.add_argument("--regional", action="store_true",
+                    help="compile each decoder layer (regional compilation), as run.py's '/regional' modes do; every "
+                         "variant then runs on the compiled layers")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
@@ -129,7 +134,7 @@ def main() -> int:
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
     scenario = SCENARIOS[args.scenario]
-    model = build_model(scenario, args.seed, device)
+    model = compile_model(build_model(scenario, args.seed, device), "layers" if args.regional else None)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, _ = make_optimizer(params, [])
@@ -228,6 +233,7 @@ def main() -> int:
     quartile_baseline = lower_quartile([s["s"] for s in results[variants[0]]["steps"]])
     pipelined_baseline = statistics.median(results[variants[0]]["pipelined_s"])
     print(f"\n{args.scenario}: {scenario.describe()}; {args.rounds} rounds x {args.steps} steps, interleaved"
+          + (", decoder layers compiled" if args.regional else "")
           + (", gc.freeze()" if args.gc_freeze else ""))  # fmt: skip
     print(f"{'variant':52s} {'median ms':>9s} {'ratio':>6s} {'p25 ms':>7s} {'ratio':>6s} {'pipelined ms':>12s} "
           f"{'ratio':>6s} {'host ahead ms':>13s} {'hooks ms':>8s}")  # fmt: skip

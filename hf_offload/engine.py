@@ -284,8 +284,8 @@ class _Step:
         # Where the forward ended (the tail region or the first unpack): for each copy still in flight then,
         # (its position, a compute-stream marker, its completion event). Read at the next step, in GPU time.
         self.end_of_forward: list[tuple[int, Any, Any]] | None = None
-        # Gradient hooks made by `prefetch_hook` for this step: none when the modules that place them were compiled
-        # (a model layer's hooks are traced away), and unpacks then prefetch themselves.
+        # Gradient hooks made by `prefetch_hook` for this step. With none, unpacks prefetch themselves; with some,
+        # unpacks start only the reloads that no point started in time in an earlier step (`_unpack_reloads`).
         self.prefetch_points = 0
 
 
@@ -352,6 +352,13 @@ class OffloadActivations(saved_tensors_hooks):
         self._phase = _IDLE
         self._step = _Step()
         self._dedup: dict[int, tuple[weakref.ref, weakref.ref[_HostCopy]]] = {}  # storage ptr -> (storage, copy)
+        # Positions (the tail planner's numbering) of the copies whose reload no prefetch point started before its
+        # unpack needed it, in any step so far: unpacks start those reloads from then on. Where points take over
+        # from unpacks, some may never fire: the modules that place them were compiled (regional compilation traces
+        # the attention's hook away, while the head's, outside the layers, still fires), or a block has no
+        # attention (a hybrid model's state-space layers). Learned from the misses rather than guessed from the
+        # model, and kept for the run: a stale position costs one reload started a block early, at most.
+        self._unpack_reloads: set[int] = set()
         self._warned: set[str] = set()
         # pack runs on the forward's thread, unpack on autograd's device threads: one lock keeps the per-step
         # tables consistent if a user overlaps them.
@@ -893,6 +900,8 @@ class OffloadActivations(saved_tensors_hooks):
                 self._reload_now(copy, compute)
                 span = copy.reloaded
                 self._stats.reload("prefetch_misses")
+                if compute is not None and copy.step.prefetch_points and not self.prefetch_on_unpack:
+                    self._learn_unpack_reload(copy.position)
             if copy.prefetched:
                 copy.prefetched = False
                 lane.prefetched_bytes -= copy.nbytes
@@ -905,9 +914,20 @@ class OffloadActivations(saved_tensors_hooks):
                 copy.unpacks_left = copy.users  # a second backward (retain_graph) unpacks all of them again
             if self.prefetch_on_unpack or not copy.step.prefetch_points:
                 self._prefetch(copy.step)
+            elif self._unpack_reloads:
+                self._prefetch(copy.step, only=self._unpack_reloads)
             # as_strided's offset counts from the start of the storage: the source span starts at `copy.start`
             # of the original storage, a reloaded buffer at 0.
             return torch.as_strided(span, saved.size, saved.stride, span.storage_offset() + saved.offset)
+
+    def _learn_unpack_reload(self, position: int) -> None:
+        """A copy was needed before any prefetch point reloaded it: from the next step on, an unpack reloads it."""
+        if not self._unpack_reloads:
+            logger.info(
+                "hf_offload: a reload that the prefetch points should have started was missed (their modules "
+                "compiled, or a block without attention): unpacks start such reloads from the next step on"
+            )
+        self._unpack_reloads.add(position)
 
     def _begin_backward(self, step: _Step, prefetch: bool = True) -> None:
         """The first unpack or prefetch hook of a step: keep unfinished copies' originals, start prefetching."""
@@ -1013,9 +1033,10 @@ class OffloadActivations(saved_tensors_hooks):
             if drain:
                 self._drain_inflight(lane)
 
-    def _prefetch(self, step: _Step, window_bytes: int | None = None) -> None:
+    def _prefetch(self, step: _Step, window_bytes: int | None = None, only: set[int] | None = None) -> None:
         """Reloads the next copies backward will need (walking down `step.copies`), up to the prefetch window
-        (or `window_bytes`, if narrower).
+        (or `window_bytes`, if narrower); with `only`, stops at the first copy whose position is not in it (a
+        prefetch point will start that one).
 
         Without checkpointing, as many as the window holds: a reload cannot start before the compute stream
         reaches the point where it was issued (see `_reload`), so with a single copy ahead the H2D stream idles
@@ -1034,6 +1055,8 @@ class OffloadActivations(saved_tensors_hooks):
                 return
             if lane.prefetched_bytes and lane.prefetched_bytes + copy.nbytes > window:
                 return  # full; a copy larger than the window still goes alone
+            if only is not None and copy.position not in only:
+                return
             self._reload(copy, lane.compute_stream())
             copy.prefetched = True
             lane.prefetched_bytes += copy.nbytes
@@ -1062,8 +1085,10 @@ class OffloadActivations(saved_tensors_hooks):
         """Starts a prefetch on the H2D stream, into a buffer allocated on the compute stream."""
         lane = copy.lane
         buffer = torch.empty(copy.numel, dtype=copy.dtype, device=lane.device)  # on the compute stream
-        lane.h2d.wait_for(compute)  # the buffer's memory may still be in use by queued compute kernels
-        lane.h2d.stream.wait_event(copy.d2h_done)
+        # The buffer's memory may still be in use by queued compute kernels. This wait also orders the reload after
+        # the copy's D2H: a copy is prefetched only once its GPU original is released, which happens when its event
+        # was seen complete or once the compute stream waits for it (`_release_finished`, `_retire_oldest`).
+        lane.h2d.wait_for(compute)
         with lane.h2d.entered_from(compute):
             buffer.copy_(copy.host, non_blocking=True)
         copy.reload_done = self._device_module.Event(enable_timing=True)  # timed: it ends a stall (see `_wait`)
