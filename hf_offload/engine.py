@@ -200,6 +200,9 @@ class _Lane:
         self.inflight: deque[_HostCopy] = deque()  # forward copies whose GPU original is still held
         self.inflight_bytes = 0
         self.prefetched_bytes = 0  # reloaded ahead of need and not yet unpacked
+        # Of those, the copies saved by one block only: the one block input that checkpointing reloads ahead. A copy
+        # that several blocks saved (a mask or rotary table shared by every layer) stays reloaded for all of them, and
+        # is needed together with the first one's own input: it does not take that input's place.
         self.prefetched_copies = 0
         # The compute stream is read at every pack, unpack and prefetch, and `torch.cuda.current_stream` builds a new
         # Stream object each time (about 20 us in a step, on an H100 host): on CUDA its raw id is read instead, and
@@ -271,7 +274,7 @@ class _Step:
     """One forward pass's offloaded copies, in save order, and the backward's prefetch cursor over them."""
 
     __slots__ = ("copies", "cursor", "backward_started", "prefetch_window_bytes", "end_of_forward", "prefetch_points",
-                 "__weakref__")  # fmt: skip
+                 "by_position", "burst_node", "burst", "__weakref__")  # fmt: skip
 
     def __init__(self) -> None:
         # Backward unpacks in roughly the reverse order of the saves, and a storage saved several times (a layer
@@ -287,6 +290,11 @@ class _Step:
         # Gradient hooks made by `prefetch_hook` for this step. With none, unpacks prefetch themselves; with some,
         # unpacks start only the reloads that no point started in time in an earlier step (`_unpack_reloads`).
         self.prefetch_points = 0
+        self.by_position: dict[int, weakref.ref[_HostCopy]] | None = None  # made when a reload first needs it
+        # The autograd node whose saved tensors backward is unpacking (its sequence number), and the copies (position,
+        # users) unpacked for it so far: see `_note_burst`.
+        self.burst_node: int | None = None
+        self.burst: list[tuple[int, int]] = []
 
 
 class OffloadActivations(saved_tensors_hooks):
@@ -359,6 +367,10 @@ class OffloadActivations(saved_tensors_hooks):
         # attention (a hybrid model's state-space layers). Learned from the misses rather than guessed from the
         # model, and kept for the run: a stale position costs one reload started a block early, at most.
         self._unpack_reloads: set[int] = set()
+        # Position -> the positions of the copies that an earlier step unpacked for the same autograd node: backward
+        # needs them at the same moment (a checkpointed block's several inputs, a norm's input and statistics), so a
+        # reload of one starts the others, past the one-block-ahead rule of checkpointing (`_note_burst`).
+        self._burst_mates: dict[int, tuple[int, ...]] = {}
         self._warned: set[str] = set()
         # pack runs on the forward's thread, unpack on autograd's device threads: one lock keeps the per-step
         # tables consistent if a user overlaps them.
@@ -887,6 +899,8 @@ class OffloadActivations(saved_tensors_hooks):
             copy = saved.copy
             if not copy.step.backward_started:
                 self._begin_backward(copy.step)
+            if not self.prefetch_on_unpack:  # mates matter only one block ahead (see `_prefetch`)
+                self._note_burst(copy)
             lane = copy.lane
             compute = lane.compute_stream() if lane.h2d is not None else None
             if copy.source is not None:
@@ -905,7 +919,7 @@ class OffloadActivations(saved_tensors_hooks):
             if copy.prefetched:
                 copy.prefetched = False
                 lane.prefetched_bytes -= copy.nbytes
-                lane.prefetched_copies -= 1
+                lane.prefetched_copies -= copy.users == 1
             copy.unpacks_left -= 1
             if copy.unpacks_left <= 0:  # every saved tensor in this span has been handed to autograd
                 copy.consumed = True
@@ -919,6 +933,23 @@ class OffloadActivations(saved_tensors_hooks):
             # as_strided's offset counts from the start of the storage: the source span starts at `copy.start`
             # of the original storage, a reloaded buffer at 0.
             return torch.as_strided(span, saved.size, saved.stride, span.storage_offset() + saved.offset)
+
+    def _note_burst(self, copy: _HostCopy) -> None:
+        """Groups the copies unpacked for one autograd node (told by its sequence number): a later step's reload of
+        one of them starts the others too. A copy that several blocks saved (a mask shared by every layer) is a mate
+        of each block's input but has no mates of its own: reloaded once, it stays for all of them."""
+        step = copy.step
+        node = torch._C._current_autograd_node()
+        key = None if node is None else node._sequence_nr()
+        if key is None or key != step.burst_node:
+            step.burst_node, step.burst = key, [(copy.position, copy.users)]
+            return
+        if any(position == copy.position for position, _ in step.burst):
+            return
+        step.burst.append((copy.position, copy.users))
+        for position, users in step.burst:
+            if users == 1:
+                self._burst_mates[position] = tuple(mate for mate, _ in step.burst if mate != position)
 
     def _learn_unpack_reload(self, position: int) -> None:
         """A copy was needed before any prefetch point reloaded it: from the next step on, an unpack reloads it."""
@@ -1045,7 +1076,7 @@ class OffloadActivations(saved_tensors_hooks):
         window = step.prefetch_window_bytes if window_bytes is None else min(window_bytes, step.prefetch_window_bytes)
         while step.cursor >= 0:
             copy = step.copies[step.cursor]()
-            if copy is None or copy.source is not None or copy.reloaded is not None or copy.consumed:
+            if copy is None or not _reloadable(copy):
                 step.cursor -= 1
                 continue
             lane = copy.lane
@@ -1057,11 +1088,29 @@ class OffloadActivations(saved_tensors_hooks):
                 return  # full; a copy larger than the window still goes alone
             if only is not None and copy.position not in only:
                 return
-            self._reload(copy, lane.compute_stream())
-            copy.prefetched = True
-            lane.prefetched_bytes += copy.nbytes
-            lane.prefetched_copies += 1
+            self._start_prefetch(copy)
+            # One block ahead (checkpointing): the rest of the block comes too. A window reaches a node's copies in
+            # turn: they were saved one after another.
+            if not self.prefetch_on_unpack and copy.position in self._burst_mates:
+                self._start_mates(step, copy)
             step.cursor -= 1
+
+    def _start_mates(self, step: _Step, copy: _HostCopy) -> None:
+        """Starts the reloads of the copies an earlier step unpacked together with `copy` (`_note_burst`)."""
+        if step.by_position is None:
+            step.by_position = {c.position: ref for c, ref in ((ref(), ref) for ref in step.copies) if c is not None}
+        for position in self._burst_mates[copy.position]:
+            mate_ref = step.by_position.get(position)
+            mate = None if mate_ref is None else mate_ref()
+            if mate is not None and _reloadable(mate):
+                self._start_prefetch(mate)
+
+    def _start_prefetch(self, copy: _HostCopy) -> None:
+        """Starts a copy's reload ahead of need and counts it against the prefetch window."""
+        self._reload(copy, copy.lane.compute_stream())
+        copy.prefetched = True
+        copy.lane.prefetched_bytes += copy.nbytes
+        copy.lane.prefetched_copies += copy.users == 1
 
     def _reload_now(self, copy: _HostCopy, compute: Any) -> None:
         """Reloads a copy that is needed right now (a prefetch miss) on the compute stream itself: compute has to
@@ -1176,6 +1225,11 @@ class OffloadActivations(saved_tensors_hooks):
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message)
+
+
+def _reloadable(copy: _HostCopy) -> bool:
+    """Whether a copy can be reloaded ahead: its original has left the GPU, and it is neither back nor used up."""
+    return copy.source is None and copy.reloaded is None and not copy.consumed
 
 
 def _first_unfinished(end_of_forward: list[tuple[int, Any, Any]]) -> int | None:

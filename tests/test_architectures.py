@@ -16,7 +16,23 @@ import pytest
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-from _gpu_models import ARCHS, CKPT_MODES, MORE_ARCHS, Case, build_model, run_case  # noqa: E402
+from _gpu_models import (  # noqa: E402
+    ARCHS,
+    CKPT_MODES,
+    HYBRIDS,
+    MOES,
+    MORE_ARCHS,
+    VLMS,
+    Case,
+    assert_bitwise_equal,
+    build_model,
+    dispose,
+    make_batch,
+    make_ctx,
+    run_case,
+    run_steps,
+)
+from stand_in_streams import use_stand_in_streams  # noqa: E402
 
 from hf_offload.model import find_output_head  # noqa: E402
 
@@ -47,3 +63,25 @@ HEADS = {
 @pytest.mark.parametrize("arch", MORE_ARCHS)
 def test_tail_found(arch):
     assert [name for name, _ in find_output_head(build_model(arch, device="cpu"))] == HEADS[arch]
+
+
+@pytest.mark.parametrize("arch", ARCHS + MORE_ARCHS + VLMS + MOES + HYBRIDS)
+def test_from_the_second_step_every_reload_is_started_ahead(arch):
+    """With checkpointing, what backward unpacks is reloaded ahead of need: from the head's or an attention's
+    prefetch point; together with the copies an earlier step unpacked for the same autograd node (a block's several
+    inputs: T5's masks and position bias, BART's encoder states); and, where no point serves a copy (a block without
+    attention, the embeddings' tensors after the last block), from the unpack before it, once a step has missed it.
+    So from the second step on no reload waits on demand, on any family, and training stays exact. On stand-in
+    streams (the CPU has none: `stand_in_streams`)."""
+    size = dict(hidden=32, layers=2, vocab=128, seq=24)
+    batch = make_batch(arch, device="cpu", seq=size["seq"], vocab=size["vocab"])
+    reference = run_steps(build_model(arch, device="cpu", ckpt="nonreentrant", **size), batch, steps=3, device="cpu")
+    model = build_model(arch, device="cpu", ckpt="nonreentrant", **size)
+    context = use_stand_in_streams(make_ctx(model, device_type="cpu"))
+    try:
+        offloaded = run_steps(model, batch, steps=3, ctx=context, device="cpu")
+        last = context.get_stats()
+    finally:
+        dispose(context)
+    assert_bitwise_equal(reference, offloaded, arch)
+    assert last["tensors_offloaded"] > 0 and last["prefetch_hits"] > 0 and last["prefetch_misses"] == 0, last

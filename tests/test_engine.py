@@ -1,7 +1,7 @@
 """The engine's bookkeeping on CPU tensors (device_type="cpu" moves them to a separate host buffer).
 
 Every test drives real autograd through the real hooks; nothing is mocked, except the accelerator's streams and
-events where a test says so (`streamed_cpu_engine`): the CPU has none, and the engine's prefetch decisions live there.
+events where a test says so (`stand_in_streams`): the CPU has none, and the engine's prefetch decisions live there.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.utils.checkpoint as checkpoint
+from stand_in_streams import use_stand_in_streams
 
 from hf_offload import NoOpManager, OffloadActivations
 from hf_offload.engine import top_saved_tensors_pack_hook
@@ -103,62 +104,13 @@ def test_prefetch_order_lists_a_storage_again_at_its_last_save() -> None:
     y.sum().backward()
 
 
-class _DoneEvent:
-    """An accelerator event whose work is always done: the CPU runs each copy at once."""
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        pass
-
-    def record(self, stream: object = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, other: _DoneEvent) -> float:
-        return 0.0
-
-
-class _InOrderStream:
-    device_index = 0
-    stream_id = 0
-
-    def __init__(self, device: object = None) -> None:
-        pass
-
-    def wait_event(self, event: _DoneEvent) -> None:
-        pass
-
-
-_IMMEDIATE_ACCELERATOR = SimpleNamespace(
-    Stream=_InOrderStream, Event=_DoneEvent, current_stream=lambda index=None: _InOrderStream(),
-    set_stream=lambda stream: None, current_device=lambda: 0, set_device=lambda index: None,
-)  # fmt: skip
-
-
-def streamed_cpu_engine(**options) -> OffloadActivations:
-    """A CPU engine that takes the streamed path (side streams, prefetches, hits and misses), on streams and events
-    standing in for an accelerator's: the copies still run on the CPU, at once."""
-    from hf_offload.engine import _SideStream
-
-    engine = cpu_engine(**options)
-    engine._device_module = _IMMEDIATE_ACCELERATOR
-    lane = engine._lane(torch.device("cpu"))
-    lane.d2h = _SideStream(lane.device, _IMMEDIATE_ACCELERATOR)
-    lane.h2d = _SideStream(lane.device, _IMMEDIATE_ACCELERATOR)
-    return engine
-
-
 @pytest.mark.parametrize("points", ["every layer", "odd layers"])
 def test_reloads_that_no_prefetch_point_started_are_started_by_unpacks_from_the_next_step(points) -> None:
     """Where prefetch points take over from unpacks (checkpointing), a layer whose point never fires (compiled away,
     or no attention in it) would reload its input on demand at every step. The first such miss teaches the engine:
     from the next step on, the unpack before it starts that reload, and only that one; the others stay with their
     points (their place in the layer's backward keeps the reload off the recomputation's peak)."""
-    engine = streamed_cpu_engine(keep_tail=False)
+    engine = use_stand_in_streams(cpu_engine(keep_tail=False))
     engine.prefetch_on_unpack = False  # as the model's hooks set it under checkpointing
     probes = [torch.randn(64) for _ in range(6)]
     pointed = [i for i in range(len(probes)) if points == "every layer" or i % 2]

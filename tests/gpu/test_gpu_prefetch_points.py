@@ -1,10 +1,25 @@
 """With checkpointing, reloads start from the middle of each block's backward (the attention's gradient), not from
-the block's first unpack: the next block's input is then allocated after the recomputed activations' peak."""
+the block's first unpack: the next block's input is then allocated after the recomputed activations' peak. And on
+every family, from the second step on, no reload waits on demand (the CPU suite checks the same on stand-in
+streams: `tests/test_architectures.py`)."""
 
 from __future__ import annotations
 
 import pytest
-from _gpu_models import build_model, dispose, make_batch, make_ctx, peak_step_memory
+from _gpu_models import (
+    ARCHS,
+    HYBRIDS,
+    MOES,
+    MORE_ARCHS,
+    VLMS,
+    assert_bitwise_equal,
+    build_model,
+    dispose,
+    make_batch,
+    make_ctx,
+    peak_step_memory,
+    run_steps,
+)
 
 import hf_offload.context as hf_context
 
@@ -51,3 +66,20 @@ def test_checkpointed_reload_is_not_on_top_of_the_block_peak(ckpt, device, recor
     assert stats["tensors_offloaded"] >= SIZE["layers"] - 1
     assert stats["prefetch_misses"] == 0, stats  # every reload was started ahead of its use
     assert points["peak_bytes"] <= on_unpack["peak_bytes"] - 0.9 * layer_input_bytes, (points, on_unpack)
+
+
+@pytest.mark.parametrize("arch", ARCHS + MORE_ARCHS + VLMS + MOES + HYBRIDS)
+def test_from_the_second_step_every_reload_is_started_ahead(arch, device, record):
+    size = dict(hidden=256, layers=2, vocab=1000, seq=256)  # Qwen3-Next's layer types come in pairs
+    batch = make_batch(arch, device=device, seq=size["seq"], vocab=size["vocab"])
+    reference = run_steps(build_model(arch, device=device, ckpt="nonreentrant", **size), batch, steps=3, device=device)
+    model = build_model(arch, device=device, ckpt="nonreentrant", **size)
+    ctx = make_ctx(model)
+    try:
+        offloaded = run_steps(model, batch, steps=3, ctx=ctx, device=device)
+        last = ctx.get_stats()
+    finally:
+        dispose(ctx)
+    record("", {k: last[k] for k in ("tensors_offloaded", "prefetch_hits", "prefetch_misses", "inflight_hits")})
+    assert_bitwise_equal(reference, offloaded, arch)
+    assert last["tensors_offloaded"] > 0 and last["prefetch_misses"] == 0, last
