@@ -24,13 +24,9 @@ from _gpu_models import (  # noqa: E402
     MORE_ARCHS,
     VLMS,
     Case,
-    assert_bitwise_equal,
     build_model,
-    dispose,
-    make_batch,
-    make_ctx,
     run_case,
-    run_steps,
+    run_reload_case,
 )
 from stand_in_streams import use_stand_in_streams  # noqa: E402
 
@@ -42,6 +38,9 @@ transformers.logging.set_verbosity_error()
 # matters less here than on a GPU, where bf16 and fp32 take different kernels; the GPU suite runs both.
 CASES = [Case(arch=a, dtype="fp32", ckpt=c) for a, c in itertools.product(ARCHS + MORE_ARCHS, CKPT_MODES)]
 CASES += [Case(arch=a, lora=True, ckpt="nonreentrant") for a in ARCHS + MORE_ARCHS]
+SMALL = dict(
+    hidden=32, layers=2, vocab=128, seq=24
+)  # the reload cases: every family, two layers (Qwen3-Next pairs them)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -73,15 +72,4 @@ def test_from_the_second_step_every_reload_is_started_ahead(arch):
     attention, the embeddings' tensors after the last block), from the unpack before it, once a step has missed it.
     So from the second step on no reload waits on demand, on any family, and training stays exact. On stand-in
     streams (the CPU has none: `stand_in_streams`)."""
-    size = dict(hidden=32, layers=2, vocab=128, seq=24)
-    batch = make_batch(arch, device="cpu", seq=size["seq"], vocab=size["vocab"])
-    reference = run_steps(build_model(arch, device="cpu", ckpt="nonreentrant", **size), batch, steps=3, device="cpu")
-    model = build_model(arch, device="cpu", ckpt="nonreentrant", **size)
-    context = use_stand_in_streams(make_ctx(model, device_type="cpu"))
-    try:
-        offloaded = run_steps(model, batch, steps=3, ctx=context, device="cpu")
-        last = context.get_stats()
-    finally:
-        dispose(context)
-    assert_bitwise_equal(reference, offloaded, arch)
-    assert last["tensors_offloaded"] > 0 and last["prefetch_hits"] > 0 and last["prefetch_misses"] == 0, last
+    run_reload_case(arch, device="cpu", size=SMALL, prepare=use_stand_in_streams, device_type="cpu")

@@ -700,6 +700,25 @@ def run_case(case: Case, device="cuda", **ctx_overrides) -> dict:
     }
 
 
+def run_reload_case(arch: str, device="cuda", size: dict | None = None, prepare=lambda ctx: ctx, **ctx_options) -> dict:
+    """Three steps of `arch` with non-reentrant checkpointing, with and without offloading; asserts bitwise equality
+    and that the last step reloaded every copy ahead of need (no prefetch miss). `prepare` takes the context before its
+    first step (the CPU suite gives it stand-in streams). Returns the last step's statistics."""
+    size = size or {}
+    batch = make_batch(arch, device=device, **{k: size[k] for k in ("seq", "vocab") if k in size})
+    ref = run_steps(build_model(arch, device=device, ckpt="nonreentrant", **size), batch, steps=3, device=device)
+    model = build_model(arch, device=device, ckpt="nonreentrant", **size)
+    ctx = prepare(make_ctx(model, **ctx_options))
+    try:
+        got = run_steps(model, batch, steps=3, ctx=ctx, device=device)
+    finally:
+        dispose(ctx)
+    last = got.stats[-1]
+    assert_bitwise_equal(ref, got, arch)
+    assert last["tensors_offloaded"] > 0 and last["prefetch_hits"] > 0 and last["prefetch_misses"] == 0, last
+    return last
+
+
 def reference_is_reproducible(case: Case, device="cuda") -> bool:
     """True when two reference runs of ``case`` are bitwise equal (used to skip kernels that are
     nondeterministic on this device, e.g. some SDPA backward kernels)."""

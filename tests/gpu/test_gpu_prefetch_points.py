@@ -12,13 +12,12 @@ from _gpu_models import (
     MOES,
     MORE_ARCHS,
     VLMS,
-    assert_bitwise_equal,
     build_model,
     dispose,
     make_batch,
     make_ctx,
     peak_step_memory,
-    run_steps,
+    run_reload_case,
 )
 
 import hf_offload.context as hf_context
@@ -70,16 +69,6 @@ def test_checkpointed_reload_is_not_on_top_of_the_block_peak(ckpt, device, recor
 
 @pytest.mark.parametrize("arch", ARCHS + MORE_ARCHS + VLMS + MOES + HYBRIDS)
 def test_from_the_second_step_every_reload_is_started_ahead(arch, device, record):
-    size = dict(hidden=256, layers=2, vocab=1000, seq=256)  # Qwen3-Next's layer types come in pairs
-    batch = make_batch(arch, device=device, seq=size["seq"], vocab=size["vocab"])
-    reference = run_steps(build_model(arch, device=device, ckpt="nonreentrant", **size), batch, steps=3, device=device)
-    model = build_model(arch, device=device, ckpt="nonreentrant", **size)
-    ctx = make_ctx(model)
-    try:
-        offloaded = run_steps(model, batch, steps=3, ctx=ctx, device=device)
-        last = ctx.get_stats()
-    finally:
-        dispose(ctx)
+    # Two layers: Qwen3-Next's layer types come in pairs.
+    last = run_reload_case(arch, device=device, size=dict(hidden=256, layers=2, vocab=1000, seq=256))
     record("", {k: last[k] for k in ("tensors_offloaded", "prefetch_hits", "prefetch_misses", "inflight_hits")})
-    assert_bitwise_equal(reference, offloaded, arch)
-    assert last["tensors_offloaded"] > 0 and last["prefetch_misses"] == 0, last
