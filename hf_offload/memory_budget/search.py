@@ -80,11 +80,14 @@ def _next_option(
 
 
 def _greedy_plans(
-    profile: StepProfile, options: list[dict[str, LayerOption]], seconds: list[dict[str, float]]
+    profile: StepProfile,
+    options: list[dict[str, LayerOption]],
+    seconds: list[dict[str, float]],
+    planned: str = _PLANNED,
 ) -> list[list[str]]:
     """The greedy's sequence of plans from keeping everything, each one layer change further than the last.
 
-    Each layer's changes follow the lower convex hull of its (bytes held, seconds added) options among `_PLANNED`,
+    Each layer's changes follow the lower convex hull of its (bytes held, seconds added) options among `planned`,
     e.g. keep -> selective -> full; all layers' changes are merged by bytes freed per second added, earlier layers
     first on ties (they free memory for more of the step). A change that would overflow the host cap becomes the
     layer's best change that fits in what the host has left.
@@ -94,7 +97,7 @@ def _greedy_plans(
     changes = []  # (bytes freed per second added, layer, action code)
     for i in range(len(options)):
         current = "K"
-        while (target := _next_option(current, _PLANNED, held[i], seconds[i])) is not None:
+        while (target := _next_option(current, planned, held[i], seconds[i])) is not None:
             added = seconds[i][target] - seconds[i][current]
             freed = held[i][current] - held[i][target]
             changes.append((math.inf if added <= 0 else freed / added, i, target))
@@ -108,7 +111,7 @@ def _greedy_plans(
             continue  # a fallback for the host cap already went past it
         room = profile.host_cap_bytes - host_bytes + offloaded[i][current]
         if offloaded[i][target] > room:
-            fitting = [letter for letter in _PLANNED if offloaded[i][letter] <= room]
+            fitting = [letter for letter in planned if offloaded[i][letter] <= room]
             target = _next_option(current, fitting, held[i], seconds[i])
             if target is None:
                 continue
@@ -116,6 +119,41 @@ def _greedy_plans(
         letters[i] = target
         plans.append(letters.copy())
     return plans
+
+
+def _offload_prefix_limit(profile: StepProfile, options: list[dict[str, LayerOption]]) -> int:
+    """How many layers from the first the greedy's plans are also tried with offloaded whole (`O`): as many as the
+    later layers' forwards can hide the copies of, one more.
+
+    The greedy ranks a layer's actions as if the next layer's backward alone hid its reload (`_own_seconds`), which
+    prices `O` out on every layer. With the window the budget leaves after the head, a first layer's reload comes
+    back behind all the layers' backward, and its copy went out behind all their forwards: such a prefix can beat
+    checkpointing's recompute where the link is fast enough. `simulate_step` judges each such plan, copies queueing
+    and window included.
+    """
+    queued_s, later_forward_s = 0.0, sum(layer.forward_s for layer in profile.layers)
+    for i, layer in enumerate(profile.layers[:-1]):
+        later_forward_s -= layer.forward_s
+        queued_s += options[i]["O"].offloaded / profile.d2h_bytes_per_s
+        if queued_s > later_forward_s:
+            return i + 1
+    return max(0, len(profile.layers) - 1)
+
+
+def _fastest_offload_prefix(
+    plans: list[list[str]],
+    limit: int,
+    run_of: Callable[[Sequence[str]], SimulatedStep],
+    fits: Callable[[SimulatedStep], bool],
+) -> tuple[list[str], SimulatedStep] | None:
+    """The fastest first fitting plan among the greedy's `plans` with their first 1, 2, ... `limit` layers offloaded
+    whole (`O`). None if no such plan fits."""
+    best = None
+    for prefix in range(1, limit + 1):
+        found = _first_fitting([["O"] * prefix + letters[prefix:] for letters in plans], run_of, fits)
+        if found is not None and (best is None or found[1].step_s < best[1].step_s):
+            best = found
+    return best
 
 
 def _lowest_memory_code(profile: StepProfile, letters_of: str = "Cc") -> str:
@@ -252,10 +290,14 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
     changes that free the most bytes per second they add (see `_greedy_plans`); a binary search finds the first of
     its plans that fits. Polishing moves each layer, one at a time, to the cheapest action that still fits if that
     makes the step faster, which undoes changes the peak did not need (a change frees memory only for the points
-    of the step after its layer). Both the greedy's plan and the lowest-memory plan are polished, and the faster
-    wins: the result is never slower than the lowest-memory plan. Every candidate is judged by `simulate_step` with the
-    widest prefetch window that fits, so the plan never exceeds the budget. About 10 simulations per layer at most,
-    each linear in the layers. The selective offload (`X`) is not chosen (see `_PLANNED`).
+    of the step after its layer). The greedy ranks a layer's whole offload (`O`) as if its reload had one layer's
+    backward to hide behind, which prices it out; so its plans are also tried with the first layers offloaded whole
+    (as many as the forward can hide the copies of) and the rest kept in place (`_fastest_offload_prefix`), where
+    the prefetch window lets their reloads come back behind every later layer's backward. The greedy's plan, the
+    best such plan and the lowest-memory plan are polished, and the fastest wins: the result is never slower than
+    the lowest-memory plan. Every candidate is judged by `simulate_step` with the widest prefetch window that fits,
+    so the plan never exceeds the budget. About 15 simulations per layer at most, each linear in the layers. The
+    selective offload (`X`) is not chosen (see `_PLANNED`).
 
     Tiled MLPs (`T`, `t`) are not exact, so they are chosen only when no plan without them fits (and the profile
     measured them, see `tiling_available`): then every layer starts fully checkpointed with its MLP tiled, and
@@ -396,9 +438,14 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
         raise error
 
     others = [*exact_measured]
-    greedy = _first_fitting(_greedy_plans(profile, options, seconds), run_of, fits)
+    greedy_plans = _greedy_plans(profile, options, seconds)
+    greedy = _first_fitting(greedy_plans, run_of, fits)
     if greedy is not None:
         others.append(_polish(*greedy, seconds, run_of, fits))
+    in_place = _greedy_plans(profile, options, seconds, planned=_PLANNED.replace("O", ""))
+    offloaded_first = _fastest_offload_prefix(in_place, _offload_prefix_limit(profile, options), run_of, fits)
+    if offloaded_first is not None:
+        others.append(_polish(*offloaded_first, seconds, run_of, fits))
     # A plan the model fits that measured over the budget is no candidate; the polished lowest-memory plan stays
     # one whatever it measured, the last resort.
     return fastest([_polish(lowest, lowest_run, seconds, run_of, fits), *filter(admissible, others)])
