@@ -79,6 +79,7 @@ from .simulate import (
     Plan,
     chunk_sizes,
     simulate,
+    simulated_step,
     unavailable_tiling,
 )
 from .spec import MemoryBudget
@@ -148,7 +149,9 @@ class _Sample:
     the tail the engine kept in it; `profiled`: the second profiled step, which the model of the step is calibrated
     on (its `other_s`). `peak_exact`: the peak is this step's own (the counter rose to it in this step), not a bound
     left by an earlier one; `predicted_peak_bytes`: the model's prediction of the step as it ran (its window, no
-    correction), which an exact peak corrects (`_peak_correction`)."""
+    correction), which an exact peak corrects (`_peak_correction`); `head_base_bytes` and `head_reload_bytes`: its
+    head's point without reloads and the reloads counted on top (`SimulatedStep`), with which an exact peak bounds
+    what the head hides (`_head_reload_hidden`)."""
 
     tokens: int
     seconds: float
@@ -157,6 +160,8 @@ class _Sample:
     tail_bytes: int = 0  # what the engine's tail kept through the step's head
     peak_exact: bool = False
     predicted_peak_bytes: int | None = None
+    head_base_bytes: int | None = None
+    head_reload_bytes: int = 0
 
 
 class MemoryBudgetController:
@@ -383,11 +388,11 @@ class MemoryBudgetController:
         inputs = [layer.input_bytes for layer in self._profile_now(measured.step_tokens).layers]
         engine = self._engine()
         window = engine.prefetch_window_bytes if engine is not None else None
-        predicted = self._model_peak(
+        predicted = self._model_prediction(
             measured.step_tokens, self._code, default_prefetch_window_bytes(max(inputs)) if window is None else window
         )
         sample = _Sample(measured.step_tokens, measured.step_s, peak, profiled=True, tail_bytes=self._tail_kept(),
-                         peak_exact=peak is not None, predicted_peak_bytes=predicted)  # fmt: skip
+                         peak_exact=peak is not None, **predicted)  # fmt: skip
         self._samples.setdefault(self._code, []).append(sample)
 
     def _tail_kept(self) -> int:
@@ -425,10 +430,10 @@ class MemoryBudgetController:
             if peak is not None and peak > self._budget_bytes() and not exact:
                 peak = None
             window = (self.plan.prefetch_window_bytes or None) if self.plan is not None else None
-            predicted = self._model_peak(self._previous_step_tokens, self._code, window)
+            predicted = self._model_prediction(self._previous_step_tokens, self._code, window)
             self._samples.setdefault(self._code, []).append(_Sample(self._previous_step_tokens, seconds, peak,
                                                                     tail_bytes=self._tail_kept(), peak_exact=exact,
-                                                                    predicted_peak_bytes=predicted))  # fmt: skip
+                                                                    **predicted))  # fmt: skip
             if ended == self._applied_at + self._steps_to_measure():
                 if self.plan.trial:
                     self._end_trial()
@@ -664,7 +669,8 @@ class MemoryBudgetController:
         if measured.step_s is not None:  # the rest of the step: what the model of the safe step does not explain
             safe = simulate(profile, "C" * len(self._layers))
             profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
-        profile = dataclasses.replace(profile, peak_correction_bytes=self._peak_correction(tokens)[0])
+        profile = dataclasses.replace(profile, peak_correction_bytes=self._peak_correction(tokens)[0],
+                                      head_reload_hidden_bytes=self._head_reload_hidden(tokens))  # fmt: skip
         return profile if tokens == profile.tokens else profile.scaled(tokens)
 
     def _peak_correction(self, tokens: int) -> tuple[int, str]:
@@ -687,15 +693,39 @@ class MemoryBudgetController:
                         correction, code = grown, plan_code
         return correction, code
 
-    def _model_peak(self, tokens: int, code: str, window: int | None) -> int | None:
-        """The model's peak for plan `code` at `tokens`, with prefetch window `window`, without the correction;
-        None for a code the profile cannot run (a tiled MLP in a step of one chunk)."""
+    def _head_reload_hidden(self, tokens: int) -> int:
+        """What of the reloads the head starts its own peak hides, at least, in a step of `tokens`: the most that a
+        step's head point, as the model counts it, was above the step's exact peak (the head's memory was no higher),
+        up to the reloads it counted; shrunk in proportion for a shorter step, where the loss's temporaries that
+        leave the room are smaller, and not grown for a longer one (0 while no such peak was measured).
+
+        On S1 (H100, 16 layers, 16K tokens, a 128K vocabulary) plans whose first layers are offloaded whole
+        peaked 1.7-1.8 GiB below the model, which counts one such layer's reload (1.66 GiB) at the head: the
+        loss's fp32 temporaries are freed by the time the head's prefetch point fires."""
+        hidden = 0
+        for samples in self._samples.values():
+            for sample in samples:
+                if not (sample.peak_exact and sample.peak_bytes is not None and sample.head_base_bytes is not None):
+                    continue
+                above = sample.head_base_bytes + sample.head_reload_bytes - sample.peak_bytes
+                bound = min(max(0, above), sample.head_reload_bytes)
+                hidden = max(hidden, bound * min(tokens, sample.tokens) // sample.tokens)
+        return hidden
+
+    def _model_prediction(self, tokens: int, code: str, window: int | None) -> dict[str, int | None]:
+        """The model's prediction of plan `code` at `tokens`, with prefetch window `window`, as `_Sample`'s fields:
+        its peak and its head's point without reloads, both without the peak's correction, and the reloads the head
+        counts; only a None peak for a code the profile cannot run (a tiled MLP in a step of one chunk)."""
         profile = self._profile_now(tokens)
         try:
-            predicted = simulate(profile, code, window)
+            run = simulated_step(profile, code, window)
         except ValueError:
-            return None
-        return predicted.peak_bytes - profile.peak_correction_bytes
+            return {"predicted_peak_bytes": None}
+        return {
+            "predicted_peak_bytes": run.peak_bytes - profile.peak_correction_bytes,
+            "head_base_bytes": run.head_base_bytes - profile.peak_correction_bytes,
+            "head_reload_bytes": run.head_reload_bytes,
+        }
 
     def _tail_bound_bytes(self) -> int:
         """The most the engine's tail keeps through the head's peak: a forward window of the last offloaded bytes

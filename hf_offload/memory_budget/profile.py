@@ -177,6 +177,10 @@ class StepProfile:
         peak_correction_bytes: what every point of the step's memory is raised by: the most that a plan that ran
             peaked above the model's prediction of it (learned by the controller from the peaks it measured
             exactly), so that the plans that did not run are predicted no lower than the model has been wrong.
+        head_reload_hidden_bytes: how much of the reloads the head starts stays under the head's own peak: its
+            prefetch point fires at the logits' gradient, when the loss's temporaries are gone, so the head's point
+            of the model (which counts those reloads on top of `head_bytes`) is that much too high. Learned by the
+            controller from the peaks it measured exactly (at least what a plan that ran peaked below that point).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -205,6 +209,7 @@ class StepProfile:
     saved_offload_s: float = 0.0
     peak_correction_bytes: int = 0
     quadratic_backward_working_bytes: int = 0
+    head_reload_hidden_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -215,7 +220,7 @@ class StepProfile:
                      "layer_tiled_backward_working_bytes", "layer_tile_chunk_bytes", "tiled_backward_sequence_bytes",
                      "layer_tiled_backward_sequence_bytes", "late_gradient_bytes",
                      "optimizer_bytes", "tail_bytes", "peak_correction_bytes",
-                     "quadratic_backward_working_bytes"):  # fmt: skip
+                     "quadratic_backward_working_bytes", "head_reload_hidden_bytes"):  # fmt: skip
             check_bytes("StepProfile", name, getattr(self, name))
         if self.quadratic_backward_working_bytes > self.backward_working_bytes:
             raise ValueError(f"StepProfile.quadratic_backward_working_bytes is part of backward_working_bytes, so it "
@@ -237,7 +242,7 @@ class StepProfile:
         Activation bytes grow in proportion to the tokens (rounded up), their quadratic parts (eager attention's
         weights) with the square, static, gradient and optimizer bytes do not,
         nor does a tiled MLP's or layer's chunk (`tile_tokens`, `tile_chunk_bytes`, `layer_tile_tokens`,
-        `layer_tile_chunk_bytes`), the tail's bound or the peak's correction; times grow in proportion too, except the
+        `layer_tile_chunk_bytes`), the tail's bound or the peak's corrections; times grow in proportion too, except the
         attention parts, which grow with the square, and the host's time per offloading layer.
 
         Args:

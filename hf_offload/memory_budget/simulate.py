@@ -43,9 +43,11 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     widens it as far as the budget allows, which hides long reloads behind several layers' backward. While the
     head runs, the window stays at its narrowest: the loss's peak is then still close.
   * Head. Memory = static + what every layer holds + `head_bytes` + the reloads outstanding, counted as
-    min(narrowest window, every reload): the engine fills its window copy by copy, not layer by layer; + the
-    engine's tail, the last offloaded bytes it keeps on the GPU instead (at most `tail_bytes`, and with those
-    reloads at most every offloaded byte: a plan that offloads nothing has no tail).
+    min(narrowest window, every reload) less what of them the head's peak hides (`head_reload_hidden_bytes`,
+    learned: the reloads start at the logits' gradient, after the loss's temporaries): the engine fills its window
+    copy by copy, not layer by layer; + the engine's tail, the last offloaded bytes it keeps on the GPU instead (at
+    most `tail_bytes`, and with those reloads at most every offloaded byte: a plan that offloads nothing has no
+    tail).
   * Backward, layer i from the last to the first. Its backward starts when layer i+1's has ended and its reload
     has finished (the difference is a stall), and lasts `backward_s` + its recompute (full: `forward_s`,
     selective: `selective_recompute_s`, tiled MLP: `forward_s` + `tiled_extra_s`, tiled layer: `forward_s` +
@@ -101,6 +103,7 @@ __all__ = [
     "MeasuredStep",
     "Plan",
     "simulate",
+    "simulated_step",
 ]
 
 KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL = "keep", "offload", "selective", "selective_offload", "full"
@@ -228,6 +231,8 @@ class SimulatedStep(NamedTuple):
     forward_window_bytes: int
     prefetch_window_bytes: int
     stall_s: list[float]
+    head_base_bytes: int = 0  # the head's point without its reloads
+    head_reload_bytes: int = 0  # the reloads the head starts, before `StepProfile.head_reload_hidden_bytes`
 
 
 def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerOption]:
@@ -306,7 +311,8 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     # so that they never pile onto the loss's peak. The engine's tail keeps some of the last offloaded bytes instead:
     # those are not reloaded, and with the reloads they are at most every offloaded byte.
     tail = min(profile.tail_bytes, max(0, reloads_total - narrowest))
-    points = [(static + held_before + profile.head_bytes + tail, min(narrowest, reloads_total), "head", -1)]
+    head_base, head_reload = static + held_before + profile.head_bytes + tail, min(narrowest, reloads_total)
+    points = [(head_base, max(0, head_reload - profile.head_reload_hidden_bytes), "head", -1)]
     below = reloads_total
     gradients = gradients_at_backward(profile)
     for i in range(len(options) - 1, -1, -1):
@@ -378,6 +384,8 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         forward_window_bytes=forward_window,
         prefetch_window_bytes=window if reloads_total else 0,
         stall_s=stalls,
+        head_base_bytes=head_base,
+        head_reload_bytes=head_reload,
     )
 
 
@@ -433,11 +441,23 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
         >>> simulate(profile, "CCCC").peak_at
         'backward layer 3'
     """
+    options, run = _simulated(profile, code, prefetch_window_bytes)
+    return prediction_of(code, options, run)
+
+
+def simulated_step(profile: StepProfile, code: str, prefetch_window_bytes: int | None = None) -> SimulatedStep:
+    """`simulate`'s step-level results (`SimulatedStep`: the head's point and its reloads included), with the same
+    arguments and errors."""
+    return _simulated(profile, code, prefetch_window_bytes)[1]
+
+
+def _simulated(profile: StepProfile, code: str,
+               prefetch_window_bytes: int | None) -> tuple[list[LayerOption], SimulatedStep]:  # fmt: skip
     check_code(profile, code)
     if prefetch_window_bytes is not None:
         check_bytes("simulate", "prefetch_window_bytes", prefetch_window_bytes)
     options = [layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
-    return prediction_of(code, options, simulate_step(profile, options, window=prefetch_window_bytes))
+    return options, simulate_step(profile, options, window=prefetch_window_bytes)
 
 
 def chunk_sizes(profile: StepProfile, code: str) -> dict[str, int]:

@@ -703,6 +703,35 @@ def test_the_correction_grows_with_a_longer_step_and_not_with_a_shorter_one(monk
     assert context.memory_plan.tokens == 64
 
 
+def test_what_the_heads_peak_hides_of_its_reloads_is_learned_from_exact_peaks():
+    """On S1 (H100) plans with their first layers offloaded whole peaked 1.7-1.8 GiB below the model, whose head
+    counts one such layer's reload on top of the loss's peak: the head's prefetch point fires after the loss's
+    temporaries are gone. An exact peak below a step's head point bounds what the head hides, up to the reloads the
+    point counted; the most any step shows is learned, shrunk for shorter steps and not grown for longer ones. A
+    peak that is only a bound (not exact) teaches nothing."""
+    _, context = planned(budget_for_the_trial())
+    controller = context.budget_controller
+    tokens = controller.profile.tokens
+    assert controller._profile_now(tokens).head_reload_hidden_bytes == 0  # no step peaked below its head's point
+    reload_bytes, base = 1000, controller.profile.static_bytes
+
+    def measured(peak: int, exact: bool = True, at: int = tokens) -> None:
+        sample = controller_module._Sample(at, 0.1, peak, peak_exact=exact, predicted_peak_bytes=base + reload_bytes,
+                                           head_base_bytes=base, head_reload_bytes=reload_bytes)  # fmt: skip
+        controller._samples.setdefault("head test", []).append(sample)
+
+    measured(base + reload_bytes - 5000, exact=False)
+    assert controller._profile_now(tokens).head_reload_hidden_bytes == 0
+    measured(base + reload_bytes - 300)
+    assert controller._profile_now(tokens).head_reload_hidden_bytes == 300
+    measured(base + 10, at=2 * tokens)  # 990 hidden in a step twice as long: half of it in this one's
+    assert controller._profile_now(tokens).head_reload_hidden_bytes == 495
+    measured(base - 50)  # below the point without its reloads: the reloads hid whole, no more is known
+    assert controller._profile_now(tokens).head_reload_hidden_bytes == reload_bytes
+    assert controller._profile_now(2 * tokens).head_reload_hidden_bytes == reload_bytes  # not grown
+    assert controller._profile_now(tokens // 2).head_reload_hidden_bytes == reload_bytes // 2
+
+
 def test_what_offloading_costs_the_host_is_learned_and_the_plan_keeps_its_inputs(caplog):
     """Each layer whose input goes to the host costs the host time the model of the GPU does not see (40 ms a step
     on the zoo's 36-layer shape, 70 ms on its 26-layer one): here each such layer sleeps 20 ms in its forward. The

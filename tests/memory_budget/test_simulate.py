@@ -173,6 +173,19 @@ def test_the_engines_tail_is_held_through_the_head_only_where_something_is_offlo
     assert simulate(profile, "OK").peak_bytes == simulate(tiny_profile(backward_working_bytes=0), "OK").peak_bytes
 
 
+def test_what_the_head_hides_of_its_reloads_lowers_the_head_only_and_by_its_reloads_at_most():
+    # "OO": 200 offloaded, one layer's 100 reloaded at the head; the head's point 1000 + 500 + 100 is the peak.
+    profile = tiny_profile(head_bytes=500, backward_working_bytes=0)
+    base = step_model.simulated_step(profile, "OO")
+    assert (base.peak_phase, base.head_base_bytes, base.head_reload_bytes) == ("head", 1500, 100)
+    assert base.peak_bytes == 1500 + 100
+    hidden_40 = step_model.simulated_step(dataclasses.replace(profile, head_reload_hidden_bytes=40), "OO")
+    assert hidden_40.peak_bytes == 1500 + 60 and hidden_40.head_reload_bytes == 100  # counted before what hides
+    hidden_all = simulate(dataclasses.replace(profile, head_reload_hidden_bytes=10**6), "OO")
+    assert hidden_all.peak_bytes == 1500  # never below the head's point without its reloads
+    assert simulate(dataclasses.replace(profile, head_reload_hidden_bytes=40), "cc") == simulate(profile, "cc")
+
+
 def test_the_host_time_of_offloading_layers_is_added_to_the_step():
     layers = tiny_profile().layers * 2
     base = simulate(tiny_profile(layers=layers), "CcOK")
