@@ -15,7 +15,11 @@ nothing (`Kcstl` only: plain checkpointing, the closed loop's trial) is compute 
 model (`time_scale`); what a plan that offloads only inputs (`CSTL`, the profiled safe plan) ran beyond the scaled
 model is the host's time per layer that offloads its input (`input_offload_s`); what a plan with whole-layer or
 selective offloads (`OX`) ran beyond that is the time per such layer (`saved_offload_s`: the host's, and copies that
-the model thought hidden). The answer is a profile with those times (`StepProfile.input_offload_s`,
+the model thought hidden). Until such a plan ran, each tensor such a layer sends (`LayerProfile.saved_tensors`) is
+priced as one input was: on the zoo's 28-layer LoRA shape at 4K tokens, where the host paces the step, plans
+offloading 7-9 layers whole, dozens of tensors each, ran up to 1.6x the earlier run's plans without them at the same
+budgets; where the GPU paces it (S1, 16K tokens) an input costs the host nothing visible, and neither do those tensors.
+The answer is a profile with those times (`StepProfile.input_offload_s`,
 `saved_offload_s`), which `choose_plan` searches as any other. Pure Python, like the rest of the planning.
 """
 
@@ -135,5 +139,7 @@ def calibrate(profile: StepProfile, measured: Sequence[MeasuredStep]) -> tuple[S
     if saved:
         saved_s = max(saved_s, statistics.median(_residuals(calibrated, saved, _SAVED_SENT)))
         learned_from += [step.code for step in saved]
+    else:  # until one ran: each tensor such a layer sends costs the host what an input did
+        saved_s = max(saved_s, input_s * max(layer.saved_tensors for layer in profile.layers))
     calibrated = dataclasses.replace(calibrated, saved_offload_s=saved_s)
     return calibrated, Calibration(scale, input_s, saved_s, tuple(learned_from))

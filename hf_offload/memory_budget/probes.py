@@ -100,10 +100,12 @@ class Meter:
 
 
 class _CountSavedBytes(saved_tensors_hooks):
-    """Keeps saved tensors in place and counts the bytes of the distinct storages they occupy (parameters aside)."""
+    """Keeps saved tensors in place and counts the distinct storages they occupy (parameters aside), and their
+    bytes."""
 
     def __init__(self, parameter_pointers: set[int]) -> None:
         self.nbytes = 0
+        self.tensors = 0
         seen: set[int] = set()
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,7 @@ class _CountSavedBytes(saved_tensors_hooks):
             if storage.data_ptr() not in seen and storage.data_ptr() not in parameter_pointers:
                 seen.add(storage.data_ptr())
                 self.nbytes += storage.nbytes()
+                self.tensors += 1
             return tensor
 
         super().__init__(pack, lambda tensor: tensor)
@@ -170,6 +173,7 @@ class _Kept:
     """One decoder layer run without a checkpoint, forward and backward, as `_run_kept` measured it."""
 
     saved_bytes: int
+    saved_tensors: int
     selective_bytes: int
     forward_s: float
     backward_s: float
@@ -251,7 +255,7 @@ def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], po
         working = sum(grad.numel() * grad.element_size() for grad in grads)
     else:
         working = peak - before_backward
-    return _Kept(saved_bytes=counter.nbytes, selective_bytes=selective.nbytes,
+    return _Kept(saved_bytes=counter.nbytes, saved_tensors=counter.tensors, selective_bytes=selective.nbytes,
                  forward_s=meter.seconds(start, forward_end), backward_s=meter.seconds(backward_start, backward_end),
                  working_bytes=working,
                  forward_working_bytes=None if forward_peak is None else forward_peak - before_forward)  # fmt: skip
@@ -370,6 +374,7 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         parameter_gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
         quadratic_saved_bytes=quadratic["saved"],
         quadratic_selective_bytes=quadratic["selective"],
+        saved_tensors=kept.saved_tensors,
     )
     probe = LayerProbe(profile, kept.working_bytes, tokens, step_tokens, quadratic_working_bytes=quadratic["working"],
                        quadratic_error=quadratic_error)  # fmt: skip

@@ -63,6 +63,8 @@ class LayerProfile:
         quadratic_saved_bytes: the part of `saved_bytes` that grows with the square of the tokens: eager attention's
             weights (a probe at two lengths separates it); 0 for fused attention, whose saved tensors are per token.
         quadratic_selective_bytes: the same part of `selective_bytes`.
+        saved_tensors: how many distinct tensors (storages) the layer saves, what a whole-layer offload (`O`) sends
+            through the engine's hooks one by one; 0 where not counted.
     """
 
     saved_bytes: int
@@ -80,11 +82,12 @@ class LayerProfile:
     layer_tiled_extra_s: float = 0.0
     quadratic_saved_bytes: int = 0
     quadratic_selective_bytes: int = 0
+    saved_tensors: int = 0
 
     def __post_init__(self) -> None:
         for name in ("saved_bytes", "selective_bytes", "input_bytes", "parameter_gradient_bytes",
                      "tiled_saved_bytes", "layer_tiled_saved_bytes", "quadratic_saved_bytes",
-                     "quadratic_selective_bytes"):  # fmt: skip
+                     "quadratic_selective_bytes", "saved_tensors"):  # fmt: skip
             check_bytes("LayerProfile", name, getattr(self, name))
         for part, whole in (("quadratic_saved_bytes", "saved_bytes"), ("quadratic_selective_bytes", "selective_bytes")):
             if getattr(self, part) > getattr(self, whole):

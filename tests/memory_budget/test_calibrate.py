@@ -65,6 +65,24 @@ def test_whole_layer_offloads_that_ran_slower_than_the_model_cost_more_per_layer
     assert simulate(calibrated, code).step_s == pytest.approx(offloading.step_s)
 
 
+def test_until_a_whole_layer_offload_ran_each_tensor_it_sends_costs_what_an_input_did():
+    """The zoo's LoRA shape (H100, 28 layers, 4K tokens): plans starting with 7-9 whole-layer offloads, each layer
+    sending dozens of tensors through the engine's hooks, ran up to 1.6x the plans without them. Before any such plan
+    ran, the host's time per offloaded input, learned from the safe plan, is each tensor's; once one ran, its own
+    measurement rules."""
+    profile, measured = host_bound_profile()
+    counted = dataclasses.replace(profile, layers=[dataclasses.replace(layer, saved_tensors=20)
+                                                   for layer in profile.layers])  # fmt: skip
+    _, learned = calibrate(counted, measured)
+    assert learned.saved_offload_s == pytest.approx(20 * learned.input_offload_s)
+    assert calibrate(profile, measured)[1].saved_offload_s == 0.0  # not counted: nothing to go by
+    code = "O" * 4 + "K" * 12
+    calibrated, _ = calibrate(counted, measured)
+    ran = MeasuredStep(code, simulate(calibrated, code).step_s - 4 * 0.02)  # the host hid most of it
+    _, learned = calibrate(counted, [*measured, ran])
+    assert learned.saved_offload_s < 20 * learned.input_offload_s
+
+
 def test_with_what_it_learned_the_plan_keeps_inputs_rather_than_offloading_them():
     """The zoo's 36-layer shape at 65-75% of no offloading's peak: 'C' x 32 then 'K' x 4, 1.05-1.16x plain
     checkpointing, which fits those budgets. With the host's time per offloaded input learned, the plan keeps every

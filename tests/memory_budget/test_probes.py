@@ -98,6 +98,30 @@ def test_a_probe_keeps_the_fastest_of_its_runs_after_the_first():
     assert next(intervals, None) is None  # every interval read: one attention operator each way, two shorter runs
 
 
+def test_a_probe_counts_the_tensors_a_layer_saves():
+    """A whole-layer offload sends each tensor the layer saves through the engine's hooks (the host's cost of `O`,
+    `calibrate`): the probe counts the distinct storages, parameters aside, as a plain forward saves them."""
+    from hf_offload.memory_budget import probes
+
+    layer = build_model("llama", dtype="fp32", device="cpu", attn="sdpa", **SIZE).model.layers[0]
+    hidden = torch.randn(1, SEQ, SIZE["hidden"], requires_grad=True)
+    position = torch.arange(SEQ)[None]
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(layer.self_attn.config)
+    kwargs = {"position_embeddings": rotary(hidden, position)}
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in layer.parameters()}
+    storages = set()
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in parameters:
+            storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(hidden, **kwargs)
+    probe = probes.probe_layer(layer, (hidden.detach(),), kwargs, probes.Meter("cpu"))
+    assert probe.profile.saved_tensors == len(storages) > 5
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_a_probe_times_the_fused_attention_apart(attn):
     """Attention's time grows with the square of the tokens, the rest in proportion: the probe times sdpa's fused
