@@ -438,8 +438,7 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
         raise error
 
     others = [*exact_measured]
-    greedy_plans = _greedy_plans(profile, options, seconds)
-    greedy = _first_fitting(greedy_plans, run_of, fits)
+    greedy = _first_fitting(_greedy_plans(profile, options, seconds), run_of, fits)
     if greedy is not None:
         others.append(_polish(*greedy, seconds, run_of, fits))
     in_place = _greedy_plans(profile, options, seconds, planned=_PLANNED.replace("O", ""))
