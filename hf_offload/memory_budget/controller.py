@@ -51,7 +51,7 @@ import functools
 import logging
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -684,13 +684,11 @@ class MemoryBudgetController:
         QLoRA model peaked 87 MB above it at 16,384 tokens and, corrected by those 87 MB, 2.2 GB above it at 524,288
         (issue 23); never shrunk for a shorter step, where a miss that does not grow would then be under-counted."""
         correction, code = 0, ""
-        for plan_code, samples in self._samples.items():
-            for sample in samples:
-                if sample.peak_exact and sample.peak_bytes is not None and sample.predicted_peak_bytes is not None:
-                    excess = sample.peak_bytes - sample.predicted_peak_bytes
-                    grown = math.ceil(excess * max(1.0, tokens / sample.tokens)) if excess > 0 else 0
-                    if grown > correction:
-                        correction, code = grown, plan_code
+        for plan_code, sample in self._exact_predicted_samples():
+            excess = sample.peak_bytes - sample.predicted_peak_bytes
+            grown = math.ceil(excess * max(1.0, tokens / sample.tokens)) if excess > 0 else 0
+            if grown > correction:
+                correction, code = grown, plan_code
         return correction, code
 
     def _head_reload_hidden(self, tokens: int) -> int:
@@ -703,14 +701,19 @@ class MemoryBudgetController:
         peaked 1.7-1.8 GiB below the model, which counts one such layer's reload (1.66 GiB) at the head: the
         loss's fp32 temporaries are freed by the time the head's prefetch point fires."""
         hidden = 0
-        for samples in self._samples.values():
-            for sample in samples:
-                if not (sample.peak_exact and sample.peak_bytes is not None and sample.head_base_bytes is not None):
-                    continue
-                above = sample.head_base_bytes + sample.head_reload_bytes - sample.peak_bytes
-                bound = min(max(0, above), sample.head_reload_bytes)
-                hidden = max(hidden, bound * min(tokens, sample.tokens) // sample.tokens)
+        for _, sample in self._exact_predicted_samples():
+            above = sample.head_base_bytes + sample.head_reload_bytes - sample.peak_bytes
+            bound = min(max(0, above), sample.head_reload_bytes)
+            hidden = max(hidden, bound * min(tokens, sample.tokens) // sample.tokens)
         return hidden
+
+    def _exact_predicted_samples(self) -> Iterator[tuple[str, _Sample]]:
+        """(plan code, step) for each measured step whose peak is exact and whose plan the model could predict: what
+        the model's corrections of peaks learn from."""
+        for code, samples in self._samples.items():
+            for sample in samples:
+                if sample.peak_exact and sample.peak_bytes is not None and sample.predicted_peak_bytes is not None:
+                    yield code, sample
 
     def _model_prediction(self, tokens: int, code: str, window: int | None) -> dict[str, int | None]:
         """The model's prediction of plan `code` at `tokens`, with prefetch window `window`, as `_Sample`'s fields:

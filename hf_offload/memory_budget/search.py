@@ -137,7 +137,7 @@ def _offload_prefix_limit(profile: StepProfile, options: list[dict[str, LayerOpt
         queued_s += options[i]["O"].offloaded / profile.d2h_bytes_per_s
         if queued_s > later_forward_s:
             return i + 1
-    return max(0, len(profile.layers) - 1)
+    return len(profile.layers) - 1
 
 
 def _fastest_offload_prefix(
