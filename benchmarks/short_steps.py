@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the working tree's hf_offload first
 import torch  # noqa: E402
-from harness.model import build_model, make_input_ids, make_optimizer  # noqa: E402
+from harness.model import apply_liger, apply_lora, build_model, make_input_ids, make_optimizer  # noqa: E402
 from harness.offloaders import enable_checkpointing  # noqa: E402
 from harness.scenarios import SCENARIOS  # noqa: E402
 from harness.trace import busy_and_gaps, save_trace, stream_work  # noqa: E402
@@ -134,10 +134,17 @@ def main() -> int:
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
     scenario = SCENARIOS[args.scenario]
-    model = compile_model(build_model(scenario, args.seed, device), "layers" if args.regional else None)
+    # As run.py builds it: Liger patches the classes before the model exists; LoRA wraps it after.
+    notes: list[str] = []
+    if scenario.liger and not apply_liger(device, notes, scenario.family):
+        raise SystemExit(f"{args.scenario} runs with Liger, which is not installed here: {notes}")
+    model = build_model(scenario, args.seed, device)
+    if scenario.lora:
+        model = apply_lora(model)
+    model = compile_model(model, "layers" if args.regional else None)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, _ = make_optimizer(params, [])
+    optimizer, _ = make_optimizer(params, notes)
     input_ids = make_input_ids(scenario, args.seed, device)
     if args.gc_freeze:
         gc.collect()
