@@ -137,7 +137,7 @@ def main() -> int:
     # As run.py builds it: Liger patches the classes before the model exists; LoRA wraps it after.
     notes: list[str] = []
     if scenario.liger and not apply_liger(device, notes, scenario.family):
-        raise SystemExit(f"{args.scenario} runs with Liger, which is not installed here: {notes}")
+        raise SystemExit(f"{args.scenario} runs with Liger, which could not be applied here: {notes}")
     model = build_model(scenario, args.seed, device)
     if scenario.lora:
         model = apply_lora(model)
