@@ -419,17 +419,35 @@ STEP_S = {
 PEAK_MIB = {"none": 100, "ckpt": 60, "ckpt+hfo": 50}  # a plan's: its budget less 1 MiB
 
 
+class SweepClock:
+    """The zoo's clock (``time`` in benchmarks/zoo.py) in a test: it moves only when a mode runs, MODE_S each, so what
+    the child's time allows does not depend on how busy the machine running the tests is (on 2 busy cores the
+    sweep's own work took 5 s of a 7 s deadline)."""
+
+    MODE_S = 0.5
+    strftime = staticmethod(time.strftime)  # the log's clock stays the real one
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+
 class MadeUpWorker:
     """``harness.worker.run_mode_safely`` for the child's loop on CPU: each mode's result at once, its peaks and step
     times made up (the GPU's, scaled down), so that (a) is judged; records what it was asked to run."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: SweepClock | None = None) -> None:
         self.calls: list[tuple[str, int, int]] = []
         self.step_s = {mode: list(times) for mode, times in STEP_S.items()}
+        self.clock = clock
 
     def __call__(self, spec: dict) -> dict:
         mode, warmup, steps = spec["mode"], spec["warmup"], spec["steps"]
         self.calls.append((mode, warmup, steps))
+        if self.clock is not None:
+            self.clock.now += SweepClock.MODE_S
         res = {"scenario": spec["scenario"], "mode": mode, "status": "ok", "notes": [], "wall_s": 2.0}
         if mode == zoo.PROBE_MODE:  # the named minimum: ckpt+hfo's peak, 50% of none's
             return res | {"status": "infeasible", "error": "below the smallest", "minimum_bytes": 50 * MIB}
@@ -445,15 +463,16 @@ class MadeUpWorker:
         return res
 
 
-def _sweep(out: Path, seconds: float):
-    """The zoo's child for the shape tiny in ``out``, with ``seconds`` left (its own time estimates decide)."""
+def _sweep(out: Path, seconds: float, clock: SweepClock):
+    """The zoo's child for the shape tiny in ``out``, with ``seconds`` left on ``clock`` (its own time estimates
+    decide)."""
     spec = {
         "out": str(out), "device": "cpu", "seed": 1, "bw_bytes": 0, "simple_steps": [1, 2], "plan_steps": [3, 2],
         "grid_step": 20, "top": 95, "recheck_pairs": 2, "cpu_reference_bytes": 2_500_000, "date": "2026-01-01",
         "command": "python benchmarks/zoo.py", "shapes": ["tiny"], "deadline": 0.0,
     }  # fmt: skip
     sweep = zoo_script.Sweep(spec)
-    sweep.spec["deadline"] = time.time() + seconds
+    sweep.spec["deadline"] = clock.time() + seconds
     return sweep
 
 
@@ -466,11 +485,13 @@ def test_the_child_rechecks_within_its_time_and_goes_on_with_resume(tmp_path, mo
 
     monkeypatch.delenv("OUT", raising=False)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the child's setting, not this process's
-    worker = MadeUpWorker()
+    clock = SweepClock()
+    monkeypatch.setattr(zoo_script, "time", clock)
+    worker = MadeUpWorker(clock)
     monkeypatch.setattr(harness.worker, "run_mode_safely", worker)
     out = tmp_path / "zoo"
     out.mkdir()
-    sweep = _sweep(out, 7.0)
+    sweep = _sweep(out, 7.0, clock)
     sweep.run()
     sweep_order = ["none", "ckpt", "ckpt+hfo", zoo.PROBE_MODE, "plan@50", "plan@60", "plan@80"]
     assert [mode for mode, _, _ in worker.calls] == sweep_order
@@ -483,7 +504,7 @@ def test_the_child_rechecks_within_its_time_and_goes_on_with_resume(tmp_path, mo
     assert "| 1.231 | not re-checked (time) | **NO** |" in summary_md.read_text()
 
     worker.calls.clear()
-    _sweep(out, 600.0).run()
+    _sweep(out, 600.0, clock).run()
     assert worker.calls == [
         ("ckpt+hfo", 1, 2), ("plan@50", 3, 2), ("ckpt+hfo", 1, 2), ("plan@50", 3, 2),
         ("ckpt", 1, 2), ("plan@60", 3, 2), ("ckpt", 1, 2), ("plan@60", 3, 2),
