@@ -436,9 +436,10 @@ class SweepClock:
 
 class MadeUpWorker:
     """``harness.worker.run_mode_safely`` for the child's loop on CPU: each mode's result at once, its peaks and step
-    times made up (the GPU's, scaled down), so that (a) is judged; records what it was asked to run."""
+    times made up (the GPU's, scaled down), so that (a) is judged; records what it was asked to run, and moves
+    ``clock`` as a mode's run would."""
 
-    def __init__(self, clock: SweepClock | None = None) -> None:
+    def __init__(self, clock: SweepClock) -> None:
         self.calls: list[tuple[str, int, int]] = []
         self.step_s = {mode: list(times) for mode, times in STEP_S.items()}
         self.clock = clock
@@ -446,8 +447,7 @@ class MadeUpWorker:
     def __call__(self, spec: dict) -> dict:
         mode, warmup, steps = spec["mode"], spec["warmup"], spec["steps"]
         self.calls.append((mode, warmup, steps))
-        if self.clock is not None:
-            self.clock.now += SweepClock.MODE_S
+        self.clock.now += SweepClock.MODE_S
         res = {"scenario": spec["scenario"], "mode": mode, "status": "ok", "notes": [], "wall_s": 2.0}
         if mode == zoo.PROBE_MODE:  # the named minimum: ckpt+hfo's peak, 50% of none's
             return res | {"status": "infeasible", "error": "below the smallest", "minimum_bytes": 50 * MIB}
