@@ -231,8 +231,8 @@ class SimulatedStep(NamedTuple):
     forward_window_bytes: int
     prefetch_window_bytes: int
     stall_s: list[float]
-    head_base_bytes: int = 0  # the head's point without its reloads
-    head_reload_bytes: int = 0  # the reloads the head starts, before `StepProfile.head_reload_hidden_bytes`
+    head_base_bytes: int  # the head's point without its reloads
+    head_reload_bytes: int  # the reloads the head starts, before `StepProfile.head_reload_hidden_bytes`
 
 
 def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerOption]:
