@@ -12,14 +12,17 @@ budget, step times being the lower quartile of the timed steps (``harness/zoo.py
 sweep's logic and the checks.
 
 (a)'s re-check: after a shape's sweep, every budget that failed (a) runs again with the simple plan it was compared
-with, alternately (--recheck-pairs times ref, plan: ABAB for 2, with the sweep's steps), so that both sides see the
-same drift of the host (short steps' times drift with it by more than 2% within minutes); (a) is judged again on each
+with, alternately (--recheck-pairs times ref, plan: ABAB for 2, with the sweep's steps) on one model, built once for
+the budget's re-check (``harness.worker.SharedModel``: each run sets its own checkpointing and takes its offload
+context off when it ends), so that both sides see the same drift of the host (short steps' times drift with it by
+more than 2% within minutes, and a model built afresh per run put minutes between them); (a) is judged again on each
 side's pooled timed steps, and the report shows both ratios. Within --max-minutes: a budget the time leaves out keeps
 its first verdict, "not re-checked (time)".
 
 Speed: all modes of all shapes run one after the other in one child process (run.py's harness: ``harness.worker``
-builds each mode's model afresh from the same seed; between modes the model is freed, the allocator's cache emptied;
-each step's peak is reset and read, so ``max_memory_allocated`` is exact per step). A process start (~10-15 s) is
+builds each of the sweep's modes its model afresh from the same seed; between modes the model is freed, the
+allocator's cache emptied; each step's peak is reset and read, so ``max_memory_allocated`` is exact per step). A
+process start (~10-15 s) is
 paid once, not per mode. If the child dies (a crash, a CUDA error), the parent records the mode it was running and
 starts another child that goes on with the next mode. The parent stops the sweep at --max-minutes, cleanly.
 
@@ -49,7 +52,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `harness` sits next to this file
 from harness import GIB, REPO, child, zoo  # noqa: E402
@@ -57,6 +60,9 @@ from harness.modes import budget_share, parse_mode  # noqa: E402
 from harness.report import ReportFiles, Result, fmt, write_report  # noqa: E402
 from harness.runner import slug  # noqa: E402
 from harness.scenarios import SCENARIOS, ZOO_ALL, ZOO_CPU, ZOO_DEFAULT  # noqa: E402
+
+if TYPE_CHECKING:  # the parent process imports no torch
+    from harness.worker import SharedModel
 
 PROGRESS = "zoo-progress.json"  # in --out: the child's state (environment, stem, the mode it runs), for the parent
 LIVE_LOG = "zoo.log"  # in --out: every line of the run, as it comes; bundled as <stem>.log
@@ -459,11 +465,11 @@ class Sweep:
         s = self.spec
         meta["zoo_settings"]["recheck_pairs"] = s["recheck_pairs"]  # a --resume's decides what runs and is judged
 
-        def run_and_write(mode: str, recheck: dict[str, Any] | None = None) -> None:
-            """Runs a mode (a run of the sweep, or with ``recheck`` of a re-check), adds it to the shape, and writes
-            the shape's files, the summary and the bundle."""
+        def run_and_write(mode: str, recheck: dict[str, Any] | None = None, shared: Any = None) -> None:
+            """Runs a mode (a run of the sweep, or with ``recheck`` of a re-check, on its budget's ``shared`` model),
+            adds it to the shape, and writes the shape's files, the summary and the bundle."""
             self._save_progress(running={"shape": shape, "mode": mode, "started": time.time(), "recheck": recheck})
-            res = self.run_mode(shape, mode, reference)
+            res = self.run_mode(shape, mode, reference, shared)
             add_result(meta, results, rechecks, res, recheck)
             write_shape(files, meta, self.env, results, rechecks, final=False)
             self._save_progress(running=None)
@@ -481,15 +487,24 @@ class Sweep:
                 return False
             run_and_write(mode)
         # (a)'s re-checks come after the sweep, so that every budget has its first measurement before the time
-        # limit is spent on them.
+        # limit is spent on them. A budget's re-check runs on one model, built by its first run.
+        from harness.worker import SharedModel
+
+        shared: tuple[str, SharedModel] | None = None
         while (task := zoo.next_recheck(results, rechecks, s["recheck_pairs"])) is not None:
             # a whole ABAB or nothing: a part of one cannot be judged
             if not self._time_for(shape, f"re-check of {task.budget}", task.modes_left, results):
                 write_shape(files, meta, self.env, results, rechecks, final=False)
                 return False
             if task.run == 1:
-                log(f"{shape} {task.budget}: (a) failed: re-check {', '.join(task.modes_left)}")
-            run_and_write(task.modes_left[0], task.tag)
+                log(f"{shape} {task.budget}: (a) failed: re-check {', '.join(task.modes_left)} on one model")
+            if shared is None or shared[0] != task.budget:
+                shared = None  # the last budget's model goes before the next one is built
+                self._free_memory()
+                shared = (task.budget, SharedModel())
+            run_and_write(task.modes_left[0], task.tag, shared[1])
+        shared = None
+        self._free_memory()
         write_shape(files, meta, self.env, results, rechecks, final=True)
         self.progress["done_shapes"].append(shape)
         self._save_progress(running=None)
@@ -522,9 +537,7 @@ class Sweep:
         step_s = max(step_times) * (PLAN_SLOWDOWN if parse_mode(mode).planned else 1.0)
         return max(overheads, default=5.0) + (warmup + steps) * step_s
 
-    def run_mode(self, shape: str, mode: str, reference: int | None) -> Result:
-        import gc
-
+    def run_mode(self, shape: str, mode: str, reference: int | None, shared: SharedModel | None = None) -> Result:
         import torch
         from harness.worker import run_mode_safely
 
@@ -537,23 +550,34 @@ class Sweep:
         if os.environ.get(CRASH_ENV) == f"{shape}:{mode}":
             log(f"{shape} {mode}: dying, as {CRASH_ENV} asks")
             os._exit(3)
-        residual = None if self.cpu else torch.cuda.memory_allocated()
+        # what earlier modes left allocated (0 when freeing works), unless this one runs on their model
+        on_shared_model = shared is not None and shared.built is not None
+        residual = None if self.cpu or on_shared_model else torch.cuda.memory_allocated()
         log(f"{shape} {mode}: {warmup} + {steps} steps" + (f", budget {zoo.size(budget['option'])}" if budget else ""))
         res = run_mode_safely({
             "scenario": shape, "mode": mode, "device": self.device, "seed": self.spec["seed"], "span": "step",
             "warmup": warmup, "steps": steps, "hfo_opts": self.hfo_opts, "memory_budget": budget,
             "deterministic": False, "result_path": "", "profile_path": None,
-        })  # fmt: skip
+        }, shared)  # fmt: skip
         if budget is not None:
             res["memory_budget"] = budget
         if residual is not None:
             res["allocated_at_start_bytes"] = residual  # what an earlier mode left: 0 when freeing works
             if residual > 64 * 2**20:
                 res["notes"].append(f"{residual / GIB:.2f} GiB still allocated from earlier modes when it started")
+        if shared is None:
+            self._free_memory()
+        return res
+
+    def _free_memory(self) -> None:
+        """Frees what the last mode (or re-check) built, and gives the allocator's cache back."""
+        import gc
+
+        import torch
+
         gc.collect()
         if not self.cpu:
             torch.cuda.empty_cache()
-        return res
 
     def _report(self, shape: str, res: Result, summary: dict[str, Any]) -> None:
         recheck = res.get("recheck")

@@ -441,12 +441,14 @@ class MadeUpWorker:
 
     def __init__(self, clock: SweepClock) -> None:
         self.calls: list[tuple[str, int, int]] = []
+        self.models: list[object] = []  # the shared model each run was given (None: a model of its own)
         self.step_s = {mode: list(times) for mode, times in STEP_S.items()}
         self.clock = clock
 
-    def __call__(self, spec: dict) -> dict:
+    def __call__(self, spec: dict, shared: object = None) -> dict:
         mode, warmup, steps = spec["mode"], spec["warmup"], spec["steps"]
         self.calls.append((mode, warmup, steps))
+        self.models.append(shared)
         self.clock.now += SweepClock.MODE_S
         res = {"scenario": spec["scenario"], "mode": mode, "status": "ok", "notes": [], "wall_s": 2.0}
         if mode == zoo.PROBE_MODE:  # the named minimum: ckpt+hfo's peak, 50% of none's
@@ -495,6 +497,7 @@ def test_the_child_rechecks_within_its_time_and_goes_on_with_resume(tmp_path, mo
     sweep.run()
     sweep_order = ["none", "ckpt", "ckpt+hfo", zoo.PROBE_MODE, "plan@50", "plan@60", "plan@80"]
     assert [mode for mode, _, _ in worker.calls] == sweep_order
+    assert worker.models == [None] * len(sweep_order)  # the sweep's runs build their own
     data = _shape_json(out, "tiny")
     assert data["rechecks"] == [] and not data["meta"]["zoo_complete"]
     rows = {row["mode"]: row for row in data["meta"]["zoo"]["rows"]}
@@ -504,11 +507,15 @@ def test_the_child_rechecks_within_its_time_and_goes_on_with_resume(tmp_path, mo
     assert "| 1.231 | not re-checked (time) | **NO** |" in summary_md.read_text()
 
     worker.calls.clear()
+    worker.models.clear()
     _sweep(out, 600.0, clock).run()
     assert worker.calls == [
         ("ckpt+hfo", 1, 2), ("plan@50", 3, 2), ("ckpt+hfo", 1, 2), ("plan@50", 3, 2),
         ("ckpt", 1, 2), ("plan@60", 3, 2), ("ckpt", 1, 2), ("plan@60", 3, 2),
     ]  # fmt: skip
+    # each budget's re-check runs on one model of its own, shared by its four runs
+    assert all(m is not None for m in worker.models) and len({id(m) for m in worker.models}) == 2
+    assert len({id(m) for m in worker.models[:4]}) == 1 and worker.models[0] is not worker.models[4]
     data = _shape_json(out, "tiny")
     assert [r["mode"] for r in data["results"]] == sweep_order == data["meta"]["modes"]  # one result a mode
     assert [(r["mode"], r["recheck"]["budget"], r["recheck"]["run"]) for r in data["rechecks"]][:2] == [
@@ -562,3 +569,45 @@ def test_recheck_pairs_option():
     assert zoo_script.parse_args(["--recheck-pairs", "0"]).recheck_pairs == 0
     with pytest.raises(SystemExit):
         zoo_script.parse_args(["--recheck-pairs", "-1"])
+
+
+def test_modes_on_a_shared_model_take_turns_on_one_build(tmp_path):
+    """A re-check's runs on one model (``harness.worker.SharedModel``), for real on CPU (the tiny shape, hf-offload's
+    test mode): the first run builds it, the others reuse it with their own checkpointing, and each run's offload
+    context (a memory plan's layer changes included) comes off the model when the run ends."""
+    from harness.worker import SharedModel, run_mode_safely
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def spec(mode: str, budget: int | None = None) -> dict:
+        memory_budget = {"option": budget, "percent": 80.0, "reference": "made up"} if budget else None
+        return {"scenario": "tiny", "mode": mode, "device": "cpu", "seed": 1, "span": "step", "warmup": 3,
+                "steps": 1, "hfo_opts": {"device_type": "cpu"}, "deterministic": False, "result_path": "",
+                "profile_path": None, "memory_budget": memory_budget}  # fmt: skip
+
+    shared = SharedModel()
+    first = run_mode_safely(spec("ckpt+hfo"), shared)
+    model = shared.built.model
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    forwards = [layer.forward for layer in layers]
+
+    def our_hooks() -> list:
+        hooks = [h for m in model.modules() for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
+        return [h for h in hooks if getattr(h, "__module__", type(h).__module__).startswith("hf_offload")]
+
+    assert first["status"] == "ok" and "shared_model" not in first and our_hooks() == []
+    plan = run_mode_safely(spec("plan@80", 2_000_000), shared)
+    assert plan["status"] == "ok" and plan["shared_model"] and plan["plan"]["code"]
+    assert shared.built.model is model and our_hooks() == [] and [layer.forward for layer in layers] == forwards
+    plain = run_mode_safely(spec("none"), shared)
+    assert plain["status"] == "ok" and plain["shared_model"]
+    assert not any(layer.gradient_checkpointing for layer in layers)
+    ckpt = run_mode_safely(spec("ckpt"), shared)
+    assert ckpt["status"] == "ok" and all(layer.gradient_checkpointing for layer in layers)
+    # every run reports what building the model told the first one
+    assert plain["liger"] == first["liger"] and plain["optimizer"] == first["optimizer"]
+    # the model trained on through the runs: each run's first step starts from the weights the last one left
+    assert len({r["loss1"] for r in (first, plan, plain, ckpt)}) == 4
+    compiled = run_mode_safely(spec("ckpt/regional"), shared)
+    assert compiled["status"] == "error" and "shared model" in compiled["error"]
+    other = run_mode_safely({**spec("ckpt"), "seed": 2}, shared)
+    assert other["status"] == "error" and "built for" in other["error"]

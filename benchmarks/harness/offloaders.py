@@ -77,6 +77,14 @@ def enable_checkpointing(model: torch.nn.Module, offload: bool, every: int = 1) 
     return call + f"; checkpointed layers {[i for i, layer in enumerate(layers) if layer.gradient_checkpointing]}"
 
 
+def disable_checkpointing(model: torch.nn.Module) -> None:
+    """Turns the model's checkpointing off again, through its own API (a model built once for several modes)."""
+    fn = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the older name's deprecation, as in `enable_checkpointing`
+        fn()
+
+
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers in model order: the modules that read their own ``gradient_checkpointing`` flag."""
     from transformers.modeling_layers import GradientCheckpointingLayer

@@ -13,17 +13,40 @@ import torch
 
 from .measure import make_train_step, time_steps
 from .model import apply_liger, apply_lora, build_model, liger_call, make_input_ids, make_optimizer
-from .modes import ModeSpec, parse_mode
-from .offloaders import SkipMode, enable_checkpointing, load_offloader, start_offload
+from .modes import Mode, ModeSpec, parse_mode
+from .offloaders import SkipMode, disable_checkpointing, enable_checkpointing, load_offloader, start_offload
 from .scenarios import SCENARIOS
 from .trace import trace_step
 
 
-def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
-    """Builds the scenario, sets the mode up, runs its steps; what it learns goes into ``res``. The order is kept
-    the same in every mode (seeding, building, checkpointing, LoRA, data), so that every mode trains the same
-    weights on the same data."""
-    scenario = SCENARIOS[spec["scenario"]]
+@dataclasses.dataclass
+class Built:
+    """A scenario's model and what its steps need, as `run_mode` builds them."""
+
+    model: torch.nn.Module  # LoRA applied, where the scenario has it
+    runs: torch.nn.Module  # what the steps call: the model, or its compiled wrapper
+    params: list[torch.nn.Parameter]  # the trainable ones
+    optimizer: torch.optim.Optimizer
+    input_ids: torch.Tensor
+    facts: dict[str, Any]  # what building it tells the report (Liger, attention, optimizer), for each mode run on it
+
+
+class SharedModel:
+    """One model for several modes that run one after another in this process (the zoo's re-check: a budget's plan and
+    the simple plan it is compared with, alternately). Built by the first mode, as `run_mode` builds it for that mode;
+    each later mode turns the model's checkpointing on or off, and takes its offload context off the model when it
+    ends. Both sides then run the same weights' storage, allocator and host, minutes apart at most, where a model
+    built afresh per run let the host drift by more than the 2% compared (`benchmarks/NOTES.md`, 11-25)."""
+
+    def __init__(self) -> None:
+        self.built: Built | None = None
+        self.key: tuple[str, int, str] | None = None  # (scenario, seed, device) it was built for
+
+
+def run_mode(spec: ModeSpec, res: dict[str, Any], shared: SharedModel | None = None) -> None:
+    """Builds the scenario (or takes ``shared``'s model), sets the mode up, runs its steps; what it learns goes into
+    ``res``. The order is kept the same in every mode (seeding, building, checkpointing, LoRA, data), so that every
+    mode trains the same weights on the same data."""
     mode = parse_mode(spec["mode"])
     device = torch.device(spec["device"])
     res["device"] = device.type
@@ -35,32 +58,32 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
     notes = res["notes"]
 
     factory = load_offloader(mode.offloader, device)
-    # before the model is built: it patches the classes
-    liger = scenario.liger and apply_liger(device, notes, scenario.family)
-    if liger:
-        res["liger_call"] = liger_call(scenario.family)
-    res["liger"] = liger
-
-    model = build_model(scenario, spec["seed"], device)
-    res["attn_implementation"] = model.config._attn_implementation
-    if mode.checkpointing:
-        res["ckpt_call"] = enable_checkpointing(model, offload=(mode.offloader == "native"), every=mode.ckpt_every)
-    if scenario.lora:
-        model = apply_lora(model)
-    model.train()
-    runs = compile_model(model, mode.compiled)  # what the steps call: the model, or its compiled wrapper
-    if mode.compiled:
-        res["compiled"] = mode.compiled
-    params = [p for p in model.parameters() if p.requires_grad]
+    key = (spec["scenario"], spec["seed"], spec["device"])
+    if shared is not None and (mode.compiled or mode.offloader not in ("none", "hfo")):
+        # compiled layers and transformers' offload flag are set before LoRA; TRL's hooks cannot be taken off again
+        raise ValueError(f"mode {spec['mode']!r} cannot run on a shared model: only uncompiled none and hfo modes can")
+    if shared is not None and shared.built is not None:
+        if shared.key != key:
+            raise ValueError(f"mode {spec['mode']!r} of {key} cannot run on the model built for {shared.key}")
+        built = shared.built
+        if mode.checkpointing:
+            res["ckpt_call"] = enable_checkpointing(built.model, offload=False, every=mode.ckpt_every)
+        else:
+            disable_checkpointing(built.model)
+        res["shared_model"] = True
+    else:
+        built = _build(spec, mode, device, res)
+        if shared is not None:
+            shared.built, shared.key = built, key
+    res.update(built.facts)
+    params = built.params
     res["trainable_params"] = sum(p.numel() for p in params)
-    res["total_params"] = sum(p.numel() for p in model.parameters())
-    optimizer, res["optimizer"] = make_optimizer(params, notes)
-    input_ids = make_input_ids(scenario, spec["seed"], device)
+    res["total_params"] = sum(p.numel() for p in built.model.parameters())
 
     hfo_opts = dict(spec.get("hfo_opts", {}))
     if mode.planned:
         hfo_opts["memory_budget"] = spec["memory_budget"]["option"]
-    offload = start_offload(mode.offloader, factory, runs, hfo_opts)
+    offload = start_offload(mode.offloader, factory, built.runs, hfo_opts)
     if mode.offloader == "hfo":
         res["hfo_active"] = bool(getattr(offload.context, "active", True))
         if not res["hfo_active"]:
@@ -72,13 +95,16 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
         )
     res["bytes_counted"] = offload.bytes_counted
 
-    train_step = make_train_step(runs, input_ids, params, optimizer, offload.context, spec["span"])
+    train_step = make_train_step(built.runs, built.input_ids, params, built.optimizer, offload.context, spec["span"])
     try:
         time_steps(train_step, offload, spec["warmup"], spec["steps"], device, res)
     except ValueError as e:
         if mode.planned and _raised_by_planner(e):
             raise Infeasible(str(e), getattr(e, "minimum_bytes", None)) from e
         raise
+    finally:
+        if shared is not None and offload.context is not None:
+            offload.context.remove_hooks()  # the next mode's model is as built: its hooks and layers restored
     if mode.planned and offload.context.memory_plan is not None:
         res["plan"] = _plan_summary(offload.context)
         print(res["plan"]["table"], flush=True)
@@ -92,6 +118,34 @@ def run_mode(spec: ModeSpec, res: dict[str, Any]) -> None:
     if spec.get("profile_path"):
         res["profile_streams"] = trace_step(train_step, device, spec["profile_path"])
         res["profile_path"] = spec["profile_path"]
+
+
+def _build(spec: ModeSpec, mode: Mode, device: torch.device, res: dict[str, Any]) -> Built:
+    """The scenario's model as ``mode`` runs it: Liger, the model from its config, checkpointing, LoRA, compilation,
+    the optimizer and the data, in that order."""
+    scenario = SCENARIOS[spec["scenario"]]
+    notes = res["notes"]
+    facts: dict[str, Any] = {}
+    # before the model is built: it patches the classes
+    liger = scenario.liger and apply_liger(device, notes, scenario.family)
+    if liger:
+        facts["liger_call"] = liger_call(scenario.family)
+    facts["liger"] = liger
+
+    model = build_model(scenario, spec["seed"], device)
+    facts["attn_implementation"] = model.config._attn_implementation
+    if mode.checkpointing:
+        res["ckpt_call"] = enable_checkpointing(model, offload=(mode.offloader == "native"), every=mode.ckpt_every)
+    if scenario.lora:
+        model = apply_lora(model)
+    model.train()
+    runs = compile_model(model, mode.compiled)
+    if mode.compiled:
+        res["compiled"] = mode.compiled
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, facts["optimizer"] = make_optimizer(params, notes)
+    input_ids = make_input_ids(scenario, spec["seed"], device)
+    return Built(model, runs, params, optimizer, input_ids, facts)
 
 
 def compile_model(model: torch.nn.Module, how: str | None) -> torch.nn.Module:
@@ -157,14 +211,14 @@ def _plan_summary(context: Any) -> dict[str, Any]:
     return summary
 
 
-def run_mode_safely(spec: ModeSpec) -> dict[str, Any]:
-    """Runs the mode; returns its result, whatever happened (status "ok", "OOM", "skipped", "infeasible" with the
-    smallest budget that works as ``minimum_bytes``, or "error"). ``benchmarks/zoo.py`` runs the modes of a shape
-    one after the other in one process through this."""
+def run_mode_safely(spec: ModeSpec, shared: SharedModel | None = None) -> dict[str, Any]:
+    """Runs the mode (on ``shared``'s model, if given); returns its result, whatever happened (status "ok", "OOM",
+    "skipped", "infeasible" with the smallest budget that works as ``minimum_bytes``, or "error").
+    ``benchmarks/zoo.py`` runs the modes of a shape one after the other in one process through this."""
     res: dict[str, Any] = {"scenario": spec["scenario"], "mode": spec["mode"], "status": "ok", "notes": []}
     t0 = time.time()
     try:
-        run_mode(spec, res)
+        run_mode(spec, res, shared)
     except torch.cuda.OutOfMemoryError as e:  # also torch.OutOfMemoryError, where torch has that name
         res["status"] = "OOM"
         res["error"] = str(e).splitlines()[0][:300]

@@ -18,9 +18,10 @@ Without a peak counter (CPU) (a) and (c) have nothing to compare with and (b) no
 Check (a)'s re-check: a mode's step time drifts with the host by more than the 2% that (a) allows between two runs
 minutes apart, so every budget that (a) fails is measured again after the shape's sweep, the standard way to confirm
 a measured regression: its reference (the simple plan that (a) compared it with) and its plan alternately, `ref,
-plan` ``pairs`` times (ABAB for 2), so that both sides see the same drift. Its (a) is then judged again on the lower
-quartile of each side's re-check steps, pooled over its runs; that is the budget's verdict, the first ratio stays
-in the report. A re-check is a measurement like the sweep's: the plan's re-check steps count for (b) too.
+plan` ``pairs`` times (ABAB for 2), on one model built for the re-check, so that both sides see the same drift. Its
+(a) is then judged again on the lower quartile of each side's re-check steps, pooled over its runs; that is the
+budget's verdict, the first ratio stays in the report. A re-check is a measurement like the sweep's: the plan's
+re-check steps count for (b) too.
 
 Every mode's result is run.py's (``harness.worker``), so the files are run.py's format: ``harness.report`` writes a
 shape's markdown and JSON, and ``pareto.py`` draws its chart.
