@@ -611,3 +611,22 @@ def test_modes_on_a_shared_model_take_turns_on_one_build(tmp_path):
     assert compiled["status"] == "error" and "shared model" in compiled["error"]
     other = run_mode_safely({**spec("ckpt"), "seed": 2}, shared)
     assert other["status"] == "error" and "built for" in other["error"]
+
+
+def test_the_gradient_fingerprint_sums_the_bits_of_every_gradient():
+    """``harness.measure.grad_fingerprint`` (summed on the host since it added 128 MiB to a device peak): the int64
+    sums of each gradient's raw bits, folded in parameter order; one flipped bit changes it."""
+    import torch
+    from harness.measure import grad_fingerprint
+
+    params = [torch.nn.Parameter(torch.randn(5, 7, dtype=dtype)) for dtype in (torch.bfloat16, torch.float32)]
+    params.append(torch.nn.Parameter(torch.randn(3)))  # no gradient: skipped, but counted in the order
+    for p in params[:2]:
+        p.grad = torch.randn_like(p)
+    expected = 0
+    for k, p in enumerate(params[:2]):
+        bits = p.grad.view({2: torch.int16, 4: torch.int32}[p.element_size()]).flatten().tolist()
+        expected = (expected * 1000003 + (k + 1) * sum(bits)) % (1 << 64)
+    assert grad_fingerprint(params) == f"{expected:016x}"
+    params[1].grad.view(torch.int32)[0, 0] ^= 1
+    assert grad_fingerprint(params) != f"{expected:016x}"

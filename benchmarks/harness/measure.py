@@ -235,7 +235,12 @@ def _summarise(per_step: list[dict[str, Any]], warmup: int, offloader: str, res:
 
 
 def grad_fingerprint(params: list[torch.nn.Parameter]) -> str:
-    """A cheap fingerprint of the gradient bits (int64 sums of the raw bit patterns, chunked to bound memory)."""
+    """A cheap fingerprint of the gradient bits (int64 sums of the raw bit patterns).
+
+    Summed on the host, a chunk at a time: the device holds nothing more than the step does, so the step's measured
+    peak stays its own. On the device, each chunk's int64 sum made a 128 MiB temporary, right when every gradient is
+    allocated: where the step's peak is that moment (a full fine-tune whose optimizer state already exists), step 1
+    peaked 125 MiB above the others, over a memory budget the library met (the zoo's gemma2-2b-2k, 11-25)."""
     acc = 0
     for k, p in enumerate(params):
         g = p.grad
@@ -246,7 +251,7 @@ def grad_fingerprint(params: list[torch.nn.Parameter]) -> str:
         flat = flat.view(idt)
         s = 0
         for chunk in flat.split(1 << 24):
-            s += int(chunk.sum(dtype=torch.int64).item())
+            s += int(chunk.cpu().sum(dtype=torch.int64))
         acc = (acc * 1000003 + (k + 1) * s) % (1 << 64)
     return f"{acc:016x}"
 
