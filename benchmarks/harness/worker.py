@@ -35,8 +35,9 @@ class SharedModel:
     """One model for several modes that run one after another in this process (the zoo's re-check: a budget's plan and
     the simple plan it is compared with, alternately). Built by the first mode, as `run_mode` builds it for that mode;
     each later mode turns the model's checkpointing on or off, and takes its offload context off the model when it
-    ends. Both sides then run the same weights' storage, allocator and host, minutes apart at most, where a model
-    built afresh per run let the host drift by more than the 2% compared (`benchmarks/NOTES.md`, 11-25)."""
+    ends. Both sides then run on one build, with no rebuild between them: what is left between them is the host's own
+    stalls, which on host-paced short steps still move a plan against itself by 5-13% (`benchmarks/NOTES.md`,
+    session 37)."""
 
     def __init__(self) -> None:
         self.built: Built | None = None
