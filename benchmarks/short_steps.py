@@ -36,11 +36,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the working tree's hf_offload first
 import torch  # noqa: E402
-from harness.model import apply_liger, apply_lora, build_model, make_input_ids, make_optimizer  # noqa: E402
-from harness.offloaders import enable_checkpointing  # noqa: E402
+from harness.modes import parse_mode  # noqa: E402
+from harness.offloaders import disable_checkpointing, enable_checkpointing  # noqa: E402
 from harness.scenarios import SCENARIOS  # noqa: E402
 from harness.trace import busy_and_gaps, save_trace, stream_work  # noqa: E402
-from harness.worker import compile_model  # noqa: E402
+from harness.worker import build_scenario  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload.engine import OffloadActivations  # noqa: E402
@@ -100,7 +100,7 @@ def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
     if on:
         enable_checkpointing(model, offload=False)
     else:
-        model.gradient_checkpointing_disable()
+        disable_checkpointing(model)
 
 
 def main() -> int:
@@ -134,18 +134,13 @@ def main() -> int:
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
     scenario = SCENARIOS[args.scenario]
-    # As run.py builds it: Liger patches the classes before the model exists; LoRA wraps it after.
+    # As run.py builds it (Liger before the model exists, LoRA after), checkpointing off: each variant sets its own.
+    built_as = parse_mode("none/regional" if args.regional else "none")
     notes: list[str] = []
-    if scenario.liger and not apply_liger(device, notes, scenario.family):
+    built = build_scenario(args.scenario, args.seed, built_as, device, {"notes": notes})
+    if scenario.liger and not built.facts["liger"]:
         raise SystemExit(f"{args.scenario} runs with Liger, which could not be applied here: {notes}")
-    model = build_model(scenario, args.seed, device)
-    if scenario.lora:
-        model = apply_lora(model)
-    model = compile_model(model, "layers" if args.regional else None)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, _ = make_optimizer(params, notes)
-    input_ids = make_input_ids(scenario, args.seed, device)
+    model, optimizer, input_ids = built.model, built.optimizer, built.input_ids
     if args.gc_freeze:
         gc.collect()
         gc.freeze()

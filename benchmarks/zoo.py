@@ -22,9 +22,9 @@ its first verdict, "not re-checked (time)".
 Speed: all modes of all shapes run one after the other in one child process (run.py's harness: ``harness.worker``
 builds each of the sweep's modes its model afresh from the same seed; between modes the model is freed, the
 allocator's cache emptied; each step's peak is reset and read, so ``max_memory_allocated`` is exact per step). A
-process start (~10-15 s) is
-paid once, not per mode. If the child dies (a crash, a CUDA error), the parent records the mode it was running and
-starts another child that goes on with the next mode. The parent stops the sweep at --max-minutes, cleanly.
+process start (~10-15 s) is paid once, not per mode. If the child dies (a crash, a CUDA error), the parent records the
+mode it was running and starts another child that goes on with the next mode. The parent stops the sweep at
+--max-minutes, cleanly.
 
 Outputs, in --out (default /tmp/hfo-zoo): per shape ``<date>-<device>-zoo-<shape>.json`` (run.py's format, rewritten
 after every mode; the zoo's checks in ``meta.zoo``), ``.md`` (run.py's report plus the checks) and ``-pareto.png``
@@ -465,7 +465,7 @@ class Sweep:
         s = self.spec
         meta["zoo_settings"]["recheck_pairs"] = s["recheck_pairs"]  # a --resume's decides what runs and is judged
 
-        def run_and_write(mode: str, recheck: dict[str, Any] | None = None, shared: Any = None) -> None:
+        def run_and_write(mode: str, recheck: dict[str, Any] | None = None, shared: SharedModel | None = None) -> None:
             """Runs a mode (a run of the sweep, or with ``recheck`` of a re-check, on its budget's ``shared`` model),
             adds it to the shape, and writes the shape's files, the summary and the bundle."""
             self._save_progress(running={"shape": shape, "mode": mode, "started": time.time(), "recheck": recheck})

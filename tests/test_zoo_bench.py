@@ -571,7 +571,7 @@ def test_recheck_pairs_option():
         zoo_script.parse_args(["--recheck-pairs", "-1"])
 
 
-def test_modes_on_a_shared_model_take_turns_on_one_build(tmp_path):
+def test_modes_on_a_shared_model_take_turns_on_one_build():
     """A re-check's runs on one model (``harness.worker.SharedModel``), for real on CPU (the tiny shape, hf-offload's
     test mode): the first run builds it, the others reuse it with their own checkpointing, and each run's offload
     context (a memory plan's layer changes included) comes off the model when the run ends."""

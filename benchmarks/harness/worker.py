@@ -73,7 +73,7 @@ def run_mode(spec: ModeSpec, res: dict[str, Any], shared: SharedModel | None = N
             disable_checkpointing(built.model)
         res["shared_model"] = True
     else:
-        built = _build(spec, mode, device, res)
+        built = build_scenario(spec["scenario"], spec["seed"], mode, device, res)
         if shared is not None:
             shared.built, shared.key = built, key
     res.update(built.facts)
@@ -121,10 +121,10 @@ def run_mode(spec: ModeSpec, res: dict[str, Any], shared: SharedModel | None = N
         res["profile_path"] = spec["profile_path"]
 
 
-def _build(spec: ModeSpec, mode: Mode, device: torch.device, res: dict[str, Any]) -> Built:
+def build_scenario(name: str, seed: int, mode: Mode, device: torch.device, res: dict[str, Any]) -> Built:
     """The scenario's model as ``mode`` runs it: Liger, the model from its config, checkpointing, LoRA, compilation,
-    the optimizer and the data, in that order."""
-    scenario = SCENARIOS[spec["scenario"]]
+    the optimizer and the data, in that order (what went wrong on the way goes to ``res["notes"]``)."""
+    scenario = SCENARIOS[name]
     notes = res["notes"]
     facts: dict[str, Any] = {}
     # before the model is built: it patches the classes
@@ -133,7 +133,7 @@ def _build(spec: ModeSpec, mode: Mode, device: torch.device, res: dict[str, Any]
         facts["liger_call"] = liger_call(scenario.family)
     facts["liger"] = liger
 
-    model = build_model(scenario, spec["seed"], device)
+    model = build_model(scenario, seed, device)
     facts["attn_implementation"] = model.config._attn_implementation
     if mode.checkpointing:
         res["ckpt_call"] = enable_checkpointing(model, offload=(mode.offloader == "native"), every=mode.ckpt_every)
@@ -145,7 +145,7 @@ def _build(spec: ModeSpec, mode: Mode, device: torch.device, res: dict[str, Any]
         res["compiled"] = mode.compiled
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, facts["optimizer"] = make_optimizer(params, notes)
-    input_ids = make_input_ids(scenario, spec["seed"], device)
+    input_ids = make_input_ids(scenario, seed, device)
     return Built(model, runs, params, optimizer, input_ids, facts)
 
 
