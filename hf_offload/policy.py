@@ -14,7 +14,7 @@ try:  # DTensor parameters (FSDP2, tensor parallel) keep their local shard in `_
 except ImportError:  # torch built without distributed
     DTensor = None
 
-__all__ = ["kept_reason", "storage_span", "parameter_storages", "TailPlanner"]
+__all__ = ["kept_reason", "is_parameter_or_view", "storage_span", "parameter_storages", "TailPlanner"]
 
 
 def storage_span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -47,6 +47,20 @@ def parameter_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
     return pointers
 
 
+def is_parameter_or_view(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a parameter, or a view of one (`weight.t()` saved by a linear layer), wherever its storage
+    is now: FSDP2 and DeepSpeed ZeRO-3 gather a layer's parameters into new storage as the layer runs, after any
+    pointers were read.
+
+    The checks run cheapest first: `isinstance(x, Parameter)` goes through Parameter's Python metaclass, and a short
+    step makes this call for every saved tensor (see `benchmarks/hook_cost.py`). A plain `torch.Tensor` is never a
+    Parameter.
+    """
+    if (base := tensor._base) is not None and isinstance(base, torch.nn.Parameter):
+        return True
+    return type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter)
+
+
 def kept_reason(
     tensor: torch.Tensor,
     *,
@@ -60,15 +74,10 @@ def kept_reason(
     The reasons are the keys of `hf_offload.stats.KEPT_REASONS`; deduplication, the tail and the host cap are
     decided later by the engine, because they depend on the rest of the step.
     """
-    # A parameter, or a view of one (`weight.t()` saved by a linear layer): FSDP2 gathers each layer's parameters
-    # into new storage in that layer's pre-forward hook, after the step's pointers were read. The checks run
-    # cheapest first: `isinstance(x, Parameter)` goes through Parameter's Python metaclass, and a short step makes
-    # this call for every saved tensor (see `benchmarks/hook_cost.py`). A plain `torch.Tensor` is never a Parameter.
-    view_of_parameter = (base := tensor._base) is not None and isinstance(base, torch.nn.Parameter)
-    if type(tensor) is not torch.Tensor:
-        return "parameter" if view_of_parameter or isinstance(tensor, torch.nn.Parameter) else "unsupported_type"
-    if view_of_parameter:
+    if is_parameter_or_view(tensor):
         return "parameter"
+    if type(tensor) is not torch.Tensor:
+        return "unsupported_type"
     if tensor.layout is not torch.strided or tensor.is_quantized:
         return "unsupported_type"
     if tensor.device.type != device_type:

@@ -75,3 +75,45 @@ def train_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...],
     finally:
         torch.distributed.destroy_process_group()
         results.put((rank, outcome))
+
+
+def fsdp2_train_on_rank(rank: int, port: int, results, budget: int) -> None:
+    """One of two gloo ranks training the controller tests' tiny Llama sharded by FSDP2 (`fully_shard` on each decoder
+    layer and on the model, on the CPU) under `budget` in CPU test mode, and again without offloading.
+
+    Puts the plan code in force after each step, and whether the losses and gradients (this rank's shards) equal those
+    of the same steps without offloading, bitwise."""
+    from test_controller import Unchanged, tiny_llama, train  # transformers: imported by the ranks that train only
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_offload import get_act_offloading_ctx_manager
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+
+    def sharded():
+        model = tiny_llama()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [getattr(tensor, "_local_tensor", tensor) for tensor in tensors]
+
+    try:
+        baseline = local(train(sharded(), Unchanged(), steps=5, lengths=(64,)))
+        model = sharded()
+        # Tiling off: a tiled MLP or layer sums in another order, so only the other actions are bitwise comparable.
+        context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget, tile_mlp=False,
+                                                 tile_layer=False)  # fmt: skip
+        codes = []
+        trained = local(train(model, context, steps=5, lengths=(64,), after_step=lambda: codes.append(
+            None if context.memory_plan is None else context.memory_plan.code)))  # fmt: skip
+        exact = len(trained) == len(baseline) and all(torch.equal(a, b) for a, b in zip(trained, baseline))
+        outcome = (codes, exact)
+    except Exception as error:  # the parent asserts on it
+        outcome = ("error", repr(error))
+    finally:
+        torch.distributed.destroy_process_group()
+        results.put((rank, outcome))

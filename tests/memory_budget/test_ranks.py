@@ -5,7 +5,7 @@ their host caps, and the ranks re-planning together or not at all (one re-planni
 import multiprocessing
 import socket
 
-from ranks import plan_on_rank, train_on_rank
+from ranks import fsdp2_train_on_rank, plan_on_rank, train_on_rank
 from test_controller import LAYERS, planned_minimum
 
 from hf_offload.memory_budget.simulate import MeasuredStep
@@ -58,3 +58,20 @@ def test_ranks_with_steps_of_different_lengths_run_one_plan_made_for_the_longest
         assert tokens >= 2 * max(lengths[0][index], lengths[1][index])  # two sequences per step
         assert cap <= smaller_most
     assert [step[1] for step in steps[2:]] == [32, 64, 64, 64, 64, 64, 96, 96]
+
+
+def test_fsdp2_sharded_layers_are_probed_and_planned_on_both_ranks_and_stay_exact():
+    """FSDP2 gathers a layer's parameters in its forward pre-hook and frees them in its forward hook: the probes, which
+    run the layer from inside the step's call, once freed them under it (on the CPU with transformers 5.24: "got mixed
+    torch.Tensor and DTensor"; on two H200s with 5.17, whose probes run before the hooks on sharded parameters:
+    "Attempted to access the data pointer on an invalid python storage"). Both ranks now run one plan, which
+    checkpoints layers (this budget is about 1.5x the smallest plan's peak at 64 tokens), and their losses and gradient
+    shards are bitwise those of FSDP2 alone."""
+    outcomes = on_two_ranks(fsdp2_train_on_rank, int(planned_minimum() * 2.2))
+    for rank in (0, 1):
+        assert outcomes[rank][0] != "error", outcomes[rank]
+    (codes, exact), (other_codes, other_exact) = outcomes[0], outcomes[1]
+    assert exact and other_exact
+    assert codes == other_codes
+    assert codes[:2] == [None, None]  # the profiled steps
+    assert len(codes[-1]) == LAYERS and set(codes[-1]) & set("cC"), codes
