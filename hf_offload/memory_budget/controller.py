@@ -526,9 +526,11 @@ class MemoryBudgetController:
             )
             measured.probes.update({self._kinds[index]: NOT_CALLED for index in idle})
         pin_memory = engine is not None and engine.use_pin_memory
+        allocated = self._meter.allocated()
+        room = None if allocated is None else self._budget_bytes() - allocated
         with engine.set_aside() if engine is not None else contextlib.nullcontext():
             measured.d2h_bytes_per_s, measured.h2d_bytes_per_s = measure_link_bandwidth(self._meter, measured.device,
-                                                                                         pin_memory)  # fmt: skip
+                                                                                         pin_memory, room)  # fmt: skip
         self._apply_safe_plan(measured.step_tokens)
 
     def _take_call_order(self) -> None:

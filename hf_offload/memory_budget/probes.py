@@ -68,7 +68,9 @@ _PROBE_RUNS = 3
 # tiled peaked at 144 KB per token from 16K tokens on, where the two chunked runs at 8K, which saw only the chunk
 # phase, gave 120 KB per token and a constant; its 512K step ran out of memory).
 SEQUENCE_PHASE_CHUNKS = 64
+# The link probe times 64 MiB each way, in copies of a buffer from 1 MiB to 64 MiB (`link_probe_bytes`).
 _BANDWIDTH_PROBE_BYTES = 64 * 2**20
+_BANDWIDTH_PROBE_MIN_BYTES = 2**20
 # The names transformers has given a layer's cache argument (5.24 renamed `past_key_values` to `cache`); a value
 # that is a transformers `Cache` is dropped under any name.
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
@@ -499,28 +501,47 @@ def layer_kind(layer: nn.Module) -> tuple:
     return type(layer), shapes, getattr(layer, "attention_type", None)
 
 
-def measure_link_bandwidth(meter: Meter, device: torch.device, pin_memory: bool) -> tuple[float, float]:
+def measure_link_bandwidth(meter: Meter, device: torch.device, pin_memory: bool,
+                           room_bytes: int | None = None) -> tuple[float, float]:  # fmt: skip
     """Measure the bandwidth between the device and the host, each way.
 
-    Each direction is timed on one 64 MiB copy, after a warm-up copy of the same size.
+    Each direction is timed on 64 MiB of copies, after a warm-up copy. The probe runs inside the first profiled step,
+    whose peak must stay under the budget too: with `room_bytes` (what the budget leaves above the memory allocated
+    now) the device buffer takes at most half of it (the allocator rounds sizes up) and is copied as many times as
+    64 MiB needs, back to back on one stream, so the launch gaps between copies stay small. A 64 MiB buffer under
+    ZeRO-3's step, whose activations were a few tens of MiB over 2 GB of DeepSpeed's buffers, put the profiled
+    step 0.6% over the budget on two H200s.
 
     Args:
         meter: the clock: timing events on the engine's device, or the host clock in the CPU test mode.
         device: the device to copy from and to.
         pin_memory: whether the host buffer is pinned, as the engine's pool is.
+        room_bytes: the device bytes the probe may allocate; None (no memory counter): 64 MiB.
 
     Returns:
         `(device_to_host, host_to_device)`, in bytes per second.
     """
-    on_device = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, device=device)
-    host = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+    nbytes = link_probe_bytes(room_bytes)
+    copies = _BANDWIDTH_PROBE_BYTES // nbytes
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
     rates = []
     for destination, origin in ((host, on_device), (on_device, host)):
         destination.copy_(origin, non_blocking=True)
         start = meter.mark()
-        destination.copy_(origin, non_blocking=True)
-        rates.append(_BANDWIDTH_PROBE_BYTES / max(meter.seconds(start, meter.mark()), 1e-9))
+        for _ in range(copies):
+            destination.copy_(origin, non_blocking=True)
+        rates.append(copies * nbytes / max(meter.seconds(start, meter.mark()), 1e-9))
     return rates[0], rates[1]
+
+
+def link_probe_bytes(room_bytes: int | None) -> int:
+    """The size of the link probe's device buffer: half of `room_bytes`, from 1 MiB (smaller copies time their
+    launches more than the link) to 64 MiB, a power of two so that whole copies make up the 64 MiB timed."""
+    if room_bytes is None:
+        return _BANDWIDTH_PROBE_BYTES
+    fits = max(room_bytes // 2, _BANDWIDTH_PROBE_MIN_BYTES)
+    return min(_BANDWIDTH_PROBE_BYTES, 1 << (fits.bit_length() - 1))
 
 
 def is_cache(value: Any) -> bool:

@@ -15,7 +15,13 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from _gpu_models import build_model, make_batch, make_ctx  # noqa: E402
 
-from hf_offload.memory_budget.probes import first_tokens, is_cache  # noqa: E402
+from hf_offload.memory_budget.probes import (  # noqa: E402
+    Meter,
+    first_tokens,
+    is_cache,
+    link_probe_bytes,
+    measure_link_bandwidth,
+)
 
 transformers.logging.set_verbosity_error()
 
@@ -212,3 +218,30 @@ def test_a_probe_separates_the_bytes_that_grow_with_the_square_of_the_tokens(att
     doubled = profile.scaled(tokens, 2 * tokens)
     assert doubled.saved_bytes == 2 * profile.saved_bytes + 2 * profile.quadratic_saved_bytes
     assert probe.quadratic_working_bytes == 0  # on CPU: the gradients of the input and the weights, none quadratic
+
+
+def test_the_link_probe_takes_at_most_half_the_room_the_budget_leaves():
+    """The link is probed inside the first profiled step, whose peak must stay under the budget: its device buffer
+    takes at most half of the room above the memory allocated then (a power of two, from 1 MiB to 64 MiB)."""
+    mib = 2**20
+    assert link_probe_bytes(None) == 64 * mib  # no memory counter: no room known
+    assert link_probe_bytes(10**12) == 64 * mib
+    assert link_probe_bytes(128 * mib) == 64 * mib
+    assert link_probe_bytes(44 * mib) == 16 * mib  # ZeRO-3's room on two H200s: 22 MiB fits, 16 MiB is taken
+    assert link_probe_bytes(3 * mib) == mib
+    assert link_probe_bytes(0) == mib and link_probe_bytes(-5 * mib) == mib  # the floor: a copy that times the link
+
+
+def test_the_link_probe_copies_its_buffer_until_64_mib_each_way(monkeypatch):
+    """A smaller buffer is copied as many times as 64 MiB needs, so the rate is timed over as many bytes."""
+    copies = []
+    original = torch.Tensor.copy_
+
+    def counted(self, source, non_blocking=False):
+        copies.append(source.numel())
+        return original(self, source, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted)
+    to_host, to_device = measure_link_bandwidth(Meter("cpu"), torch.device("cpu"), False, room_bytes=8 * 2**20)
+    assert to_host > 0 and to_device > 0
+    assert copies == [4 * 2**20] * (2 * (1 + 16))  # each way: a warm-up, then 16 timed copies of 4 MiB
