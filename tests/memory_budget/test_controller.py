@@ -317,8 +317,9 @@ def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
     losses, steps = results[:4], len(results[:4])
     assert all(relative_difference(a, b) <= 1e-5 for a, b in zip(losses, baseline[:steps]))
     # The last step's gradients, after three AdamW steps whose normalised updates carry the earlier steps' rounding
-    # into the weights (measured: at most 4e-5 of a tensor's largest value).
-    assert all(relative_difference(a, b) <= 1e-4 for a, b in zip(results[steps:], baseline[steps:]))
+    # into the weights. Measured: at most 4e-5 of a tensor's largest value on the CPU this was written on, 1.7e-4 on
+    # an AMD EPYC (its kernels round otherwise); a tiling that was wrong would be off by the gradients' own scale.
+    assert all(relative_difference(a, b) <= 1e-3 for a, b in zip(results[steps:], baseline[steps:]))
     assert not all(torch.equal(a, b) for a, b in zip(results, baseline))  # summed chunk by chunk: not bitwise
     context.remove_hooks()
     assert tiled_whole(model) == [False] * LAYERS
