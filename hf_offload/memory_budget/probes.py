@@ -30,14 +30,13 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-try:  # FSDP2's `fully_shard` (torch >= 2.6) and the sharded parameters it registers between calls
+try:  # FSDP2's `fully_shard` (torch >= 2.6)
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 except ImportError:  # torch built without distributed
-    FSDPModule = DTensor = None
+    FSDPModule = None
 
 from ..model import first_tensor
-from ..policy import is_parameter_or_view, parameter_storages
+from ..policy import DTensor, is_parameter_or_view, parameter_storages
 from .layer_actions import checkpointing_as, saved_by_selective_checkpoint, selective_checkpoint_function
 from .profile import LayerProfile, in_proportion, in_square, with_square
 from .tiled_layer import layer_bytes_per_token
