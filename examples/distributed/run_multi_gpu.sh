@@ -262,9 +262,8 @@ check_plan() {
 }
 
 # ------------------------------------------------------------------------------------------------ the waves
-# Two waves: every run that needs no other run's result, then the budget runs, each after its baseline (its budget is
-# computed from the baseline's peak). Within a wave `launch` keeps PARALLEL launches going; the runs never verified on
-# GPUs before (the budget baselines, ZeRO-3) start first, so that a short BUDGET_S spends itself on them.
+# The two waves of the header. Within a wave `launch` keeps PARALLEL launches going; the runs never verified on GPUs
+# before (the budget baselines, ZeRO-3) start first, so that a short BUDGET_S spends itself on them.
 echo "==================== wave 1: baselines for the budget runs; ZeRO-3; DDP, FSDP2 and ZeRO-2 off/on"
 launch bddp_base ddp.yaml train_distributed.py --no-offload "${BIG[@]}"
 launch bddp_vbase ddp.yaml train_distributed.py --no-offload "${BIG[@]}" --varied-lengths
