@@ -81,8 +81,10 @@ def fsdp2_train_on_rank(rank: int, port: int, results, budget: int) -> None:
     """One of two gloo ranks training the controller tests' tiny Llama sharded by FSDP2 (`fully_shard` on each decoder
     layer and on the model, on the CPU) under `budget` in CPU test mode, and again without offloading.
 
-    Puts the plan code in force after each step, and whether the losses and gradients (this rank's shards) equal those
-    of the same steps without offloading, bitwise."""
+    Puts the plan code in force after each step, whether the losses and gradients (this rank's shards) equal those
+    of the same steps without offloading, bitwise, and what the plan's profile counted of the first layer's gathered
+    parameters, its gradients and the model's (the first layer's whole parameters, its local shards, the model's
+    local shards and its whole parameters)."""
     from test_controller import Unchanged, tiny_llama, train  # transformers: imported by the ranks that train only
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -111,7 +113,15 @@ def fsdp2_train_on_rank(rank: int, port: int, results, budget: int) -> None:
         trained = local(train(model, context, steps=5, lengths=(64,), after_step=lambda: codes.append(
             None if context.memory_plan is None else context.memory_plan.code)))  # fmt: skip
         exact = len(trained) == len(baseline) and all(torch.equal(a, b) for a, b in zip(trained, baseline))
-        outcome = (codes, exact)
+        # What the plan's profile counted of the first layer, against the layer's whole and local parameter bytes.
+        profile, first = context.budget_controller.profile, model.model.layers[0]
+        counted = (profile.layers[0].gathered_parameter_bytes, profile.layers[0].parameter_gradient_bytes,
+                   profile.gradient_bytes)  # fmt: skip
+        truth = (sum(p.numel() * p.element_size() for p in first.parameters()),
+                 sum(t.numel() * t.element_size() for t in local(list(first.parameters()))),
+                 sum(t.numel() * t.element_size() for t in local(list(model.parameters()))),
+                 sum(p.numel() * p.element_size() for p in model.parameters()))  # fmt: skip
+        outcome = (codes, exact, counted, truth)
     except Exception as error:  # the parent asserts on it
         outcome = ("error", repr(error))
     finally:

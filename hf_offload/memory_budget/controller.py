@@ -71,6 +71,7 @@ from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_band
 from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
 from .ranks import RankAgreement
 from .search import InfeasibleBudgetError, choose_plan, plan_of
+from .sharding import gradient_shard_nbytes, local_nbytes
 from .simulate import (
     ACTION_CODES,
     OFFLOAD,
@@ -629,11 +630,10 @@ class MemoryBudgetController:
         """Memory held through the step (what is allocated between steps), and the gradients backward will create
         (none exist in the forward unless a gradient accumulation step kept them, and then they are held)."""
         parameters = self._parameters()
-        pending_gradients = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad and p.grad is None)
+        pending_gradients = local_nbytes(p for p in parameters if p.requires_grad and p.grad is None)
         allocated = self._meter.allocated()
         if allocated is None:  # CPU test mode: count what must be held
-            allocated = sum(p.numel() * p.element_size() for p in parameters)
-            allocated += sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None)
+            allocated = local_nbytes(parameters) + local_nbytes(p.grad for p in parameters if p.grad is not None)
         return allocated, pending_gradients
 
     def _profile_now(self, tokens: int) -> StepProfile:
@@ -647,8 +647,13 @@ class MemoryBudgetController:
             head_bytes = measured.head_saved_bytes or 0
         static_bytes, gradient_bytes = self._static_bytes()
         working_bytes, quadratic_working_bytes = max(probe.working_at_step() for probe in probes)
+        layers = []
+        for index, probe in zip(self._order, probes):
+            layer = probe.profile.scaled(probe.tokens, probe.step_tokens)
+            shard = gradient_shard_nbytes(self._layers[index])
+            layers.append(layer if shard is None else dataclasses.replace(layer, parameter_gradient_bytes=shard))
         profile = StepProfile(
-            layers=tuple(probe.profile.scaled(probe.tokens, probe.step_tokens) for probe in probes),
+            layers=tuple(layers),
             static_bytes=static_bytes,
             gradient_bytes=gradient_bytes,
             head_bytes=max(head_bytes, 0),

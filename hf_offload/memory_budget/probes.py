@@ -17,11 +17,10 @@ auxiliary loss) do not see them.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,15 +29,11 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-try:  # FSDP2's `fully_shard` (torch >= 2.6)
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch built without distributed
-    FSDPModule = None
-
 from ..model import first_tensor
-from ..policy import DTensor, is_parameter_or_view, parameter_storages
+from ..policy import is_parameter_or_view, parameter_storages
 from .layer_actions import checkpointing_as, saved_by_selective_checkpoint, selective_checkpoint_function
 from .profile import LayerProfile, in_proportion, in_square, with_square
+from .sharding import gathered_for_probe
 from .tiled_layer import layer_bytes_per_token
 
 __all__ = [
@@ -318,42 +313,10 @@ def probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: Meter, tile:
     forward runs; the probe's layer calls would be collected too, and an auxiliary loss built from them would
     backpropagate into graphs the probe has already freed. Outside that context the hooks see no collector.
     """
-    with _gathered_without_own_hooks(layer):
-        return contextvars.Context().run(_probe_outside_the_step, layer, args, kwargs, meter, tile, tile_layer)
-
-
-@contextlib.contextmanager
-def _gathered_without_own_hooks(layer: nn.Module) -> Iterator[None]:
-    """For a layer that FSDP2 shards (`fully_shard(layer)`), while the probes run it: its parameters gathered and its
-    own forward hooks set aside. Other layers are probed as they are.
-
-    FSDP2 gathers a layer's parameters in the layer's forward pre-hook, frees them in its forward hook and hooks the
-    call's inputs and outputs for backward. The probes run from inside the step's call to the layer: through those
-    hooks, a probe's call would free the parameters under the step's call (whose forward then met sharded ones,
-    "got mixed torch.Tensor and DTensor") and reduce gradients of its own. So the probes call the layer with its
-    forward hooks set aside (the controller's own pre-hook ignores the probes' calls anyway, and transformers' output
-    recorders see nothing outside the step's context), on parameters that the step's call gathered already where
-    transformers checkpoints `forward`, after the hooks (5.2x), or that `unshard()` gathers here and `reshard()`
-    frees again where it checkpoints the whole call and the probe runs before the hooks (5.17,
-    `controller._StartsBeforeTheCall`). Every rank probes the same kinds of layer in the same step, so every rank
-    joins the gather's collective.
-    """
-    if FSDPModule is None or not isinstance(layer, FSDPModule):
-        yield
-        return
-    sharded = any(isinstance(parameter, DTensor) for parameter in layer.parameters())
-    if sharded:
-        layer.unshard()
-    pre_hooks, hooks = dict(layer._forward_pre_hooks), dict(layer._forward_hooks)
-    layer._forward_pre_hooks.clear()
-    layer._forward_hooks.clear()
-    try:
-        yield
-    finally:
-        layer._forward_pre_hooks.update(pre_hooks)  # in their order: the dictionaries were emptied
-        layer._forward_hooks.update(hooks)
-        if sharded:
-            layer.reshard()
+    with gathered_for_probe(layer) as gathered_bytes:
+        probe = contextvars.Context().run(_probe_outside_the_step, layer, args, kwargs, meter, tile, tile_layer)
+    probe.profile = dataclasses.replace(probe.profile, gathered_parameter_bytes=gathered_bytes)
+    return probe
 
 
 def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: Meter,

@@ -65,6 +65,10 @@ class LayerProfile:
         quadratic_selective_bytes: the same part of `selective_bytes`.
         saved_tensors: how many distinct tensors (storages) the layer saves, what a whole-layer offload (`O`) sends
             through the engine's hooks one by one; 0 where not counted.
+        gathered_parameter_bytes: its parameters' bytes while FSDP2 gathers them (0 unless the layer is sharded,
+            `sharding`): held through its forward and its backward, and through the backward of the layer after it,
+            which FSDP2 runs with this one gathered ahead. Under sharding `parameter_gradient_bytes` is the
+            gradients' local shard, what lasts after the backward's reduce-scatter.
     """
 
     saved_bytes: int
@@ -83,11 +87,12 @@ class LayerProfile:
     quadratic_saved_bytes: int = 0
     quadratic_selective_bytes: int = 0
     saved_tensors: int = 0
+    gathered_parameter_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("saved_bytes", "selective_bytes", "input_bytes", "parameter_gradient_bytes",
                      "tiled_saved_bytes", "layer_tiled_saved_bytes", "quadratic_saved_bytes",
-                     "quadratic_selective_bytes", "saved_tensors"):  # fmt: skip
+                     "quadratic_selective_bytes", "saved_tensors", "gathered_parameter_bytes"):  # fmt: skip
             check_bytes("LayerProfile", name, getattr(self, name))
         for part, whole in (("quadratic_saved_bytes", "saved_bytes"), ("quadratic_selective_bytes", "selective_bytes")):
             if getattr(self, part) > getattr(self, whole):

@@ -207,9 +207,13 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowe
     elif run.peak_phase == "optimizer":
         at_peak = ("the optimizer step's temporaries", profile.optimizer_bytes)
     else:
-        layer = chosen[run.peak_layer]
-        working = layer.saved + (layer.working if run.peak_phase == "backward" else 0)
-        at_peak = (f"layer {run.peak_layer}'s working set (its activations and gradient buffers)", working)
+        i, option = run.peak_layer, chosen[run.peak_layer]
+        gathered = profile.layers[i].gathered_parameter_bytes
+        if run.peak_phase == "backward" and i:
+            gathered += profile.layers[i - 1].gathered_parameter_bytes
+        working = option.saved + (option.working if run.peak_phase == "backward" else 0) + gathered
+        what = "its activations and gradient buffers" + (", parameters FSDP2 gathered" if gathered else "")
+        at_peak = (f"layer {i}'s working set ({what})", working)
     correction = profile.peak_correction_bytes
     parts = [
         ("static memory (parameters, gradients, optimizer state)", static),

@@ -36,6 +36,7 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     finished when layer i starts + layer i's `saved_bytes` (all its activations exist while it computes, even
     when it is checkpointed). For `T`/`t` that is its `tiled_saved_bytes` + the step's `tile_chunk_bytes` (one
     chunk's MLP intermediates); for `L`/`l` its `layer_tiled_saved_bytes` + the step's `layer_tile_chunk_bytes`.
+    A layer that FSDP2 shards adds its `gathered_parameter_bytes` (zero otherwise).
   * Reloads. The offloaded layers come back one after another, from the last to the first, on one host-to-device
     stream (FIFO, at `h2d_bytes_per_s`), as far ahead as the prefetch window allows: a layer's reload is issued
     when the head starts or a layer's backward starts, if the reloads issued and not yet used fit the window with
@@ -53,7 +54,8 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     selective: `selective_recompute_s`, tiled MLP: `forward_s` + `tiled_extra_s`, tiled layer: `forward_s` +
     `layer_tiled_extra_s`). Memory = static + the gradients that
     exist by then + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it
-    exists during its backward) + `backward_working_bytes` + min(window, the reloads of the layers before it). For
+    exists during its backward) + `backward_working_bytes` + min(window, the reloads of the layers before it) + the
+    `gathered_parameter_bytes` of layer i and of layer i-1 (FSDP2 gathers the next layer to run backward ahead). For
     `T`/`t`: its bytes in the forward above, and `tiled_backward_working_bytes` in place of `backward_working_bytes`,
     or as much as makes its bytes `tiled_backward_sequence_bytes` where that is more (the backward's phase over the
     whole sequence, which at long context holds more than a chunk's); for `L`/`l` likewise with the `layer_tiled_`
@@ -289,8 +291,9 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     copying_bytes = 0
     copies_done_at = 0.0
     forward_window = 0
+    gathered = [layer.gathered_parameter_bytes for layer in profile.layers]
     for i, (held, offloaded, _, saved, forward_s, _, _, _) in enumerate(options):
-        memory = static + held_before + copying_bytes + saved
+        memory = static + held_before + copying_bytes + saved + gathered[i]
         if memory > peak:
             peak, peak_phase, peak_layer = memory, "forward", i
         now += forward_s
@@ -319,7 +322,8 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         held, offloaded, _, saved, _, _, working, _ = options[i]
         held_before -= held
         below -= offloaded
-        points.append((static + gradients[i] + held_before + saved + working, below, "backward", i))
+        gathered_now = gathered[i] + (gathered[i - 1] if i else 0)  # FSDP2 gathers the next to run backward ahead
+        points.append((static + gradients[i] + held_before + saved + working + gathered_now, below, "backward", i))
     # After backward: every gradient, and the optimizer's temporaries.
     points.append((static + profile.gradient_bytes + profile.optimizer_bytes, 0, "optimizer", -1))
     if window is None:

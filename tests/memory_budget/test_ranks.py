@@ -66,12 +66,20 @@ def test_fsdp2_sharded_layers_are_probed_and_planned_on_both_ranks_and_stay_exac
     torch.Tensor and DTensor"; on two H200s with 5.17, whose probes run before the hooks on sharded parameters:
     "Attempted to access the data pointer on an invalid python storage"). Both ranks now run one plan, which
     checkpoints layers (this budget is about 1.5x the smallest plan's peak at 64 tokens), and their losses and gradient
-    shards are bitwise those of FSDP2 alone."""
+    shards are bitwise those of FSDP2 alone. The profile counts what FSDP2 holds: a layer's parameters gathered whole
+    while it runs, gradients by their local shards (on two H200s, counted whole, they hid at the profiled steps' peak
+    what the model missed elsewhere, and a plan peaked 1.3% over its budget)."""
     outcomes = on_two_ranks(fsdp2_train_on_rank, int(planned_minimum() * 2.2))
     for rank in (0, 1):
         assert outcomes[rank][0] != "error", outcomes[rank]
-    (codes, exact), (other_codes, other_exact) = outcomes[0], outcomes[1]
+    (codes, exact, counted, truth), (other_codes, other_exact, *_) = outcomes[0], outcomes[1]
     assert exact and other_exact
+    # The profile counts a layer's parameters whole while FSDP2 gathers them, and its gradients by their local
+    # shards; the model's too, but for the root's (embeddings, head, final norm): FSDP2 gathers those before the
+    # forward's hooks run and holds them through backward, so they are counted whole, which is more.
+    (gathered, layer_gradients, gradients), (whole, local, model_local, model_whole) = counted, truth
+    assert gathered == whole and layer_gradients == local < whole, (counted, truth)
+    assert model_local < gradients < model_whole, (counted, truth)
     assert codes == other_codes
     assert codes[:2] == [None, None]  # the profiled steps
     assert len(codes[-1]) == LAYERS and set(codes[-1]) & set("cC"), codes

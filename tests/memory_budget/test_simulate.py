@@ -149,6 +149,20 @@ def test_a_layers_own_gradients_count_once_in_its_backward():
     assert (predicted.peak_bytes, predicted.peak_at) == (1130, "backward layer 0")
 
 
+def test_parameters_fsdp2_gathers_count_in_their_layer_and_in_the_backward_of_the_layer_after_it():
+    # Layer 0's parameters, gathered (60 bytes), are held in its forward (1000 + 100 + 60), and again from layer 1's
+    # backward on, which FSDP2 runs with layer 0 gathered ahead: 1000 + 10 (layer 0's input) + 100 + 30 + 60. Without
+    # that prefetch, the forward's 1160 would be the peak.
+    layers = tiny_profile().layers
+    profile = tiny_profile(layers=(dataclasses.replace(layers[0], gathered_parameter_bytes=60), layers[1]))
+    predicted = simulate(profile, "cc")
+    assert (predicted.peak_bytes, predicted.peak_at) == (1200, "backward layer 1")
+    assert simulate(tiny_profile(), "cc").peak_bytes == 1140
+    # Its own gathered parameters count in its backward too: layer 1's 45, with layer 0's none, 1140 + 45.
+    profile = tiny_profile(layers=(layers[0], dataclasses.replace(layers[1], gathered_parameter_bytes=45)))
+    assert (simulate(profile, "cc").peak_bytes, simulate(profile, "cc").peak_at) == (1185, "backward layer 1")
+
+
 def test_late_gradients_exist_only_after_every_layer_and_the_optimizer_step_is_a_point():
     # 1000 of gradients are the input embeddings': backward creates them after layer 0's backward. At every layer's
     # backward they do not exist yet; after backward, every gradient does (1000 + 1020), and the optimizer's
