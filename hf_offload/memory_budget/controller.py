@@ -67,7 +67,15 @@ from ..random_state import random_state_untouched
 from .calibrate import Calibration, calibrate
 from .host import choose_plan_with_host
 from .layer_actions import AppliedActions, apply_layer_actions, whole_call_layer
-from .probes import NOT_CALLED, LayerProbe, Meter, layer_kind, measure_link_bandwidth, probe_layer
+from .probes import (
+    NOT_CALLED,
+    LayerProbe,
+    Meter,
+    call_argument_storages,
+    layer_kind,
+    measure_link_bandwidth,
+    probe_layer,
+)
 from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
 from .ranks import RankAgreement
 from .search import InfeasibleBudgetError, choose_plan, plan_of
@@ -142,6 +150,8 @@ class _StepMeasurements:
     # The gradients that did not exist yet when backward reached the first layer called (the input embeddings').
     late_gradient_bytes: int = 0
     optimizer_bytes: int = 0  # what the step needed after backward on top of static memory and every gradient
+    # The first step's layer calls' other arguments (masks, rotary tables), by storage (`call_argument_storages`).
+    call_arguments: dict[int, tuple[int, bool]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,6 +463,7 @@ class MemoryBudgetController:
                 measured.step_tokens, measured.device = tokens, args[0].device
                 self._tokens_per_elements = (tokens, self._input_elements)
             measured.stack_tokens.setdefault(stack, tokens)
+            measured.call_arguments.update(call_argument_storages(args, kwargs))
             if index not in self._called:
                 self._called.append(index)
             if not self._probes_finished and self._kinds[index] not in measured.probes:
@@ -668,6 +679,8 @@ class MemoryBudgetController:
             **_tiled_fields(probes, self._tile_tokens, *_MLP_TILING),
             **_tiled_fields(probes, self._layer_tile_tokens, *_LAYER_TILING),
             late_gradient_bytes=min(measured.late_gradient_bytes, gradient_bytes),
+            call_argument_bytes=sum(nbytes for nbytes, _ in measured.call_arguments.values()),
+            quadratic_call_argument_bytes=sum(nbytes for nbytes, square in measured.call_arguments.values() if square),
             optimizer_bytes=measured.optimizer_bytes,
             tail_bytes=self._tail_bound_bytes(),
             input_offload_s=_INPUT_OFFLOAD_HOST_S,

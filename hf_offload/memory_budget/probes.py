@@ -45,6 +45,7 @@ __all__ = [
     "layer_kind",
     "first_tokens",
     "is_cache",
+    "call_argument_storages",
     "measure_link_bandwidth",
 ]
 
@@ -504,6 +505,28 @@ def link_probe_bytes(room_bytes: int | None) -> int:
         return _BANDWIDTH_PROBE_BYTES
     fits = max(room_bytes // 2, _BANDWIDTH_PROBE_MIN_BYTES)
     return min(_BANDWIDTH_PROBE_BYTES, 1 << (fits.bit_length() - 1))
+
+
+def call_argument_storages(args: tuple, kwargs: dict) -> dict[int, tuple[int, bool]]:
+    """The tensors a decoder layer's call is given besides its hidden states (the attention mask, the rotary tables,
+    position ids, an encoder's states), by storage: data pointer -> (bytes, whether they grow with the square of the
+    step's tokens: an eager mask, `[batch, 1, tokens, tokens]`).
+
+    The model makes them once a step before its layers and holds them until the layers' backward (a checkpoint keeps
+    its call's arguments for the recomputation), shared by every layer: memory no layer's probe counts. On two H200s
+    (8 layers, eager attention, 1920 tokens) the mask alone was 14.7 MB a plan's model missed. A tensor with two
+    dimensions as long as the hidden states' sequence counts as quadratic (a head size as long as a short step's
+    sequence reads so too, the larger count)."""
+    hidden = args[0]
+    sequence = hidden.shape[-2] if hidden.dim() >= 2 else hidden.shape[0]
+    storages = {}
+    for value in tree_flatten((args[1:], {name: v for name, v in kwargs.items() if not is_cache(v)}))[0]:
+        if not isinstance(value, torch.Tensor) or is_parameter_or_view(value) or value.device != hidden.device:
+            continue
+        storage = value.untyped_storage()
+        quadratic = sequence > 1 and sum(size == sequence for size in value.shape) >= 2
+        storages[storage.data_ptr()] = (storage.nbytes(), quadratic)
+    return storages
 
 
 def is_cache(value: Any) -> bool:

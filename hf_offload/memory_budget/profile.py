@@ -185,6 +185,11 @@ class StepProfile:
         peak_correction_bytes: what every point of the step's memory is raised by: the most that a plan that ran
             peaked above the model's prediction of it (learned by the controller from the peaks it measured
             exactly), so that the plans that did not run are predicted no lower than the model has been wrong.
+        call_argument_bytes: the tensors the model gives its layers besides their hidden states (attention masks,
+            rotary tables, position ids), made each step before the layers and held until their backward: at every
+            point of the step but the optimizer's (`probes.call_argument_storages`).
+        quadratic_call_argument_bytes: the part of `call_argument_bytes` that grows with the square of the tokens
+            (an eager attention mask).
         head_reload_hidden_bytes: how much of the reloads the head starts stays under the head's own peak: its
             prefetch point fires at the logits' gradient, when the loss's temporaries are gone, so the head's point
             of the model (which counts those reloads on top of `head_bytes`) is that much too high. Learned by the
@@ -218,6 +223,8 @@ class StepProfile:
     peak_correction_bytes: int = 0
     quadratic_backward_working_bytes: int = 0
     head_reload_hidden_bytes: int = 0
+    call_argument_bytes: int = 0
+    quadratic_call_argument_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -228,15 +235,15 @@ class StepProfile:
                      "layer_tiled_backward_working_bytes", "layer_tile_chunk_bytes", "tiled_backward_sequence_bytes",
                      "layer_tiled_backward_sequence_bytes", "late_gradient_bytes",
                      "optimizer_bytes", "tail_bytes", "peak_correction_bytes",
-                     "quadratic_backward_working_bytes", "head_reload_hidden_bytes"):  # fmt: skip
+                     "quadratic_backward_working_bytes", "head_reload_hidden_bytes", "call_argument_bytes",
+                     "quadratic_call_argument_bytes"):  # fmt: skip
             check_bytes("StepProfile", name, getattr(self, name))
-        if self.quadratic_backward_working_bytes > self.backward_working_bytes:
-            raise ValueError(f"StepProfile.quadratic_backward_working_bytes is part of backward_working_bytes, so it "
-                             f"cannot exceed it: {self.quadratic_backward_working_bytes!r} > "
-                             f"{self.backward_working_bytes!r}")  # fmt: skip
-        if self.late_gradient_bytes > self.gradient_bytes:
-            raise ValueError(f"StepProfile.late_gradient_bytes is part of gradient_bytes, so it cannot exceed it: "
-                             f"{self.late_gradient_bytes!r} > {self.gradient_bytes!r}")  # fmt: skip
+        for part, whole in (("quadratic_backward_working_bytes", "backward_working_bytes"),
+                            ("quadratic_call_argument_bytes", "call_argument_bytes"),
+                            ("late_gradient_bytes", "gradient_bytes")):  # fmt: skip
+            if getattr(self, part) > getattr(self, whole):
+                raise ValueError(f"StepProfile.{part} is part of {whole}, so it cannot exceed it: "
+                                 f"{getattr(self, part)!r} > {getattr(self, whole)!r}")  # fmt: skip
         for name in ("head_s", "other_s", "input_offload_s", "saved_offload_s"):
             check_seconds("StepProfile", name, getattr(self, name))
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
@@ -281,6 +288,10 @@ class StepProfile:
                 self.backward_working_bytes, self.quadratic_backward_working_bytes, self.tokens, tokens
             ),
             quadratic_backward_working_bytes=in_square(self.quadratic_backward_working_bytes, self.tokens, tokens),
+            call_argument_bytes=with_square(
+                self.call_argument_bytes, self.quadratic_call_argument_bytes, self.tokens, tokens
+            ),
+            quadratic_call_argument_bytes=in_square(self.quadratic_call_argument_bytes, self.tokens, tokens),
             tiled_backward_working_bytes=grow(self.tiled_backward_working_bytes),
             layer_tiled_backward_working_bytes=grow(self.layer_tiled_backward_working_bytes),
             tiled_backward_sequence_bytes=grow(self.tiled_backward_sequence_bytes),

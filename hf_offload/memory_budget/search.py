@@ -215,11 +215,17 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowe
         what = "its activations and gradient buffers" + (", parameters FSDP2 gathered" if gathered else "")
         at_peak = (f"layer {i}'s working set ({what})", working)
     correction = profile.peak_correction_bytes
+    arguments = profile.call_argument_bytes if run.peak_phase != "optimizer" else 0
     parts = [
         ("static memory (parameters, gradients, optimizer state)", static),
         at_peak,
-        ("the layers' held inputs, reloads and copies in flight", run.peak_bytes - static - at_peak[1] - correction),
+        (
+            "the layers' held inputs, reloads and copies in flight",
+            run.peak_bytes - static - at_peak[1] - correction - arguments,
+        ),
     ]
+    if arguments:
+        parts.append(("the masks and rotary tables the model gives its layers", arguments))
     if correction:
         parts.append(("what measured plans peaked above their prediction", correction))
     parts.sort(key=lambda part: -part[1])

@@ -68,6 +68,8 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     measures a layer's backward with its parameters' gradients).
   * After backward: static + every gradient + `optimizer_bytes` (where the step's peak is when a large vocabulary's
     embedding gradient comes last, as on a 256K-vocabulary model at 2K tokens).
+  * Arguments. Every point above but the optimizer's is raised by `call_argument_bytes`: the masks and rotary tables
+    the model gives its layers, held from before the first layer until the layers' backward.
   * Correction. Every point above is raised by `peak_correction_bytes`: the most a plan that ran peaked above this
     model's prediction of it, which the closed loop measures.
   * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`.
@@ -282,7 +284,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     that keeps the peak within it, or else the narrowest: the peak's points are computed before the reloads are
     timed, and each bounds the window by the room it leaves.
     """
-    static = profile.static_bytes + profile.peak_correction_bytes
+    static = profile.static_bytes + profile.peak_correction_bytes + profile.call_argument_bytes
     peak, peak_phase, peak_layer = -1, "", -1
 
     held_before = 0  # held by the layers before the current one
@@ -325,7 +327,8 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         gathered_now = gathered[i] + (gathered[i - 1] if i else 0)  # FSDP2 gathers the next to run backward ahead
         points.append((static + gradients[i] + held_before + saved + working + gathered_now, below, "backward", i))
     # After backward: every gradient, and the optimizer's temporaries.
-    points.append((static + profile.gradient_bytes + profile.optimizer_bytes, 0, "optimizer", -1))
+    after_backward = static - profile.call_argument_bytes  # the layers' arguments are gone with their backward
+    points.append((after_backward + profile.gradient_bytes + profile.optimizer_bytes, 0, "optimizer", -1))
     if window is None:
         window = narrowest
         if limit is not None:

@@ -256,6 +256,17 @@ def long_run(budget, tile_mlp="auto", steps: int = 4, tile_layer="auto", record=
     return train(model, context, steps=steps, lengths=(64,)), context, seen, model
 
 
+def test_the_profile_counts_the_mask_and_rotary_tables_the_model_gives_its_layers():
+    """tiny_llama's eager attention gets a float mask of batch x 1 x length x length from the model, rotary tables
+    of 1 x length x head size (cos, sin) and int64 position ids of 1 x length: memory held through the step that no
+    layer's probe counts."""
+    _, roomy, _, model = long_run(10 * 2**30)
+    profile, config = roomy.budget_controller.profile, model.config
+    head_size = config.hidden_size // config.num_attention_heads
+    mask, tables, positions = 2 * 64 * 64 * 4, 2 * 64 * head_size * 4, 64 * 8
+    assert (profile.call_argument_bytes, profile.quadratic_call_argument_bytes) == (mask + tables + positions, mask)
+
+
 def test_tiling_is_planned_when_no_exact_plan_fits_and_is_close():
 
     baseline, roomy, seen, _ = long_run(10 * 2**30)

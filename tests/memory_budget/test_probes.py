@@ -17,6 +17,7 @@ from _gpu_models import build_model, make_batch, make_ctx  # noqa: E402
 
 from hf_offload.memory_budget.probes import (  # noqa: E402
     Meter,
+    call_argument_storages,
     first_tokens,
     is_cache,
     link_probe_bytes,
@@ -29,6 +30,19 @@ transformers.logging.set_verbosity_error()
 SIZE = dict(hidden=32, layers=2, vocab=128)
 SEQ = 24
 ROOMY = 10 * 2**30
+
+
+def test_a_layer_calls_other_arguments_are_counted_by_storage_and_an_eager_mask_grows_with_the_square():
+    """The mask and the rotary tables, once per storage (both tables are views of one here), not the hidden states, a
+    parameter or the cache; the mask, two dimensions as long as the sequence, is the quadratic part."""
+    hidden, mask = torch.zeros(2, 10, 16), torch.zeros(2, 1, 10, 10)
+    tables = torch.zeros(2, 2, 10, 4)
+    cache = transformers.DynamicCache()
+    weight = torch.nn.Parameter(torch.zeros(10, 10))
+    kwargs = {"attention_mask": mask, "past_key_values": cache, "position_embeddings": (tables[:, 0], tables[:, 1])}
+    storages = call_argument_storages((hidden, weight), kwargs)
+    assert sorted(storages.values()) == [(2 * 2 * 10 * 4 * 4, False), (2 * 10 * 10 * 4, True)]
+    assert set(storages) == {mask.data_ptr(), tables.data_ptr()}
 
 
 def test_the_first_tokens_of_every_sequence_argument():

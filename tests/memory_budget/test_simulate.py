@@ -163,6 +163,21 @@ def test_parameters_fsdp2_gathers_count_in_their_layer_and_in_the_backward_of_th
     assert (simulate(profile, "cc").peak_bytes, simulate(profile, "cc").peak_at) == (1185, "backward layer 1")
 
 
+def test_the_layers_call_arguments_raise_every_point_but_the_optimizers_and_an_eager_mask_grows_with_the_square():
+    # Keep everything: the head's 1250 peaks (test_keep_everything); 35 bytes of mask and tables raise it to 1285. After
+    # backward they are gone: 1000 + 300 of gradients + 0 at the optimizer's point, where 1335 would be the peak.
+    profile = tiny_profile(call_argument_bytes=35, quadratic_call_argument_bytes=20)
+    assert (simulate(profile, "KK").peak_bytes, simulate(profile, "KK").peak_at) == (1285, "head")
+    with_gradients = dataclasses.replace(profile, gradient_bytes=300, late_gradient_bytes=300)
+    assert (simulate(with_gradients, "KK").peak_bytes, simulate(with_gradients, "KK").peak_at) == (
+        1300, "the optimizer step")  # fmt: skip
+    # Twice the tokens: the mask's 20 bytes four times, the tables' 15 twice.
+    doubled = profile.scaled(2 * profile.tokens)
+    assert (doubled.call_argument_bytes, doubled.quadratic_call_argument_bytes) == (80 + 30, 80)
+    with pytest.raises(ValueError, match="quadratic_call_argument_bytes is part of call_argument_bytes"):
+        tiny_profile(call_argument_bytes=10, quadratic_call_argument_bytes=11)
+
+
 def test_late_gradients_exist_only_after_every_layer_and_the_optimizer_step_is_a_point():
     # 1000 of gradients are the input embeddings': backward creates them after layer 0's backward. At every layer's
     # backward they do not exist yet; after backward, every gradient does (1000 + 1020), and the optimizer's
