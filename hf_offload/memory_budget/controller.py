@@ -223,6 +223,10 @@ class MemoryBudgetController:
         self._step_tokens = 0  # this step's tokens, in the profile's terms, from the stacks that have started
         self._previous_step_tokens = 0
         self._warned_over_budget = False
+        # After a step that no plan fitted (longer than any before it): the plan in force before it, which fits the
+        # steps no longer than its own, and that step's lowest-memory plan, each with its profile (`_plan_for`).
+        self._fitting: tuple[Plan, StepProfile] | None = None
+        self._lowest: tuple[Plan, StepProfile] | None = None
         # The closed loop: per plan code, its clean steps; the code the layers run now, and the forward that
         # applied it; the step being timed (its start mark), and the corrections made so far.
         self._samples: dict[str, list[_Sample]] = {}
@@ -325,10 +329,10 @@ class MemoryBudgetController:
                 return
             # Every rank re-plans, or none: for the longest step of the ranks, or for memory held that grew on one.
             tokens, grew = ranks.largest([self._estimated_step_tokens(), int(self._static_grew())])
-            if tokens > self.plan.tokens:
-                self._plan_and_apply(tokens)
-            elif grew:
-                self._plan_and_apply(self.plan.tokens)
+            if grew:
+                self._plan_and_apply(max(tokens, self.plan.tokens))
+            else:
+                self._plan_for(tokens)
 
     def _agreement(self) -> RankAgreement | None:
         """The ranks' agreement, None when this process trains alone; made at its first use, the first plan."""
@@ -475,10 +479,10 @@ class MemoryBudgetController:
             self._step_tokens = max(
                 self._step_tokens, in_proportion(measured.step_tokens, measured.stack_tokens[stack], tokens)
             )
-            if self._step_tokens <= self.plan.tokens:
-                return
             if self._agreement() is None:
-                self._plan_and_apply(self._step_tokens)
+                self._plan_for(self._step_tokens)
+                return
+            if self._step_tokens <= self.plan.tokens:
                 return
             # Under torch.distributed the ranks re-plan together, at a forward's start, from what each estimated of
             # its step there: this rank estimated too few tokens. It cannot re-plan alone (the others would not
@@ -809,6 +813,24 @@ class MemoryBudgetController:
 
         self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
 
+    def _plan_for(self, tokens: int) -> None:
+        """Puts in force a plan for a step of `tokens`: the plan in force where it was made for as many; after a
+        longer step that no plan fitted, the plan in force before it for the steps it fits, that step's lowest-memory
+        plan for the others up to its length; else a new plan (`_plan_and_apply`).
+
+        With the lowest-memory plan kept in force after the longest step, the shorter steps that a plan fits ran over
+        the budget too: on an H200 (`benchmarks/dynamic_padding.py`, lengths over a 2x range), plain checkpointing
+        was the lowest at the longest steps (their head and loss set the peak) and ran every later step up to their
+        length, where the tiled plan made for the profiled length had kept them under."""
+        for kept in (self._fitting, self._lowest, (self.plan, self._profile)):
+            if kept is not None and tokens <= kept[0].tokens:
+                if kept[0] is not self.plan:
+                    logger.info("hf_offload: a step of %d tokens: plan %r, made for %d, is in force again", tokens,
+                                kept[0].code, kept[0].tokens)  # fmt: skip
+                    self._put_in_force(*kept)
+                return
+        self._plan_and_apply(tokens)
+
     def _choose(self, profile: StepProfile, budget_bytes: int, margin_bytes: int, measured: list[MeasuredStep],
                 measured_only: bool = False) -> Plan:  # fmt: skip
         """`choose_plan`, with the pinned pool's cap raised down to the host's reserve where that is what makes the
@@ -971,9 +993,34 @@ class MemoryBudgetController:
         return measured
 
     def _use(self, new_plan: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
-        """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows."""
-        if not new_plan.fits(margin_bytes):
+        """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows; says so
+        in the log, and warns where it does not fit the budget (then keeping the plan in force before it for the
+        shorter steps it fits, `_plan_for`)."""
+        if new_plan.fits(margin_bytes):
+            self._fitting = self._lowest = None
+        else:
             self._over_budget(new_plan, profile, budget_bytes, margin_bytes)
+            if self.plan is not None and self.plan.tokens < new_plan.tokens and self.plan.fits(margin_bytes):
+                self._fitting = (self.plan, self._profile)
+            self._lowest = (new_plan, profile)
+        self._put_in_force(new_plan, profile)
+        logger.info("hf_offload: memory budget %s\n%s", self.memory_budget, new_plan.format_table())
+        if profile.peak_correction_bytes:
+            logger.info("hf_offload: closed loop: plan %r peaked above the model's prediction of it; the predicted "
+                        "peaks above are raised by %d bytes (its excess, in proportion to this step's tokens where "
+                        "they are more)", self._peak_correction(profile.tokens)[1],
+                        profile.peak_correction_bytes)  # fmt: skip
+        engine = self._engine()
+        if new_plan.inputs_kept_for_host:
+            engine.warn_once("host_cap", f"hf_offload: {len(new_plan.inputs_kept_for_host)} checkpointed layers "
+                             "keep their input on the GPU: the pinned host memory cap "
+                             f"({new_plan.host_cap_bytes / 2**30:.1f} GiB"
+                             f"{', grown down to the host memory reserve' if new_plan.host_growth else ''}) is full. "
+                             "Raise activation_offloading_max_pinned_memory_fraction (or max_pinned_mib), or lower "
+                             "activation_offloading_host_memory_reserve_mib, if the host has the room.")  # fmt: skip
+
+    def _put_in_force(self, new_plan: Plan, profile: StepProfile) -> None:
+        """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows."""
         self.plan, self._profile = new_plan, profile
         engine = self._engine()
         if engine is not None:
@@ -987,19 +1034,6 @@ class MemoryBudgetController:
                                                      new_plan.head_prefetch_window_bytes or None),
                     tile_tokens=new_plan.tile_tokens, layer_tile_tokens=new_plan.layer_tile_tokens)  # fmt: skip
         release_unusable_cache(new_plan.predicted.peak_bytes)
-        logger.info("hf_offload: memory budget %s\n%s", self.memory_budget, new_plan.format_table())
-        if profile.peak_correction_bytes:
-            logger.info("hf_offload: closed loop: plan %r peaked above the model's prediction of it; the predicted "
-                        "peaks above are raised by %d bytes (its excess, in proportion to this step's tokens where "
-                        "they are more)", self._peak_correction(profile.tokens)[1],
-                        profile.peak_correction_bytes)  # fmt: skip
-        if new_plan.inputs_kept_for_host:
-            engine.warn_once("host_cap", f"hf_offload: {len(new_plan.inputs_kept_for_host)} checkpointed layers "
-                             "keep their input on the GPU: the pinned host memory cap "
-                             f"({new_plan.host_cap_bytes / 2**30:.1f} GiB"
-                             f"{', grown down to the host memory reserve' if new_plan.host_growth else ''}) is full. "
-                             "Raise activation_offloading_max_pinned_memory_fraction (or max_pinned_mib), or lower "
-                             "activation_offloading_host_memory_reserve_mib, if the host has the room.")  # fmt: skip
 
     def _over_budget(self, lowest: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
         """Says that this step runs on the lowest-memory plan, over the budget: a warning once, then in the log."""
@@ -1008,8 +1042,9 @@ class MemoryBudgetController:
                    f"forward {self._forwards}: {lowest.tokens} tokens (in the profiled step's terms), "
                    f"{profile.static_bytes} bytes held between steps. It runs on the lowest-memory plan "
                    f"{lowest.code!r}, predicted to peak at {peak / 2**30:.2f} GiB ({peak} bytes; a budget of "
-                   f"{peak + margin_bytes} bytes would fit it), and so do the later steps up to that length. Raise the "
-                   "budget or cap the sequence length to stay within it.")  # fmt: skip
+                   f"{peak + margin_bytes} bytes would fit it), and so do the later steps up to that length that "
+                   "the plan before it does not fit. Raise the budget or cap the sequence length to stay within "
+                   "it.")  # fmt: skip
         if self._warned_over_budget:
             logger.info(message)
         else:

@@ -147,6 +147,30 @@ def test_a_later_longer_step_that_no_plan_fits_runs_on_the_lowest_plan_with_one_
     assert plan.predicted.peak_bytes > budget
 
 
+def test_after_a_step_that_no_plan_fits_the_shorter_steps_run_the_plan_that_fits_them_again(caplog):
+    """Dynamic padding: steps of 16 tokens a sequence, then one of 32 that no plan fits, under a budget just above the
+    smallest that fits 16. The step of 32 runs on its lowest-memory plan (one warning), the next ones of 16 on the
+    plan made for them, which fits, and a second step of 32 on that lowest plan again, without planning anew;
+    exactly (on an H200, the lowest plan stayed in force after such a step, and shorter steps that a plan fitted ran
+    over the budget)."""
+    lengths = (16, 16, 16, 16, 32, 16, 16, 32, 16)
+    baseline = train(tiny_llama(), Unchanged(), steps=len(lengths), lengths=lengths)
+    budget = int(planned_minimum() * 1.006)  # the plans' margin (0.5% of the budget) included
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+    in_force = []
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        results = train(model, context, steps=len(lengths), lengths=lengths, after_step=lambda: in_force.append(
+            None if context.memory_plan is None else context.memory_plan.tokens))  # fmt: skip
+    assert_bitwise_equal(results, baseline)
+    assert in_force == [None, None, 32, 32, 64, 32, 32, 64, 32]
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("It runs on the lowest-memory plan" in message for message in messages) == 1
+    assert sum(message.startswith("hf_offload: memory budget") for message in messages) == 2  # two plans made
+    again = [message for message in messages if "is in force again" in message]
+    assert len(again) == 3 and all("made for 32" in m for m in again[::2]) and "made for 64" in again[1], again
+
+
 @pytest.mark.parametrize("budget", ["auto", "60%"])
 def test_a_share_of_the_device_needs_a_device(budget):
     with pytest.raises(ValueError, match="memory"):

@@ -60,6 +60,19 @@ def test_ranks_with_steps_of_different_lengths_run_one_plan_made_for_the_longest
     assert [step[1] for step in steps[2:]] == [32, 64, 64, 64, 64, 64, 96, 96]
 
 
+def test_after_a_step_that_no_plan_fits_on_one_rank_both_ranks_run_the_plan_that_fits_the_shorter_steps_again():
+    """Rank 1's 5th step and rank 0's 6th are twice as long as the others, and no plan fits them under a budget just
+    above the smallest that fits the others: both ranks run the lowest-memory plan made for the longest in those
+    two steps, and the plan made for the shorter ones again after them, exactly."""
+    lengths = ((16, 16, 16, 16, 16, 32, 16, 16), (16, 16, 16, 16, 32, 16, 16, 16))
+    outcomes = on_two_ranks(train_on_rank, lengths, int(planned_minimum() * 1.006), (100.0, 100.0))
+    for rank in (0, 1):
+        assert outcomes[rank][0] != "error", outcomes[rank]
+    (steps, exact, _), (other_steps, other_exact, _) = outcomes[0], outcomes[1]
+    assert exact and other_exact and steps == other_steps
+    assert [None if step is None else step[1] for step in steps] == [None, None, 32, 32, 64, 64, 32, 32]
+
+
 def test_fsdp2_sharded_layers_are_probed_and_planned_on_both_ranks_and_stay_exact():
     """FSDP2 gathers a layer's parameters in its forward pre-hook and frees them in its forward hook: the probes, which
     run the layer from inside the step's call, once freed them under it (on the CPU with transformers 5.24: "got mixed
