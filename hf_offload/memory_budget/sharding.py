@@ -11,6 +11,8 @@ storage, only while its layer runs. Two things follow for the model of a step's 
   of 9 MiB layers (two H200s, fp32, eager attention), a plan predicted without them peaked 35.8 MB over the model:
   the layer's gathered parameters (9.44 MB), the next one's (9.44 MB), the root's reduce-scatter and the eager
   attention's mask. `gathered_for_probe` measures a layer's gathered bytes (`LayerProfile.gathered_parameter_bytes`).
+  With `reshard_after_forward=False` FSDP2 keeps every layer gathered from its forward to its backward, which this
+  model does not count (the closed loop's peak correction learns it from the measured steps).
 """
 
 from __future__ import annotations
