@@ -24,6 +24,7 @@ from .simulate import (
     check_code,
     chunk_sizes,
     describe_peak,
+    gathered_parameters,
     gradients_at_backward,
     layer_options,
     prediction_of,
@@ -208,9 +209,8 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowe
         at_peak = ("the optimizer step's temporaries", profile.optimizer_bytes)
     else:
         i, option = run.peak_layer, chosen[run.peak_layer]
-        gathered = profile.layers[i].gathered_parameter_bytes
-        if run.peak_phase == "backward" and i:
-            gathered += profile.layers[i - 1].gathered_parameter_bytes
+        in_forward, in_backward = gathered_parameters(profile)
+        gathered = in_backward[i] if run.peak_phase == "backward" else in_forward[i]
         working = option.saved + (option.working if run.peak_phase == "backward" else 0) + gathered
         what = "its activations and gradient buffers" + (", parameters FSDP2 gathered" if gathered else "")
         at_peak = (f"layer {i}'s working set ({what})", working)

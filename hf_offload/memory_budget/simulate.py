@@ -212,6 +212,14 @@ class LayerOption(NamedTuple):
     host_s: float = 0.0  # host time its offloading adds to the step (`StepProfile.input_offload_s`, `saved_offload_s`)
 
 
+def gathered_parameters(profile: StepProfile) -> tuple[list[int], list[int]]:
+    """Per layer, the parameters FSDP2 holds gathered while it runs forward, and while it runs backward: its own, and
+    those of the layer before it, the next to run backward, which FSDP2 gathers ahead (zeros where nothing is
+    sharded)."""
+    forward = [layer.gathered_parameter_bytes for layer in profile.layers]
+    return forward, [own + (forward[i - 1] if i else 0) for i, own in enumerate(forward)]
+
+
 def gradients_at_backward(profile: StepProfile) -> list[int]:
     """Per layer, the gradient bytes that exist as its backward starts: all of the step's but those still to come,
     which are the late ones (the embeddings', after every layer), those of the layers before it, and its own: its
@@ -293,7 +301,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     copying_bytes = 0
     copies_done_at = 0.0
     forward_window = 0
-    gathered = [layer.gathered_parameter_bytes for layer in profile.layers]
+    gathered, gathered_in_backward = gathered_parameters(profile)
     for i, (held, offloaded, _, saved, forward_s, _, _, _) in enumerate(options):
         memory = static + held_before + copying_bytes + saved + gathered[i]
         if memory > peak:
@@ -324,8 +332,8 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         held, offloaded, _, saved, _, _, working, _ = options[i]
         held_before -= held
         below -= offloaded
-        gathered_now = gathered[i] + (gathered[i - 1] if i else 0)  # FSDP2 gathers the next to run backward ahead
-        points.append((static + gradients[i] + held_before + saved + working + gathered_now, below, "backward", i))
+        points.append((static + gradients[i] + held_before + saved + working + gathered_in_backward[i], below,
+                       "backward", i))  # fmt: skip
     # After backward: every gradient, and the optimizer's temporaries.
     after_backward = static - profile.call_argument_bytes  # the layers' arguments are gone with their backward
     points.append((after_backward + profile.gradient_bytes + profile.optimizer_bytes, 0, "optimizer", -1))

@@ -24,8 +24,8 @@ from hf_offload.memory_budget import profile as step_profile
 from hf_offload.memory_budget import simulate as step_model
 from hf_offload.memory_budget.profile import LayerProfile, StepProfile
 from hf_offload.memory_budget.search import InfeasibleBudgetError, choose_plan, plan_of
-from hf_offload.memory_budget.simulate import MeasuredStep, Plan, simulate
-from hf_offload.units import GIB, MIB
+from hf_offload.memory_budget.simulate import MeasuredStep, Plan, layer_options, simulate
+from hf_offload.units import GIB, MIB, format_bytes
 
 # The part of the budget that plans: the standard library and `units` only, so that plans are computed anywhere.
 PURE_MODULES = (checks, spec, step_profile, step_model, search, calibrate, host)
@@ -189,6 +189,27 @@ def test_the_refusal_names_the_peaks_correction_as_a_part_of_its_own() -> None:
     assert " -" not in message
     without = str(pytest.raises(ValueError, choose_plan, s1_profile(layers=4), lowest.peak_bytes // 2).value)
     assert "what measured plans peaked" not in without
+
+
+def test_the_refusal_names_the_layers_arguments_and_counts_fsdp2s_gathered_parameters_in_the_working_set() -> None:
+    """The masks and tables the model gives its layers are a part of their own; the parameters FSDP2 holds gathered
+    at the peaking layer's backward (its own and the layer before it's) are in that layer's working set."""
+    base = s1_profile(layers=4)
+    layers = tuple(dataclasses.replace(layer, gathered_parameter_bytes=(i + 1) * MIB) for i, layer in
+                   enumerate(base.layers))  # fmt: skip
+    profile = dataclasses.replace(base, layers=layers, call_argument_bytes=5 * MIB)
+    lowest = simulate(profile, "CCCC")
+    assert lowest.peak_at == "backward layer 3"
+    with pytest.raises(ValueError) as error:
+        choose_plan(profile, lowest.peak_bytes // 2)
+    message = str(error.value)
+    assert "the masks and rotary tables the model gives its layers 5.00 MiB" in message
+    assert lowest.peak_bytes == simulate(base, "CCCC").peak_bytes + 5 * MIB + 7 * MIB  # layers 3 and 2: 4 + 3 MiB
+    option = layer_options(profile, profile.layers[3])["C"]
+    working = format_bytes(option.saved + option.working + 7 * MIB)
+    what = "its activations and gradient buffers, parameters FSDP2 gathered"
+    assert f"layer 3's working set ({what}) {working}" in message
+    assert " -" not in message
 
 
 def test_no_host_room_means_no_offloading() -> None:
