@@ -14,7 +14,7 @@ try:  # DTensor parameters (FSDP2, tensor parallel) keep their local shard in `_
 except ImportError:  # torch built without distributed
     DTensor = None
 
-__all__ = ["kept_reason", "is_parameter_or_view", "storage_span", "parameter_storages", "TailPlanner"]
+__all__ = ["kept_reason", "is_parameter_or_view", "storage_span", "local_shard", "parameter_storages", "TailPlanner"]
 
 
 def storage_span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -32,12 +32,15 @@ def storage_span(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.storage_offset(), last + 1
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`: a DTensor's local shard, any other tensor itself."""
+    return tensor._local_tensor if DTensor is not None and isinstance(tensor, DTensor) else tensor
+
+
 def parameter_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
     """Data pointers of the storages behind parameters and buffers, so that views of them are recognised."""
     pointers = set()
-    for tensor in tensors:
-        if DTensor is not None and isinstance(tensor, DTensor):
-            tensor = tensor._local_tensor
+    for tensor in map(local_shard, tensors):
         try:
             pointer = tensor.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # meta tensors, sharded-away FSDP params

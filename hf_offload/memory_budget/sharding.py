@@ -28,19 +28,14 @@ try:  # FSDP2's `fully_shard` (torch >= 2.6)
 except ImportError:  # torch built without distributed
     FSDPModule = None
 
-from ..policy import DTensor
+from ..policy import DTensor, local_shard
 
 __all__ = ["local_nbytes", "gathered_for_probe", "gradient_shard_nbytes"]
 
 
 def local_nbytes(tensors: Iterable[torch.Tensor]) -> int:
     """The bytes this rank holds of `tensors`: a DTensor's local shard (its `numel()` is the whole tensor's)."""
-    total = 0
-    for tensor in tensors:
-        if DTensor is not None and isinstance(tensor, DTensor):
-            tensor = tensor._local_tensor
-        total += tensor.numel() * tensor.element_size()
-    return total
+    return sum(shard.numel() * shard.element_size() for shard in map(local_shard, tensors))
 
 
 @contextlib.contextmanager
