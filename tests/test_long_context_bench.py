@@ -293,9 +293,21 @@ def test_the_harness_builds_each_family_and_refuses_others():
         assert type(model).__name__ == model_class and model.config.head_dim == tiny.hidden // tiny.heads
     assert model.model.layers[0].self_attn.q_norm.weight.shape == (tiny.hidden // tiny.heads,)
     assert "qwen3 model class" in dataclasses.replace(tiny, family="qwen3").describe()
+    # The zoo's other families, with the fields of their config that the scenario adds.
+    moe = dataclasses.replace(tiny, family="qwen3_moe", config=(("num_experts", 4), ("num_experts_per_tok", 2),
+                                                                ("output_router_logits", True)))  # fmt: skip
+    model = build_model(moe, 0, cpu)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == 4
+    assert "num_experts=4" in moe.describe()
+    input_ids = torch.randint(0, tiny.vocab, (1, 16))
+    out = model(input_ids=input_ids, labels=input_ids)
+    assert out.aux_loss is not None and out.loss.requires_grad  # the router's loss is part of the step's
+    gemma = dataclasses.replace(tiny, family="gemma3_text", config=(("sliding_window", 8),))
+    model = build_model(gemma, 0, cpu)
+    assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.sliding_window == 8
     notes: list[str] = []
     assert apply_liger(cpu, notes, "qwen3") is False and "needs an accelerator" in notes[0]
-    with pytest.raises(ValueError, match="'gemma': the harness builds llama, qwen3"):
+    with pytest.raises(ValueError, match="'gemma': the harness builds llama, qwen3, qwen3_moe, gemma3_text"):
         build_model(dataclasses.replace(tiny, family="gemma"), 0, cpu)
     with pytest.raises(ValueError, match="'gemma'"):
         apply_liger(cpu, [], "gemma")

@@ -1,4 +1,4 @@
-"""What a scenario trains: a model of its family (Llama, Qwen3) from its config (random bf16 weights), Liger and LoRA
+"""What a scenario trains: a model of its family (Llama, Qwen3, Qwen3-MoE, Gemma 3) from its config (random bf16 weights), Liger and LoRA
 where it asks for them, the optimizer, and the batch (labels = input_ids). The same seed gives every mode the same
 weights and data."""
 
@@ -8,7 +8,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from .scenarios import Scenario
 
@@ -20,10 +31,14 @@ class Family:
     liger_patch: str  # liger_kernel.transformers' class-level patch of this family
 
 
-# Scenario.family -> what is built. Qwen3's layers differ from Llama's by their q/k RMSNorm.
+# Scenario.family -> what is built. Qwen3's layers differ from Llama's by their q/k RMSNorm; Qwen3-MoE's MLP is a
+# router over experts held as 3-D parameters (transformers' experts implementation); Gemma 3's layers have four norms
+# and q/k norms, and most of them attend within a sliding window, so the model hands its layers two masks.
 FAMILIES: dict[str, Family] = {
     "llama": Family(LlamaConfig, LlamaForCausalLM, "apply_liger_kernel_to_llama"),
     "qwen3": Family(Qwen3Config, Qwen3ForCausalLM, "apply_liger_kernel_to_qwen3"),
+    "qwen3_moe": Family(Qwen3MoeConfig, Qwen3MoeForCausalLM, "apply_liger_kernel_to_qwen3_moe"),
+    "gemma3_text": Family(Gemma3TextConfig, Gemma3ForCausalLM, "apply_liger_kernel_to_gemma3_text"),
 }
 
 
@@ -75,6 +90,7 @@ def build_model(scenario: Scenario, seed: int, device: torch.device, **config_ov
         attn_implementation="sdpa",
         # Given always: Qwen3Config's default is 128 whatever the hidden size (Llama's is hidden / heads).
         head_dim=scenario.head_dim or scenario.hidden // scenario.heads,
+        **dict(scenario.config),
         **config_overrides,
     )
     torch.manual_seed(seed)

@@ -28,7 +28,10 @@ class Scenario:
     warmup: int  # warm-up steps, unless --warmup
     head_dim: int | None = None  # attention head size where it is not hidden / heads (Gemma's 256)
     model: str = ""  # the real model whose layer shape and vocabulary these are (the zoo's shapes)
-    family: str = "llama"  # the transformers model class built (harness.model.FAMILIES): "llama" or "qwen3"
+    family: str = "llama"  # the transformers model class built (harness.model.FAMILIES)
+    # Further fields of the family's config, as (name, value) pairs (frozen): a MoE's experts and router loss, a
+    # sliding window.
+    config: tuple[tuple[str, object], ...] = ()
 
     def describe(self) -> str:
         text = (
@@ -46,6 +49,7 @@ class Scenario:
             extras.append("checkpointing on in every mode")
         if self.family != "llama":
             extras.append(f"{self.family} model class")
+        extras += [f"{name}={value}" for name, value in self.config]
         text += "; " + ", ".join(extras) if extras else ""
         return f"{self.model}: {text}" if self.model else text
 
@@ -150,11 +154,13 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def _zoo_shape(model: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
-               seq: int, batch: int, lora: bool = False, head_dim: int | None = None) -> Scenario:  # fmt: skip
-    """A zoo shape: Llama layers of a real model's shape and vocabulary, no Liger, 2 warm-up and 3 timed steps."""
+               seq: int, batch: int, lora: bool = False, head_dim: int | None = None, family: str = "llama",
+               **config: object) -> Scenario:  # fmt: skip
+    """A zoo shape: a real model's layer shape and vocabulary (Llama layers unless ``family`` says otherwise; ``config``:
+    further fields of its config), no Liger, 2 warm-up and 3 timed steps."""
     return Scenario(hidden=hidden, intermediate=intermediate, layers=layers, heads=heads, kv_heads=kv_heads,
                     vocab=vocab, seq=seq, batch=batch, lora=lora, liger=False, force_ckpt=False, steps=3, warmup=2,
-                    head_dim=head_dim, model=model)  # fmt: skip
+                    head_dim=head_dim, model=model, family=family, config=tuple(sorted(config.items())))  # fmt: skip
 
 
 # The shape zoo (benchmarks/zoo.py): 1B to 8B-class layer shapes and vocabularies, 8 to 36 layers, 1 x 2K to 8 x 4K
@@ -178,6 +184,20 @@ ZOO_SCENARIOS: dict[str, Scenario] = {
         "Llama-3.1-8B, 8 of 32 layers", 4096, 14336, 8, 32, 8, 128256, 4096, 4, lora=True
     ),
     "phi3-mini-2k": _zoo_shape("Phi-3-mini, Llama layers", 3072, 8192, 32, 32, 32, 32064, 2048, 1),
+    # Other families' own layers (not Llama's), not in the default sweep either. Qwen3-30B-A3B: 128 experts of 768, 8
+    # per token, with the router's auxiliary loss on (as fine-tuning scripts set it), LoRA (the experts' 3-D weights
+    # stay frozen: fully fine-tuned, their optimizer state would leave activations a few percent of the memory).
+    # Gemma-3-4B's text model: sliding-window layers (1024 tokens) five in six, so the model hands its layers a
+    # materialised mask.
+    "qwen3-moe-30b-a3b-16l-lora": _zoo_shape(
+        "Qwen3-30B-A3B, 16 of 48 layers", 2048, 6144, 16, 32, 4, 151936, 4096, 2, lora=True, head_dim=128,
+        family="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        output_router_logits=True,
+    ),
+    "gemma3-4b-12l": _zoo_shape(
+        "Gemma-3-4B, text, 12 of 34 layers", 2560, 10240, 12, 8, 4, 262208, 4096, 1, head_dim=256,
+        family="gemma3_text", sliding_window=1024,
+    ),
 }
 SCENARIOS.update(ZOO_SCENARIOS)
 # The zoo's CPU smoke test of a LoRA shape: tiny-lora without Liger and without forced checkpointing, so that every
