@@ -21,7 +21,10 @@ training forwards of the model (grad enabled, model in training mode) and:
    re-plans if the step has more tokens than it planned for (checked as each stack starts, before its layers run;
    each stack's tokens scale the whole step from the first step's) or the memory held between steps has grown
    (optimizer state created after a gradient accumulation cycle). Such a step that no plan fits runs on the
-   lowest-memory plan, with a warning: never an exception in the middle of training.
+   lowest-memory plan, with a warning: never an exception in the middle of training. The plans made are kept by
+   the length they were made for, and a step runs the one made for the shortest length at least its own; a step
+   more than a length step (`_LENGTH_STEP`) shorter than any gets a plan of its own, which may keep more
+   (`_plan_for`).
 4. The closed loop: the steps a plan runs are measurements (their time; on a device, their peak: exactly in the
    profiled steps, later an upper bound, as the counter is not reset after them). After the `_MEASURED_STEPS` steps
    that follow the first one on a new plan, the controller plans again with what every plan run so far measured
@@ -121,6 +124,10 @@ _TRIAL_MEASURED_STEPS = 2
 # whole layer 15-25. Enough that a plan keeping an input rather than offloading it for nothing is the faster.
 _INPUT_OFFLOAD_HOST_S = 1e-5
 _SAVED_OFFLOAD_HOST_S = 1e-4
+# Plans per length (`_plan_for`): made for the first plan's tokens times a power of this (a step of 19%: a 2x range
+# of shorter steps makes at most 4 more plans), and for no fewer tokens than this share of the first plan's.
+_LENGTH_STEP = 2**0.25
+_SHORTEST_PLANNED_SHARE = 0.25
 
 
 @dataclasses.dataclass
@@ -152,6 +159,16 @@ class _StepMeasurements:
     optimizer_bytes: int = 0  # what the step needed after backward on top of static memory and every gradient
     # The first step's layer calls' other arguments (masks, rotary tables), by storage (`call_argument_storages`).
     call_arguments: dict[int, tuple[int, bool]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeptPlan:
+    """A plan made during the run, with the profile it was made from and the generation of what the controller knew
+    then (`MemoryBudgetController._generation`)."""
+
+    plan: Plan
+    profile: StepProfile
+    generation: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,10 +240,13 @@ class MemoryBudgetController:
         self._step_tokens = 0  # this step's tokens, in the profile's terms, from the stacks that have started
         self._previous_step_tokens = 0
         self._warned_over_budget = False
-        # After a step that no plan fitted (longer than any before it): the plan in force before it, which fits the
-        # steps no longer than its own, and that step's lowest-memory plan, each with its profile (`_plan_for`).
-        self._fitting: tuple[Plan, StepProfile] | None = None
-        self._lowest: tuple[Plan, StepProfile] | None = None
+        # The plans made so far, by the tokens each was made for (`_plan_for`), and the generation of what they were
+        # made with: it grows when that changes (the memory held between steps grew, the closed loop corrected a plan
+        # or ended its trial, a step peaked above its plan's prediction), and a plan of an earlier one is not reused.
+        # The first plan's tokens anchor the lengths plans are made for.
+        self._kept: dict[int, _KeptPlan] = {}
+        self._generation = 0
+        self._first_plan_tokens = 0
         # The closed loop: per plan code, its clean steps; the code the layers run now, and the forward that
         # applied it; the step being timed (its start mark), and the corrections made so far.
         self._samples: dict[str, list[_Sample]] = {}
@@ -325,11 +345,13 @@ class MemoryBudgetController:
             ranks = self._agreement()
             if ranks is None:
                 if self._static_grew():
+                    self._generation += 1
                     self._plan_and_apply(self.plan.tokens)
                 return
             # Every rank re-plans, or none: for the longest step of the ranks, or for memory held that grew on one.
             tokens, grew = ranks.largest([self._estimated_step_tokens(), int(self._static_grew())])
             if grew:
+                self._generation += 1
                 self._plan_and_apply(max(tokens, self.plan.tokens))
             else:
                 self._plan_for(tokens)
@@ -451,6 +473,13 @@ class MemoryBudgetController:
             self._samples.setdefault(self._code, []).append(_Sample(self._previous_step_tokens, seconds, peak,
                                                                     tail_bytes=self._tail_kept(), peak_exact=exact,
                                                                     **predicted))  # fmt: skip
+            # A step above what its plan counted (its prediction raised by the correction then): the plans kept for
+            # other lengths were made with a correction now known to be short. Alone only: under torch.distributed
+            # each rank measures its own peaks, and the ranks must reuse the same plans.
+            counted = predicted["predicted_peak_bytes"]
+            if exact and counted is not None and self._profile is not None and self._agreement() is None:
+                if peak > counted + self._profile.peak_correction_bytes:
+                    self._generation += 1
             if ended == self._applied_at + self._steps_to_measure():
                 if self.plan.trial:
                     self._end_trial()
@@ -480,7 +509,9 @@ class MemoryBudgetController:
                 self._step_tokens, in_proportion(measured.step_tokens, measured.stack_tokens[stack], tokens)
             )
             if self._agreement() is None:
-                self._plan_for(self._step_tokens)
+                # A step's tokens are known whole as its only stack starts; with several, a later one may be longer
+                # than the first, and plans for a shorter step would be applied and replaced within it.
+                self._plan_for(self._step_tokens, shorter_plans=len(self._stack_starts) == 1)
                 return
             if self._step_tokens <= self.plan.tokens:
                 return
@@ -813,23 +844,50 @@ class MemoryBudgetController:
 
         self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
 
-    def _plan_for(self, tokens: int) -> None:
-        """Puts in force a plan for a step of `tokens`: the plan in force where it was made for as many; after a
-        longer step that no plan fitted, the plan in force before it for the steps it fits, that step's lowest-memory
-        plan for the others up to its length; else a new plan (`_plan_and_apply`).
+    def _plan_for(self, tokens: int, shorter_plans: bool = True) -> None:
+        """Puts in force a plan for a step of `tokens`: the plan kept for the shortest length at least `tokens`, unless
+        that length is more than a length step above the step's (`_planned_length`) and `shorter_plans`: then a plan
+        made for the step's length step, which may keep more. A step longer than every kept plan's gets a plan for
+        its own length; one that no plan fits, its lowest-memory plan, which then serves the steps up to its length
+        that no plan kept for a shorter length fits.
 
-        With the lowest-memory plan kept in force after the longest step, the shorter steps that a plan fits ran over
-        the budget too: on an H200 (`benchmarks/dynamic_padding.py`, lengths over a 2x range), plain checkpointing
-        was the lowest at the longest steps (their head and loss set the peak) and ran every later step up to their
-        length, where the tiled plan made for the profiled length had kept them under."""
-        for kept in (self._fitting, self._lowest, (self.plan, self._profile)):
-            if kept is not None and tokens <= kept[0].tokens:
-                if kept[0] is not self.plan:
-                    logger.info("hf_offload: a step of %d tokens: plan %r, made for %d, is in force again", tokens,
-                                kept[0].code, kept[0].tokens)  # fmt: skip
-                    self._put_in_force(*kept)
-                return
-        self._plan_and_apply(tokens)
+        Why plans for shorter steps: under a budget near the minimum of the longest steps, their plan tiled layers,
+        and with it in force the shorter steps ran tiled too, at 0.8-1.7 s a step where plain checkpointing, which
+        fitted them, ran 0.35-0.45 s (H200, `benchmarks/dynamic_padding.py`, lengths over a 2x range). Not while a
+        trial runs (its steps are the trial's), nor below a plan that keeps every layer (nothing is faster). Plans
+        made before what the controller knows changed are dropped (`_generation`), but for the one in force. Under
+        torch.distributed every rank decides alike: the ranks agree on `tokens`, and every kept plan is rank 0's."""
+        self._kept = {length: kept for length, kept in self._kept.items()
+                      if kept.generation == self._generation or kept.plan is self.plan}  # fmt: skip
+        covering = [kept for length, kept in self._kept.items() if length >= tokens]
+        kept = min(covering, key=lambda candidate: candidate.plan.tokens, default=None)
+        if kept is None:
+            self._plan_and_apply(tokens)
+            return
+        length = self._planned_length(tokens)
+        keeps_everything = kept.plan.code == "K" * len(kept.plan.code)
+        if shorter_plans and kept.plan.tokens > length and not keeps_everything and not self.plan.trial:
+            self._plan_and_apply(length)
+            return
+        if kept.plan is not self.plan:
+            if kept.plan.code != self.plan.code:  # between plans of one code only the windows change: not logged
+                logger.info("hf_offload: a step of %d tokens: plan %r, made for %d, is in force again", tokens,
+                            kept.plan.code, kept.plan.tokens)  # fmt: skip
+            self._put_in_force(kept.plan, kept.profile)
+
+    def _planned_length(self, tokens: int) -> int:
+        """The length a plan for a step of `tokens` is made for: the first plan's tokens times the smallest power of
+        `_LENGTH_STEP` that reaches `tokens`, and no less than `_SHORTEST_PLANNED_SHARE` of them (a plan for every
+        length would re-plan, and re-apply, at almost every step of dynamic padding)."""
+        anchor = self._first_plan_tokens
+        target = max(tokens, math.ceil(anchor * _SHORTEST_PLANNED_SHARE))
+        def length(power: int) -> int:  # rounded first: 32 * 2**-1 is 16.000000000000004 in floating point
+            return math.ceil(round(anchor * _LENGTH_STEP**power, 6))
+
+        power = math.floor(math.log(target / anchor, _LENGTH_STEP))
+        while length(power) < target:
+            power += 1
+        return length(power)
 
     def _choose(self, profile: StepProfile, budget_bytes: int, margin_bytes: int, measured: list[MeasuredStep],
                 measured_only: bool = False) -> Plan:  # fmt: skip
@@ -930,6 +988,7 @@ class MemoryBudgetController:
         new_plan = self._on_every_rank(make_plan)
         if new_plan.code != in_force.code:
             self._corrections += 1
+            self._generation += 1  # what the model learned made this plan: the plans kept are from before
             self._use(new_plan, profile, budget_bytes, margin_bytes)
 
     def _end_trial(self) -> None:
@@ -957,6 +1016,7 @@ class MemoryBudgetController:
                         plan.expected_step_s * 1000)  # fmt: skip
             return plan
 
+        self._generation += 1  # the plans kept before the trial were made without what it measured
         self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
 
     def _measured_plans(self, profile: StepProfile) -> list[MeasuredStep]:
@@ -993,16 +1053,13 @@ class MemoryBudgetController:
         return measured
 
     def _use(self, new_plan: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
-        """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows; says so
-        in the log, and warns where it does not fit the budget (then keeping the plan in force before it for the
-        shorter steps it fits, `_plan_for`)."""
-        if new_plan.fits(margin_bytes):
-            self._fitting = self._lowest = None
-        else:
+        """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows, and
+        keeps it for the steps of its length (`_plan_for`); says so in the log, and warns where it does not fit the
+        budget."""
+        if not new_plan.fits(margin_bytes):
             self._over_budget(new_plan, profile, budget_bytes, margin_bytes)
-            if self.plan is not None and self.plan.tokens < new_plan.tokens and self.plan.fits(margin_bytes):
-                self._fitting = (self.plan, self._profile)
-            self._lowest = (new_plan, profile)
+        self._first_plan_tokens = self._first_plan_tokens or new_plan.tokens
+        self._kept[new_plan.tokens] = _KeptPlan(new_plan, profile, self._generation)
         self._put_in_force(new_plan, profile)
         logger.info("hf_offload: memory budget %s\n%s", self.memory_budget, new_plan.format_table())
         if profile.peak_correction_bytes:
@@ -1020,8 +1077,11 @@ class MemoryBudgetController:
                              "activation_offloading_host_memory_reserve_mib, if the host has the room.")  # fmt: skip
 
     def _put_in_force(self, new_plan: Plan, profile: StepProfile) -> None:
-        """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows."""
-        self.plan, self._profile = new_plan, profile
+        """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows. From
+        a plan whose layers act alike (a plan kept for another length, `_plan_for`), only the windows change: the
+        layers are not wrapped anew, and the steps go on counting as that code's for the closed loop, which would
+        otherwise start measuring again at each switch and, with lengths varying step to step, never check a plan."""
+        previous, self.plan, self._profile = self.plan, new_plan, profile
         engine = self._engine()
         if engine is not None:
             engine.set_host_cap(new_plan.host_cap_bytes)  # the cap it planned with: raised, where it grew the pool
@@ -1030,9 +1090,14 @@ class MemoryBudgetController:
             samples = self._samples.get(new_plan.code) if new_plan.measured is not None else None
             engine.cap_tail(max(sample.tail_bytes for sample in samples) if samples else None)
         forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
-        self._apply(new_plan.layers, new_plan.code, (forward_window, new_plan.prefetch_window_bytes or None,
-                                                     new_plan.head_prefetch_window_bytes or None),
-                    tile_tokens=new_plan.tile_tokens, layer_tile_tokens=new_plan.layer_tile_tokens)  # fmt: skip
+        windows = (forward_window, new_plan.prefetch_window_bytes or None, new_plan.head_prefetch_window_bytes or None)
+        acts = (new_plan.code, new_plan.tile_tokens, new_plan.layer_tile_tokens)  # what the layers are given
+        if previous is not None and (previous.code, previous.tile_tokens, previous.layer_tile_tokens) == acts:
+            if engine is not None:
+                engine.use_windows(*windows)
+        else:
+            self._apply(new_plan.layers, new_plan.code, windows, tile_tokens=new_plan.tile_tokens,
+                        layer_tile_tokens=new_plan.layer_tile_tokens)  # fmt: skip
         release_unusable_cache(new_plan.predicted.peak_bytes)
 
     def _over_budget(self, lowest: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
@@ -1043,7 +1108,7 @@ class MemoryBudgetController:
                    f"{profile.static_bytes} bytes held between steps. It runs on the lowest-memory plan "
                    f"{lowest.code!r}, predicted to peak at {peak / 2**30:.2f} GiB ({peak} bytes; a budget of "
                    f"{peak + margin_bytes} bytes would fit it), and so do the later steps up to that length that "
-                   "the plan before it does not fit. Raise the budget or cap the sequence length to stay within "
+                   "no plan for a shorter length fits. Raise the budget or cap the sequence length to stay within "
                    "it.")  # fmt: skip
         if self._warned_over_budget:
             logger.info(message)

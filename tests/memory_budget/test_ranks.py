@@ -41,7 +41,8 @@ def test_every_rank_gets_rank_zeros_plan_or_its_refusal():
 def test_ranks_with_steps_of_different_lengths_run_one_plan_made_for_the_longest_and_the_smallest_host():
     """Padding-free packing gives the ranks different lengths in one step; here rank 1's step is longer at the 4th
     and 9th steps, rank 0's at the 6th and 10th. Every rank runs the same plan at every step, made for at least the
-    longest rank's tokens (the 4th and 9th re-plan on both ranks, though rank 0's steps did not grow), with the same
+    longest rank's tokens (the 4th and 9th re-plan on both ranks, though rank 0's steps did not grow; the shorter
+    steps after them run the plans kept for their lengths, or plans made for them, on both ranks), with the same
     pool cap, which the rank with less host memory can hold; and the arithmetic is exact on both."""
     lengths = ((16, 16, 16, 16, 16, 24, 16, 16, 16, 40), (16, 16, 16, 32, 16, 16, 16, 16, 48, 16))
     budget = int(planned_minimum() * 1.5)
@@ -57,7 +58,8 @@ def test_ranks_with_steps_of_different_lengths_run_one_plan_made_for_the_longest
         assert len(code) == LAYERS
         assert tokens >= 2 * max(lengths[0][index], lengths[1][index])  # two sequences per step
         assert cap <= smaller_most
-    assert [step[1] for step in steps[2:]] == [32, 64, 64, 64, 64, 64, 96, 96]
+    # A shorter step runs the plan kept for its length, or one made for the length step above it (48 -> 54, 80 -> 91).
+    assert [step[1] for step in steps[2:]] == [32, 64, 32, 54, 32, 32, 96, 91]
 
 
 def test_after_a_step_that_no_plan_fits_on_one_rank_both_ranks_run_the_plan_that_fits_the_shorter_steps_again():
