@@ -1,6 +1,6 @@
-"""What a scenario trains: a model of its family (Llama, Qwen3, Qwen3-MoE, Gemma 3) from its config (random bf16 weights), Liger and LoRA
-where it asks for them, the optimizer, and the batch (labels = input_ids). The same seed gives every mode the same
-weights and data."""
+"""What a scenario trains: a model of its family (Llama, Qwen3, Qwen3-MoE, Gemma 3) from its config (random bf16
+weights), Liger and LoRA where it asks for them, the optimizer, and the batch (labels = input_ids). The same seed
+gives every mode the same weights and data."""
 
 from __future__ import annotations
 

@@ -156,8 +156,8 @@ SCENARIOS: dict[str, Scenario] = {
 def _zoo_shape(model: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
                seq: int, batch: int, lora: bool = False, head_dim: int | None = None, family: str = "llama",
                **config: object) -> Scenario:  # fmt: skip
-    """A zoo shape: a real model's layer shape and vocabulary (Llama layers unless ``family`` says otherwise; ``config``:
-    further fields of its config), no Liger, 2 warm-up and 3 timed steps."""
+    """A zoo shape: a real model's layer shape and vocabulary (Llama layers unless ``family`` says otherwise;
+    ``config``: further fields of its config), no Liger, 2 warm-up and 3 timed steps."""
     return Scenario(hidden=hidden, intermediate=intermediate, layers=layers, heads=heads, kv_heads=kv_heads,
                     vocab=vocab, seq=seq, batch=batch, lora=lora, liger=False, force_ckpt=False, steps=3, warmup=2,
                     head_dim=head_dim, model=model, family=family, config=tuple(sorted(config.items())))  # fmt: skip

@@ -621,8 +621,9 @@ def test_a_plan_slower_than_the_measured_safe_plan_is_replaced_by_it_and_stays_e
     assert_bitwise_equal(results, baseline)
     corrections = [record.getMessage() for record in caplog.records if "closed loop" in record.getMessage()]
     assert len(corrections) == 1
+    checked_at = 2 * lengths[min(5, len(lengths) - 1)]  # the tokens of the plan in force at the check, step 6
     assert re.fullmatch(r"hf_offload: closed loop, correction 1 of at most 3: plan 'KKKK' ran in [\d.]+ ms a step "
-                        rf"\(the fastest of \d steps at {2 * lengths[min(5, len(lengths) - 1)]} tokens, predicted [\d.]+ ms\); plan 'CCCC' "
+                        rf"\(the fastest of \d steps at {checked_at} tokens, predicted [\d.]+ ms\); plan 'CCCC' "
                         r"replaces it, measured at [\d.]+ ms; learned: the model's times x[\d.]+, .+",
                         corrections[0])  # fmt: skip
     assert context.memory_plan is context.memory_plan
