@@ -193,11 +193,11 @@ ZOO_SCENARIOS: dict[str, Scenario] = {
         "Qwen3-30B-A3B, 16 of 48 layers", 2048, 6144, 16, 32, 4, 151936, 4096, 2, lora=True, head_dim=128,
         family="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
         output_router_logits=True,
-    ),
+    ),  # fmt: skip
     "gemma3-4b-12l": _zoo_shape(
         "Gemma-3-4B, text, 12 of 34 layers", 2560, 10240, 12, 8, 4, 262208, 4096, 1, head_dim=256,
         family="gemma3_text", sliding_window=1024,
-    ),
+    ),  # fmt: skip
 }
 SCENARIOS.update(ZOO_SCENARIOS)
 # The zoo's CPU smoke test of a LoRA shape: tiny-lora without Liger and without forced checkpointing, so that every

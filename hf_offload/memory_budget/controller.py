@@ -881,6 +881,7 @@ class MemoryBudgetController:
         length would re-plan, and re-apply, at almost every step of dynamic padding)."""
         anchor = self._first_plan_tokens
         target = max(tokens, math.ceil(anchor * _SHORTEST_PLANNED_SHARE))
+
         def length(power: int) -> int:  # rounded first: 32 * 2**-1 is 16.000000000000004 in floating point
             return math.ceil(round(anchor * _LENGTH_STEP**power, 6))
 

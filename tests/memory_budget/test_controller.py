@@ -199,8 +199,10 @@ def test_shorter_steps_get_a_plan_of_their_own_that_keeps_more_and_longer_ones_t
     assert not any("It runs on the lowest-memory plan" in message for message in messages)
     assert sum(message.startswith("hf_offload: memory budget") for message in messages) == 4  # trial, 32, 16, 27
     again = [message for message in messages if "is in force again" in message]
-    assert again == [f"hf_offload: a step of 32 tokens: plan {long_plan.code!r}, made for 32, is in force again",
-                     f"hf_offload: a step of 16 tokens: plan {short_plan.code!r}, made for 16, is in force again"]
+    assert again == [
+        f"hf_offload: a step of 32 tokens: plan {long_plan.code!r}, made for 32, is in force again",
+        f"hf_offload: a step of 16 tokens: plan {short_plan.code!r}, made for 16, is in force again",
+    ]
 
 
 @pytest.mark.parametrize("budget", ["auto", "60%"])
