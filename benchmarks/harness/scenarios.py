@@ -167,6 +167,12 @@ def _zoo_shape(model: str, hidden: int, intermediate: int, layers: int, heads: i
 # tokens, full fine-tunes and LoRA r=16, each sized for a step of about 0.1-0.3 s on an H100 (fewer layers than the
 # real model where the real number would make the step long). M36 (above) is the zoo's Qwen2.5-3B shape, the issue's
 # first case; mistral-7b-8l is its second.
+# The config fields of the zoo's shapes of other families than Llama (below).
+_QWEN3_30B_A3B_MOE: dict = {"head_dim": 128, "family": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
+                            "moe_intermediate_size": 768, "norm_topk_prob": True,
+                            "output_router_logits": True}  # fmt: skip
+_GEMMA3_4B_TEXT: dict = {"head_dim": 256, "family": "gemma3_text", "sliding_window": 1024}
+
 ZOO_SCENARIOS: dict[str, Scenario] = {
     "mistral-7b-8l": _zoo_shape("Mistral-7B, 8 of 32 layers", 4096, 14336, 8, 32, 8, 32000, 4096, 2),
     "llama3.2-1b": _zoo_shape("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 128256, 4096, 2),
@@ -190,14 +196,11 @@ ZOO_SCENARIOS: dict[str, Scenario] = {
     # Gemma-3-4B's text model: sliding-window layers (1024 tokens) five in six, so the model hands its layers a
     # materialised mask.
     "qwen3-moe-30b-a3b-16l-lora": _zoo_shape(
-        "Qwen3-30B-A3B, 16 of 48 layers", 2048, 6144, 16, 32, 4, 151936, 4096, 2, lora=True, head_dim=128,
-        family="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-        output_router_logits=True,
-    ),  # fmt: skip
+        "Qwen3-30B-A3B, 16 of 48 layers", 2048, 6144, 16, 32, 4, 151936, 4096, 2, lora=True, **_QWEN3_30B_A3B_MOE
+    ),
     "gemma3-4b-12l": _zoo_shape(
-        "Gemma-3-4B, text, 12 of 34 layers", 2560, 10240, 12, 8, 4, 262208, 4096, 1, head_dim=256,
-        family="gemma3_text", sliding_window=1024,
-    ),  # fmt: skip
+        "Gemma-3-4B, text, 12 of 34 layers", 2560, 10240, 12, 8, 4, 262208, 4096, 1, **_GEMMA3_4B_TEXT
+    ),
 }
 SCENARIOS.update(ZOO_SCENARIOS)
 # The zoo's CPU smoke test of a LoRA shape: tiny-lora without Liger and without forced checkpointing, so that every
