@@ -203,6 +203,11 @@ def test_shorter_steps_get_a_plan_of_their_own_that_keeps_more_and_longer_ones_t
         f"hf_offload: a step of 32 tokens: plan {long_plan.code!r}, made for 32, is in force again",
         f"hf_offload: a step of 16 tokens: plan {short_plan.code!r}, made for 16, is in force again",
     ]
+    # Once what the controller knows changes (a correction, the trial's end, memory held that grew, a step above its
+    # plan's prediction), the plans kept from before are made again rather than reused.
+    context.budget_controller._generation += 1
+    train(model, context, steps=2, lengths=(16, 8))
+    assert context.memory_plan.tokens == 16 and context.memory_plan is not short_plan
 
 
 @pytest.mark.parametrize("budget", ["auto", "60%"])
@@ -780,6 +785,8 @@ def test_a_trial_that_peaks_over_the_budget_is_not_chosen_and_raises_every_predi
     plan, profile = context.memory_plan, controller.profile
     assert plan.code != "cccc"
     assert profile.peak_correction_bytes == over - trial[0]["predicted_peak_bytes"] > 0
+    # Plans kept for other lengths would not be reused: made before the trial's step above its prediction and its end.
+    assert controller._generation == 2
     uncorrected = dataclasses.replace(profile, peak_correction_bytes=0)
     window = plan.prefetch_window_bytes or None
     assert (
