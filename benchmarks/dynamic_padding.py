@@ -39,6 +39,7 @@ import math
 import os
 import random
 import re
+import statistics
 import sys
 import time
 import traceback
@@ -279,8 +280,24 @@ def check(record: dict[str, Any]) -> dict[str, Any]:
         "notices_naming_another_step": [s["step"] for s in notices if s.get("notice_forward") not in (None, s["step"])],
         "steps_with_a_warning": [s["step"] for s in steps if s["warned"]],
         "plans": list(dict.fromkeys(s["plan"] for s in steps if s["plan"])),
+        "plans_by_tokens": sorted({(s["plan_tokens"], s["plan"]) for s in steps if s["plan"]}),
         "max_peak_bytes": max((s["peak_bytes"] for s in steps if s.get("peak_bytes") is not None), default=None),
+        "step_s_by_length": _step_s_by_length(record),
     }
+
+
+def _step_s_by_length(record: dict[str, Any]) -> dict[str, dict[str, float | int] | None]:
+    """The median time of the steps after the first ones (at the middle length: profiled, then the first plan's),
+    those at most the middle length a sequence and the longer ones apart: what a plan per length changes is the
+    shorter steps' time."""
+    later = record["steps"][record["settings"]["first_steps"] :]
+    middle = record["middle_seq"]
+
+    def median_of(steps: list[dict[str, Any]]) -> dict[str, float | int] | None:
+        return {"median_s": statistics.median(s["s"] for s in steps), "steps": len(steps)} if steps else None
+
+    return {"at_most_middle": median_of([s for s in later if s["seq"] <= middle]),
+            "longer": median_of([s for s in later if s["seq"] > middle])}  # fmt: skip
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -318,7 +335,18 @@ def markdown(record: dict[str, Any]) -> str:
         f"- the library's over-budget notices at steps {c['steps_with_over_budget_notice'][:40]} (naming another "
         f"step than their own: {c['notices_naming_another_step'] or 'none'}); warnings at steps "
         f"{c['steps_with_a_warning'][:40]}",
-        f"- plans in force, in order: {', '.join(f'`{p}`' for p in c['plans']) or 'none'}",
+        f"- plans in force, in order: {', '.join(f'`{p}`' for p in c['plans']) or 'none'}; by the tokens they were "
+        f"made for: {', '.join(f'{t} `{p}`' for t, p in c['plans_by_tokens']) or 'none'}",
+        "- step time after the first "
+        f"{s['first_steps']} steps (median): "
+        + "; ".join(
+            f"{what} {record['middle_seq']} a sequence: "
+            + ("—" if m is None else f"{m['median_s']:.3f} s ({m['steps']} steps)")
+            for what, m in (
+                ("at most", c["step_s_by_length"]["at_most_middle"]),
+                ("longer than", c["step_s_by_length"]["longer"]),
+            )
+        ),
         f"- verdict: {'**pass**' if verdict else '**FAIL**'}",
         "",
         "| step | seq | tokens | s | peak | <= budget | plan | plan's tokens | notice |",

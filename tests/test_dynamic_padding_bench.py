@@ -16,14 +16,15 @@ import dynamic_padding  # noqa: E402
 
 
 def _step(step: int, tokens: int, peak: int | None, notice: bool = False) -> dict:
-    return {"step": step, "tokens": tokens, "peak_bytes": peak, "plan": "CC", "warned": notice,
-            "over_budget_notice": notice}  # fmt: skip
+    return {"step": step, "tokens": tokens, "seq": tokens // 2, "s": tokens / 1000, "peak_bytes": peak, "plan": "CC",
+            "plan_tokens": 1300, "warned": notice, "over_budget_notice": notice}  # fmt: skip
 
 
 def test_a_step_over_the_budget_needs_a_notice_at_it_or_at_an_earlier_step_as_long():
     record = {
         "budget_bytes": 100,
-        "settings": {"steps": 6},
+        "middle_seq": 550,
+        "settings": {"steps": 6, "first_steps": 1},
         "steps": [
             _step(1, 1000, 90),
             _step(2, 1200, 110, notice=True),  # over, and said so
@@ -37,6 +38,10 @@ def test_a_step_over_the_budget_needs_a_notice_at_it_or_at_an_earlier_step_as_lo
     assert checks["steps_over_budget"] == [2, 3, 4, 6]
     assert checks["steps_over_budget_without_notice"] == [4, 6]
     assert checks["budget_held_or_announced"] is False and checks["no_exception"]
+    # After the first step: at most 550 a sequence, steps 3 and 5 (1.1 and 1.0 s); longer, steps 2, 4 and 6.
+    assert checks["step_s_by_length"] == {"at_most_middle": {"median_s": 1.05, "steps": 2},
+                                          "longer": {"median_s": 1.3, "steps": 3}}  # fmt: skip
+    assert checks["plans_by_tokens"] == [(1300, "CC")]
     record["steps"][3]["over_budget_notice"] = True
     assert dynamic_padding.check(record)["budget_held_or_announced"] is True
     record["exception"] = {"step": 6}
@@ -74,5 +79,6 @@ def test_cpu_run_end_to_end(tmp_path):
     assert checks["no_exception"] and checks["budget_held_or_announced"] is None  # no peak counter on CPU
     md = (tmp_path / "dynamic_padding-cpu.md").read_text()
     assert "verdict: **pass**" in md and md.count("\n| ") == len(steps) + 1
+    assert f"- step time after the first {settings['first_steps']} steps (median): at most {middle} a sequence: " in md
     log = (tmp_path / "dynamic_padding-cpu.log").read_text()
     assert "finding the minimum" in log and f"step {len(steps)}:" in log
