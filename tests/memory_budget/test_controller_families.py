@@ -179,6 +179,26 @@ def test_a_stack_that_grows_scales_the_planned_step():
     dispose(context)
 
 
+def test_a_model_of_several_stacks_makes_no_plan_for_a_shorter_step():
+    """Plans per length need a step's tokens whole before its layers run. An encoder-decoder's first stack tells
+    only its own, and a later stack may be the longer, so a shorter step runs the plan made for the longer one (a
+    decoder-only model with the same plan makes one for the shorter step: `test_controller.py`)."""
+    batches = [make_batch("t5", device="cpu", seq=seq, vocab=SIZE["vocab"]) for seq in (SEQ, SEQ // 2)]
+    _, roomy, _, _ = train("t5", False, ROOMY)
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        choose_plan(roomy.budget_controller.profile, 1)
+    budget = (refused.value.lowest_plan.predicted.peak_bytes + roomy.memory_plan.predicted.peak_bytes) // 2
+    model = build_model("t5", device="cpu", seq=SEQ, **SIZE)
+    context = make_ctx(model, device_type="cpu", memory_budget=budget)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    run_steps(model, batches[0], steps=STEPS, ctx=context, device="cpu", optimizer=optimizer)
+    run_steps(model, batches[1], steps=2, ctx=context, device="cpu", optimizer=optimizer)
+    plan = context.memory_plan
+    assert plan.code != "K" * len(plan.code) and plan.tokens == context.budget_controller.profile.tokens
+    assert list(context.budget_controller._kept) == [plan.tokens]  # one plan, for the profiled length
+    dispose(context)
+
+
 class TwoStacksOfOneLayer(torch.nn.Module):
     """Two stacks of the same Llama layer, the second over the sequence twice over (as a decoder of targets longer
     than its sources would run): one kind of layer, two calls of different sizes."""
