@@ -37,6 +37,7 @@ Usage:
   python benchmarks/zoo.py --shapes M36,mistral-7b-8l         # a subset (--shapes all: every zoo shape)
   python benchmarks/zoo.py --device cpu --out /tmp/zoo        # CPU smoke run: tiny shapes, hf-offload's CPU test mode
   python benchmarks/zoo.py --recheck-pairs 0                  # no re-check of (a)'s failures
+  python benchmarks/zoo.py --gpus 2 --shapes all              # two sweeps at once, one a GPU; one summary
   python benchmarks/zoo.py --report-only --out DIR            # the summary and charts again, from DIR's JSON files
 """
 
@@ -50,6 +51,7 @@ import shlex
 import shutil
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,7 +145,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="go on with the results already in --out")
     ap.add_argument("--report-only", action="store_true", help="only the summary, charts and bundle from --out")
     ap.add_argument("--no-charts", action="store_true", help="no Pareto charts (they need matplotlib)")
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="deal the shapes round-robin to this many sweeps at once, one a GPU (CUDA_VISIBLE_DEVICES 0..N-1), each "
+        "in <out>/gpu<i>; then one summary of them all in --out",
+    )
     args = ap.parse_args(argv)
+    if args.gpus < 1:
+        ap.error(f"--gpus: want at least 1; got {args.gpus}")
     if args.shapes in (None, "default"):
         args.shapes = ZOO_CPU if args.device == "cpu" else ZOO_DEFAULT
     elif args.shapes == "all":
@@ -159,8 +170,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+def log(message: str, live_log: Path | None = None) -> None:
+    """A line of the run's output, with the time; also appended to ``live_log`` (the parent's own lines, which no
+    child's output carries into the log)."""
+    line = f"[{time.strftime('%H:%M:%S')}] {message}"
+    print(line, flush=True)
+    if live_log is not None:
+        with open(live_log, "a") as log_file:
+            log_file.write(line + "\n")
 
 
 # ======================================================================================================= parent
@@ -180,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         _clear(out)
     (out / LIVE_LOG).touch()
+    if args.gpus > 1:
+        return sweep_on_gpus(args, argv if argv is not None else sys.argv[1:], out, started)
     deadline = started + 60 * args.max_minutes
     spec: dict[str, Any] = {
         "out": str(out),
@@ -217,6 +236,53 @@ def main(argv: list[str] | None = None) -> int:
             record_interrupted(out, spec, progress, why, f"{why} (exit {rc}) after {seconds:.0f} s")
         if timed_out or rc == 0:
             break
+    return finish(out, args.shapes, charts=not args.no_charts)
+
+
+# The options `sweep_on_gpus` sets anew for each of its sweeps (all of them take a value).
+_PER_GPU_OPTIONS = ("--gpus", "--shapes", "--out", "--max-minutes")
+
+
+def sweep_on_gpus(args: argparse.Namespace, argv: list[str], out: Path, started: float) -> int:
+    """--gpus N: the shapes dealt round-robin to N sweeps that run at once, each a run of this script on one GPU
+    (CUDA_VISIBLE_DEVICES=i) in ``out/gpu<i>``, with the time left; then their shape files are gathered in ``out``
+    and the summary, the charts and the bundle are made of them all. The sweeps share the host's CPU cores (a
+    short step is paced by its host thread: give each GPU a few cores of its own); each shape is measured on one GPU
+    throughout, so its checks compare modes run on the same device."""
+    (out / PROGRESS).write_text("{}")  # a run of this script works in `out`: the next one may clear it
+    groups = [shapes for shapes in (args.shapes[i :: args.gpus] for i in range(args.gpus)) if shapes]
+    kept: list[str] = []
+    rest = iter(argv)
+    for arg in rest:
+        if arg in _PER_GPU_OPTIONS:
+            next(rest, None)  # its value
+        elif not arg.startswith(tuple(f"{option}=" for option in _PER_GPU_OPTIONS)):
+            kept.append(arg)
+    minutes = args.max_minutes - (time.time() - started) / 60 - FINAL_RESERVE_S / 60
+    outcomes: dict[int, tuple[int | None, bool]] = {}
+
+    def sweep(index: int, shapes: list[str]) -> None:
+        sweep_args = [*kept, "--shapes", ",".join(shapes), "--out", str(out / f"gpu{index}"),
+                      "--max-minutes", f"{minutes:.3f}"]  # fmt: skip
+        # OUT empty: the sweep bundles nothing; this run bundles them all.
+        outcomes[index] = child.run_child(Path(__file__).resolve(), sweep_args, out / LIVE_LOG, 60 * minutes + 30,
+                                          env={"CUDA_VISIBLE_DEVICES": str(index), "OUT": ""})  # fmt: skip
+
+    log(
+        f"{len(groups)} sweeps at once: " + "; ".join(f"GPU {i}: {', '.join(g)}" for i, g in enumerate(groups)),
+        out / LIVE_LOG,
+    )
+    threads = [threading.Thread(target=sweep, args=(index, shapes)) for index, shapes in enumerate(groups)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index in range(len(groups)):
+        for path in (out / f"gpu{index}").glob("*-zoo-*"):
+            if path.suffix in (".json", ".md"):
+                shutil.copyfile(path, out / path.name)
+    log("sweeps ended: " + "; ".join(f"GPU {i}: exit {rc}{' (time limit)' if late else ''}"
+                                     for i, (rc, late) in sorted(outcomes.items())), out / LIVE_LOG)  # fmt: skip
     return finish(out, args.shapes, charts=not args.no_charts)
 
 
@@ -366,7 +432,8 @@ def write_summary(out: Path, stem: str, shapes: list[str]) -> bool:
     header = [
         f"# hf-offload shape zoo (issue 20, target 2) on {meta['device_name']}",
         "",
-        f"- date (UTC): {meta['date']}; host: {meta['host']}; command: `{meta['command']}`",
+        f"- date (UTC): {meta['date']}; host: {meta['host']}; command: "
+        + "; ".join(f"`{command}`" for command in dict.fromkeys(d["meta"]["command"] for _, d in data)),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
         f"- method: {PROCESSES}; bf16 weights from a config (seed {meta['seed']}), sdpa, fused AdamW, labels = "
         f"input_ids. none, ckpt, ckpt+hfo: {settings['simple_steps'][0]} warm-up + {settings['simple_steps'][1]} "

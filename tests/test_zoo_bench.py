@@ -341,6 +341,32 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
     assert zoo_script.main([*FAST, "--out", str(out)]) == 2 and summary_md.exists()
 
 
+def test_sweeps_on_two_gpus_at_once_make_one_summary(tmp_path, monkeypatch):
+    """--gpus 2: each shape swept in a run of its own on its own GPU, at the same time, in <out>/gpu<i>; their shape
+    files gathered in --out, one summary naming every sweep's command, and one bundle."""
+    bundle_dir = tmp_path / "OUT"
+    monkeypatch.setenv("OUT", str(bundle_dir))
+    out = tmp_path / "zoo"
+    assert zoo_script.main([*FAST, "--gpus", "2", "--out", str(out), "--no-charts"]) == 0
+    for index, shape in enumerate(("tiny", "tiny-lora-plain")):
+        (swept,) = (out / f"gpu{index}").glob("*-zoo-*.json")
+        assert swept.name.endswith(f"-zoo-{shape}.json")
+        data = _shape_json(out, shape)
+        assert data["meta"]["zoo_complete"] and data["meta"]["zoo"]["passed"]
+        assert f"--shapes {shape} --out {out / f'gpu{index}'}" in data["meta"]["command"]
+        assert "--gpus" not in data["meta"]["command"]
+    (summary_md,) = out.glob("*-zoo.md")
+    text = summary_md.read_text()
+    assert "| tiny | " in text and "| tiny-lora-plain | " in text and text.count("--shapes tiny") == 2
+    assert sorted(p.name for p in bundle_dir.iterdir()) == sorted(
+        [f"{summary_md.stem}.tar.gz", summary_md.name, f"{summary_md.stem}.log"]
+    )
+    log = (bundle_dir / f"{summary_md.stem}.log").read_text()
+    assert "2 sweeps at once: GPU 0: tiny; GPU 1: tiny-lora-plain" in log and "GPU 0: exit 0; GPU 1: exit 0" in log
+    assert zoo_script.main([*FAST, "--gpus", "2", "--out", str(out), "--no-charts", "--shapes", "tiny"]) == 0  # again
+    assert [p.name.rsplit("-zoo-", 1)[1] for p in out.glob("*-zoo-*.json")] == ["tiny.json"]  # the last run's only
+
+
 def test_time_budget_stops_cleanly(tmp_path, monkeypatch):
     monkeypatch.delenv("OUT", raising=False)
     out = tmp_path / "zoo"

@@ -22,15 +22,17 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(script: Path, args: list[str], log_path: Path, timeout: float) -> tuple[int | None, bool]:
-    """Runs ``python SCRIPT ARGS`` in the repository's root; its output goes to stdout and is appended to
-    ``log_path`` as it comes. Returns its exit code and whether it was killed at ``timeout`` seconds."""
+def run_child(script: Path, args: list[str], log_path: Path, timeout: float,
+              env: dict[str, str] | None = None) -> tuple[int | None, bool]:  # fmt: skip
+    """Runs ``python SCRIPT ARGS`` in the repository's root (``env``: variables set for it on top of `child_env`);
+    its output goes to stdout and is appended to ``log_path`` as it comes. Returns its exit code and whether it was
+    killed at ``timeout`` seconds."""
     proc = subprocess.Popen(
         [sys.executable, str(script), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=child_env(),
+        env=child_env() | (env or {}),
         cwd=str(REPO),
     )
 
