@@ -147,24 +147,32 @@ def test_a_later_longer_step_that_no_plan_fits_runs_on_the_lowest_plan_with_one_
     assert plan.predicted.peak_bytes > budget
 
 
+def near_the_minimum(lengths: tuple[int, ...], caplog) -> SimpleNamespace:
+    """Dynamic padding: training on `lengths` (a sequence length a step) under a budget just above the smallest that
+    fits 16 tokens a sequence, the plans' margin (0.5% of the budget) included; exactly as without the library. The
+    model, its context, the budget, the plan in force after each step and the log's messages."""
+    baseline = train(tiny_llama(), Unchanged(), steps=len(lengths), lengths=lengths)
+    budget = int(planned_minimum() * 1.006)
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+    in_force = []
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        results = train(model, context, steps=len(lengths), lengths=lengths,
+                        after_step=lambda: in_force.append(context.memory_plan))  # fmt: skip
+    assert_bitwise_equal(results, baseline)
+    return SimpleNamespace(model=model, context=context, budget=budget, in_force=in_force,
+                           messages=[record.getMessage() for record in caplog.records])  # fmt: skip
+
+
 def test_after_a_step_that_no_plan_fits_the_shorter_steps_run_the_plan_that_fits_them_again(caplog):
     """Dynamic padding: steps of 16 tokens a sequence, then one of 32 that no plan fits, under a budget just above the
     smallest that fits 16. The step of 32 runs on its lowest-memory plan (one warning), the next ones of 16 on the
     plan made for them, which fits, and a second step of 32 on that lowest plan again, without planning anew;
     exactly (on an H200, the lowest plan stayed in force after such a step, and shorter steps that a plan fitted ran
     over the budget)."""
-    lengths = (16, 16, 16, 16, 32, 16, 16, 32, 16)
-    baseline = train(tiny_llama(), Unchanged(), steps=len(lengths), lengths=lengths)
-    budget = int(planned_minimum() * 1.006)  # the plans' margin (0.5% of the budget) included
-    model = tiny_llama()
-    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
-    in_force = []
-    with caplog.at_level(logging.INFO, logger="hf_offload"):
-        results = train(model, context, steps=len(lengths), lengths=lengths, after_step=lambda: in_force.append(
-            None if context.memory_plan is None else context.memory_plan.tokens))  # fmt: skip
-    assert_bitwise_equal(results, baseline)
-    assert in_force == [None, None, 32, 32, 64, 32, 32, 64, 32]
-    messages = [record.getMessage() for record in caplog.records]
+    run = near_the_minimum((16, 16, 16, 16, 32, 16, 16, 32, 16), caplog)
+    assert [None if plan is None else plan.tokens for plan in run.in_force] == [None, None, 32, 32, 64, 32, 32, 64, 32]
+    messages = run.messages
     assert sum("It runs on the lowest-memory plan" in message for message in messages) == 1
     assert sum(message.startswith("hf_offload: memory budget") for message in messages) == 2  # two plans made
     again = [message for message in messages if "is in force again" in message]
@@ -178,16 +186,8 @@ def test_shorter_steps_get_a_plan_of_their_own_that_keeps_more_and_longer_ones_t
     length step, which keeps more; the longer steps run the plan made for them again without planning anew, and the
     shorter steps theirs; the trial of plain checkpointing runs its steps first whatever their length. Exactly, and
     every plan predicted under the budget."""
-    lengths = (16, 16, 16, 16, 8, 8, 16, 8, 12)
-    baseline = train(tiny_llama(), Unchanged(), steps=len(lengths), lengths=lengths)
-    budget = int(planned_minimum() * 1.006)  # the plans' margin (0.5% of the budget) included
-    model = tiny_llama()
-    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
-    in_force = []
-    with caplog.at_level(logging.INFO, logger="hf_offload"):
-        results = train(model, context, steps=len(lengths), lengths=lengths, after_step=lambda: in_force.append(
-            None if context.memory_plan is None else context.memory_plan))  # fmt: skip
-    assert_bitwise_equal(results, baseline)
+    run = near_the_minimum((16, 16, 16, 16, 8, 8, 16, 8, 12), caplog)
+    in_force, budget, messages = run.in_force, run.budget, run.messages
     # Two sequences a step: 32 tokens at 16, 16 at 8 and 24 at 12, whose length step above is 32 * 2**-0.25.
     assert [None if plan is None else plan.tokens for plan in in_force] == [None, None, 32, 32, 32, 16, 32, 16, 27]
     assert in_force[4].trial and not in_force[5].trial
@@ -195,7 +195,6 @@ def test_shorter_steps_get_a_plan_of_their_own_that_keeps_more_and_longer_ones_t
     assert short_plan.code.count("K") > long_plan.code.count("K")
     assert in_force[7] is short_plan  # kept, not planned anew
     assert all(plan.predicted.peak_bytes <= budget for plan in in_force[2:])
-    messages = [record.getMessage() for record in caplog.records]
     assert not any("It runs on the lowest-memory plan" in message for message in messages)
     assert sum(message.startswith("hf_offload: memory budget") for message in messages) == 4  # trial, 32, 16, 27
     again = [message for message in messages if "is in force again" in message]
@@ -205,9 +204,9 @@ def test_shorter_steps_get_a_plan_of_their_own_that_keeps_more_and_longer_ones_t
     ]
     # Once what the controller knows changes (a correction, the trial's end, memory held that grew, a step above its
     # plan's prediction), the plans kept from before are made again rather than reused.
-    context.budget_controller._generation += 1
-    train(model, context, steps=2, lengths=(16, 8))
-    assert context.memory_plan.tokens == 16 and context.memory_plan is not short_plan
+    run.context.budget_controller._generation += 1
+    train(run.model, run.context, steps=2, lengths=(16, 8))
+    assert run.context.memory_plan.tokens == 16 and run.context.memory_plan is not short_plan
 
 
 @pytest.mark.parametrize("budget", ["auto", "60%"])
