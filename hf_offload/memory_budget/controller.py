@@ -147,6 +147,7 @@ class _StepMeasurements:
     head_start: Any = None
     head_s: float | None = None
     held_at_step_start: int | None = None  # what was allocated as the second step began: the memory between steps
+    static_at_step_start: int = 0  # that, and the gradients backward was to create (`_static_bytes`, summed)
     head_bytes: int | None = None
     # CPU test mode, which has no peak counter: what the head and loss saved in the second profiled step.
     head_saved_bytes: int | None = None
@@ -176,10 +177,11 @@ class _Sample:
     """One clean step of a plan: its tokens in the profile's terms, its time, its peak (None without a counter) and
     the tail the engine kept in it; `profiled`: the second profiled step, which the model of the step is calibrated
     on (its `other_s`). `peak_exact`: the peak is this step's own (the counter rose to it in this step), not a bound
-    left by an earlier one; `predicted_peak_bytes`: the model's prediction of the step as it ran (its window, no
-    correction), which an exact peak corrects (`_peak_correction`); `head_base_bytes` and `head_reload_bytes`: its
-    head's point without reloads and the reloads counted on top (`SimulatedStep`), with which an exact peak bounds
-    what the head hides (`_head_reload_hidden`)."""
+    left by an earlier one; `static_bytes`: what was held between steps, with the gradients backward was to create,
+    as the step began, which its peak grows with (`_measured_plans`); `predicted_peak_bytes`: the model's prediction
+    of the step as it ran (its window, no correction), which an exact peak corrects (`_peak_correction`);
+    `head_base_bytes` and `head_reload_bytes`: its head's point without reloads and the reloads counted on top
+    (`SimulatedStep`), with which an exact peak bounds what the head hides (`_head_reload_hidden`)."""
 
     tokens: int
     seconds: float
@@ -187,6 +189,7 @@ class _Sample:
     profiled: bool = False
     tail_bytes: int = 0  # what the engine's tail kept through the step's head
     peak_exact: bool = False
+    static_bytes: int | None = None  # the memory held between steps and the gradients pending, as the step began
     predicted_peak_bytes: int | None = None
     head_base_bytes: int | None = None
     head_reload_bytes: int = 0
@@ -254,6 +257,10 @@ class MemoryBudgetController:
         self._applied_at = 0
         self._timed_step_start: Any = None
         self._floor_at_timed_start = 0  # the counter's largest read when the timed step began
+        # `_static_bytes`, summed, as this training forward began (read once a step: a plan made within the forward,
+        # at a layer's start, would count what the step has made so far), and as the timed step began.
+        self._static_at_step_start = 0
+        self._static_at_timed_start = 0
         self._corrections = 0
         self._trialled: set[str] = set()  # the codes of the plans run as trials
         self.calibration = Calibration()  # what the measured plans taught the model, as of rank 0's last plan
@@ -317,6 +324,7 @@ class MemoryBudgetController:
         self._forwards += 1
         self._previous_step_tokens, self._step_tokens = self._step_tokens, 0
         self._input_elements = _input_elements(args, kwargs)
+        self._static_at_step_start = sum(self._static_bytes())
         if self._forwards == 1:
             self._apply(_actions("C" * len(self._layers)), "C" * len(self._layers), windows=None)
         elif self._forwards == 2:
@@ -326,6 +334,7 @@ class MemoryBudgetController:
                 self._apply_safe_plan(self._measured.step_tokens)
             self._take_call_order()
             self._measured.held_at_step_start = self._meter.allocated()
+            self._measured.static_at_step_start = self._static_at_step_start
             self._measured.step_start = self._meter.mark()
             self._meter.reset_peak()
         elif self._forwards == 3:
@@ -431,7 +440,8 @@ class MemoryBudgetController:
             measured.step_tokens, self._code, default_prefetch_window_bytes(max(inputs)) if window is None else window
         )
         sample = _Sample(measured.step_tokens, measured.step_s, peak, profiled=True, tail_bytes=self._tail_kept(),
-                         peak_exact=peak is not None, **predicted)  # fmt: skip
+                         peak_exact=peak is not None, static_bytes=measured.static_at_step_start,
+                         **predicted)  # fmt: skip
         self._samples.setdefault(self._code, []).append(sample)
 
     def _tail_kept(self) -> int:
@@ -452,6 +462,7 @@ class MemoryBudgetController:
         if to_check and (trial or self._corrections < _MAX_CORRECTIONS):
             self._timed_step_start = self._meter.mark()
             self._floor_at_timed_start = self._peak_floor
+            self._static_at_timed_start = self._static_at_step_start
 
     def _close_the_loop(self) -> None:
         """At a training forward's start: records the step that just ended if it ran one plan all through and was
@@ -472,6 +483,7 @@ class MemoryBudgetController:
             predicted = self._model_prediction(self._previous_step_tokens, self._code, window)
             self._samples.setdefault(self._code, []).append(_Sample(self._previous_step_tokens, seconds, peak,
                                                                     tail_bytes=self._tail_kept(), peak_exact=exact,
+                                                                    static_bytes=self._static_at_timed_start,
                                                                     **predicted))  # fmt: skip
             # A step above what its plan counted (its prediction raised by the correction then): the plans kept for
             # other lengths were made with a correction now known to be short. Alone only: under torch.distributed
@@ -809,10 +821,12 @@ class MemoryBudgetController:
         return [p for p in (ref() for ref in self._parameter_refs) if p is not None]
 
     def _static_grew(self) -> bool:
+        """Whether the memory held as this step began (with the gradients pending) grew past what the plan in force
+        was made with, beyond the allocator's noise."""
         if self._profile is None:
             return False
         planned = self._profile.static_bytes + self._profile.gradient_bytes
-        return sum(self._static_bytes()) > planned * (1 + _STATIC_GROWTH_TOLERANCE)
+        return self._static_at_step_start > planned * (1 + _STATIC_GROWTH_TOLERANCE)
 
     def _plan_and_apply(self, tokens: int) -> None:
         """Plans for `tokens` per step with the memory held now, on rank 0, and applies the plan on every rank.
@@ -1027,7 +1041,12 @@ class MemoryBudgetController:
         next (on the H100 zoo, plain checkpointing's steps spanned 0.167-0.246 s within one run), and are no
         property of the plan. Only plans with `_MEASURED_STEPS` steps count
         (one step is noise), the safe plan, whose profiled step the model is calibrated on, and the trial's
-        `_TRIAL_MEASURED_STEPS`. Plans that tile MLPs or layers where `profile` cannot are left out."""
+        `_TRIAL_MEASURED_STEPS`. Plans that tile MLPs or layers where `profile` cannot are left out.
+
+        A peak grows by what the memory held between steps, with the gradients pending, grew since its step began:
+        with gradient accumulation over three micro-steps or more, the profiled steps run before the optimizer made
+        its state (AdamW's: twice the trained parameters), and a plan chosen by their peak would run over the budget
+        by that state once it exists."""
         at_tokens: dict[int, StepProfile] = {}
         measured = []
         for code, samples in self._samples.items():
@@ -1041,8 +1060,10 @@ class MemoryBudgetController:
                     at_tokens[sample.tokens] = self._profile_now(sample.tokens)
                 if unavailable_tiling(at_tokens[sample.tokens], code):
                     continue  # a step shorter than one chunk ran its tiled MLPs untiled: the model has no such step
-                steps.append(MeasuredStep(code, sample.seconds, sample.peak_bytes).scaled(at_tokens[sample.tokens],
-                                                                                          profile))  # fmt: skip
+                peak = sample.peak_bytes
+                if peak is not None and sample.static_bytes is not None:
+                    peak += max(0, self._static_at_step_start - sample.static_bytes)
+                steps.append(MeasuredStep(code, sample.seconds, peak).scaled(at_tokens[sample.tokens], profile))
             if not steps:
                 continue
             # Its peak where every step's is known; and where some step's own peak was over the budget (the others'

@@ -689,6 +689,37 @@ def test_a_budget_the_measured_safe_plan_meets_is_not_refused(monkeypatch):
     assert plan.code == "CCCC" and plan.measured.peak_bytes == predicted // 10 and plan.predicted.peak_bytes > budget
 
 
+def test_a_measured_peak_grows_with_the_memory_held_since_its_step(monkeypatch):
+    """Gradient accumulation over three micro-steps or more: the profiled steps run before any optimizer step, and
+    AdamW's state (twice the trained parameters) appears later. The safe plan's peak, measured before, would have a
+    plan chosen by it run over the budget by that state: a measured peak grows by what the memory held between
+    steps, with the gradients pending, grew since its step began (here made to grow by hand: the CPU test mode
+    counts no optimizer state). A plan chosen by that peak then no longer fits a budget it met before the growth."""
+    predicted = planned_minimum()
+    model = tiny_llama()
+    budget = predicted // 2
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+    controller = context.budget_controller
+    measured_peak = budget - 1000
+    monkeypatch.setattr(controller._meter, "peak", lambda: measured_peak if controller._forwards == 3 else None)
+    train(model, context, steps=4)
+    assert context.memory_plan.code == "CCCC" and context.memory_plan.measured.peak_bytes == measured_peak
+
+    def safe_peak() -> int | None:
+        profile = controller._profile_now(controller.profile.tokens)
+        return next(step.peak_bytes for step in controller._measured_plans(profile) if step.code == "CCCC")
+
+    assert safe_peak() == measured_peak  # nothing grew
+    counted = controller._static_bytes
+    grown = 4096  # under the 2% of growth that plans anew
+    monkeypatch.setattr(controller, "_static_bytes", lambda: (counted()[0] + grown, counted()[1]))
+    train(model, context, steps=1)  # read as a step begins
+    assert safe_peak() == measured_peak + grown
+    with pytest.raises(InfeasibleBudgetError):  # measured with the growth, the safe plan no longer fits
+        controller._choose(controller._profile_now(controller.profile.tokens), budget, 0,
+                           controller._measured_plans(controller._profile_now(controller.profile.tokens)))  # fmt: skip
+
+
 def test_a_peak_counter_reset_by_someone_else_is_not_taken_for_the_step_peak():
     # A benchmark or training script that resets the device's peak counter at each step's start makes the
     # controller's next read (at the next forward's start) a fraction of the step's peak: a plan would seem to fit
