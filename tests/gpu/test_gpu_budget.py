@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -479,4 +480,69 @@ def test_a_step_that_grows_with_eager_attention_stays_under_the_budget(record):
     assert plan.tokens == long
     assert max(peaks) <= budget, f"plans {seen}: step peaks {peaks} over the budget {budget}"
     assert all(torch.isfinite(loss) for loss in losses)
+    dispose(ctx)
+
+
+def accumulated_peaks(
+    model, batch: dict, ctx, micro_steps: int, accumulation: int, warned: Callable[[], bool] = lambda: False
+) -> tuple[list[int], list[bool], list[torch.Tensor]]:
+    """Gradient accumulation: the optimizer steps after every `accumulation` micro-steps. Per micro-step, the peak of
+    its forward and backward (the part a plan decides; the optimizer's own step is not), whether `warned()` by then,
+    and the loss."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    peaks, warnings, losses = [], [], []
+    for step in range(micro_steps):
+        torch.manual_seed(100 + step)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if ctx is None:
+            loss = model(**batch).loss
+        else:
+            with ctx:
+                loss = model(**batch).loss
+        (loss / accumulation).backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+        warnings.append(warned())
+        losses.append(loss.detach().cpu())
+        if (step + 1) % accumulation == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return peaks, warnings, losses
+
+
+def test_a_plan_chosen_after_the_optimizer_made_its_state_counts_it(record, caplog):
+    """Gradient accumulation over four micro-steps: the profiled steps and the first plan come before the first
+    optimizer step, so before AdamW's state (twice the trained parameters) exists. When the state appears, the
+    controller plans again; a plan chosen there by the peak it measured before (the safe plan, under a budget at
+    the named minimum) would run over the budget by the state, silently, until the closed loop's check proved it.
+    A measured peak now grows by what the memory held between steps grew since it was measured: no plan fits, and
+    the warning comes before the first micro-step over the budget. Losses bitwise equal to no offloading."""
+    batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"])
+    micro_steps, accumulation = 12, 4
+    _, _, reference = accumulated_peaks(medium_model(), batch, None, micro_steps, accumulation)
+    model = medium_model()
+    ctx = make_ctx(model, memory_budget=1)
+    with pytest.raises(ValueError, match="below the smallest peak") as refused:
+        accumulated_peaks(model, batch, ctx, 3, accumulation)
+    minimum, message = refused.value.minimum_bytes, str(refused.value)
+    dispose(ctx)
+    del model, ctx, refused  # the traceback holds the run's frames, and with them its model and optimizer
+    gc.collect()
+    torch.cuda.empty_cache()
+    budget = minimum if "the smallest budget known to work" in message else int(minimum * 1.006)
+    model = medium_model()
+    ctx = make_ctx(model, memory_budget=budget)
+
+    def warned() -> bool:
+        return any("no plan fits memory_budget" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level("WARNING", logger="hf_offload"):
+        peaks, warnings, losses = accumulated_peaks(model, batch, ctx, micro_steps, accumulation, warned)
+    over = [step for step, peak in enumerate(peaks) if peak > budget]
+    record("accumulation", {"budget": budget, "minimum_message": message[:300], "step_peaks": peaks,
+                            "warned": warnings, "over": over, "plan": ctx.memory_plan.code}, show=True)  # fmt: skip
+    assert over, "the optimizer's state must push the lowest plan over this budget for this to test anything"
+    assert all(warnings[step] for step in over), f"micro-steps {over} over the budget {budget} before any warning"
+    assert torch.equal(torch.stack(losses), torch.stack(reference))
     dispose(ctx)
