@@ -17,7 +17,8 @@ the budget's re-check (``harness.worker.SharedModel``: each run sets its own che
 context off when it ends), so that both sides see the same drift of the host (short steps' times drift with it by
 more than 2% within minutes, and a model built afresh per run put minutes between them); (a) is judged again on each
 side's pooled timed steps, and the report shows both ratios. Within --max-minutes: a budget the time leaves out keeps
-its first verdict, "not re-checked (time)".
+its first verdict, "not re-checked (time)". A budget that fails (a) having run only its reference's own plan (every
+layer `C` against ckpt+hfo, `c` against ckpt, `K` against none) is marked so: the planner chose nothing else there.
 
 Speed: all modes of all shapes run one after the other in one child process (run.py's harness: ``harness.worker``
 builds each of the sweep's modes its model afresh from the same seed; between modes the model is freed, the

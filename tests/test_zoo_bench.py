@@ -160,6 +160,29 @@ def test_the_simple_plans_the_library_measured_are_reported():
     assert "| C 0.330 s, c 0.280 s, +1 other |" in text
 
 
+def test_an_a_failure_that_ran_its_references_own_plan_says_so():
+    """A budget whose every plan is the very plan of the simple plan (a) compares it with (`C` on every layer against
+    ckpt+hfo, `c` against ckpt, `K` against none) and fails (a) did nothing the planner chose differently: its time
+    moved between runs. The report says so where it counts the failure."""
+    results = _simple() + [
+        _plan(50, 0.40, [19, 19, 19, 19], code="CCCC"),  # only ckpt+hfo fits: its own plan, 1.176x
+        _plan(55, 0.40, [20, 20, 21, 21], code="cccc"),  # ckpt fits (0.33 s): its own plan, 1.212x
+        _plan(60, 0.40, [20, 20, 22, 22], code="ccKK"),  # another plan: a planner's choice
+        _plan(65, 0.30, [20, 20, 22, 22], code="cccc"),  # its own plan, but passes
+    ]
+    rows = {row["mode"]: row for row in zoo.budget_checks(results)}
+    own = [rows[m]["reference_plan"] for m in ("plan@50", "plan@55", "plan@60", "plan@65")]
+    assert own == [True, True, False, True]
+    assert rows["plan@55"]["fastest_fitting"] == "ckpt"
+    text = "\n".join(zoo.shape_markdown(zoo.shape_summary(results, REFERENCE)))
+    assert "| 1.176 | **NO** (ckpt+hfo's own plan) |" in text
+    assert "| 1.212 | **NO** (ckpt's own plan) |" in text
+    assert "| 1.212 | **NO** |" in text  # plan@60
+    assert "3 failed (plan@50 (ckpt+hfo's own plan), plan@55 (ckpt's own plan), plan@60)" in text
+    results[-3]["per_step"][1]["plan"] = "CCCC"  # another plan ran first (the profiled safe plan): not ckpt's own
+    assert not {row["mode"]: row for row in zoo.budget_checks(results)}["plan@55"]["reference_plan"]
+
+
 def _rerun(budget: str, run: int, mode: str, times: list[float], peaks: list[float] | None = None) -> dict:
     """A run of ``budget``'s re-check (its ``run``-th): ``mode`` with these timed steps' seconds (4 warm-up steps
     before them) and, for the plan, its steps' peaks in GiB (default: under every budget here)."""

@@ -38,6 +38,8 @@ from .modes import PLAN_PREFIX, parse_mode
 from .report import Result, budget_bytes, fmt
 
 SIMPLE_MODES = ("none", "ckpt", "ckpt+hfo")
+# The plan each simple mode is, every layer alike: keep, checkpoint keeping the input, checkpoint offloading it.
+SIMPLE_PLAN_LETTERS = {"none": "K", "ckpt": "c", "ckpt+hfo": "C"}
 # A budget far below any plan's peak: its refusal names the smallest budget that works for the shape.
 PROBE_PERCENT = 1
 PROBE_MODE = f"{PLAN_PREFIX}{PROBE_PERCENT}"
@@ -167,6 +169,9 @@ def budget_checks(results: list[Result], rechecks: Sequence[Result] = (), pairs:
             "fastest_fitting_s": fastest[STEP_TIME] if fastest else None,
             "simple_fitting": [s["mode"] for s in fits],
             "x_fastest": None,
+            # Every plan it ran is the very plan of the simple plan (a) compares it with: an (a) failure is then
+            # that plan's time moving between runs, not a choice of the planner's.
+            "reference_plan": None,
             "steps_over": None,
             "a": None,
             "b": None,
@@ -178,6 +183,8 @@ def budget_checks(results: list[Result], rechecks: Sequence[Result] = (), pairs:
         if status == "ok":
             if fastest is not None:
                 row["x_fastest"] = r[STEP_TIME] / fastest[STEP_TIME]
+                letter = SIMPLE_PLAN_LETTERS[fastest["mode"]]
+                row["reference_plan"] = bool(row["codes"]) and all(set(code) == {letter} for code in row["codes"])
                 row["a"] = row["x_fastest"] <= TIME_TOLERANCE
             peaks = step_peaks(r)
             if peaks is not None and budget is not None:
@@ -392,6 +399,8 @@ def shape_markdown(summary: dict[str, Any], method: bool = True) -> list[str]:
         )
         recheck = row.get("recheck")
         verdict = mark(row["a"]) + (" (re-check)" if recheck and recheck["state"] == "judged" else "")
+        if row["a"] is False and row.get("reference_plan"):  # none in results written before it was checked
+            verdict += f" ({row['fastest_fitting']}'s own plan)"
         lines.append(
             f"| {row['mode']} | {size(row['budget_bytes'])} | {status} | {plan} | {fmt(row['step_s'])} | "
             f"{fmt(row['median_s'])} | "
@@ -417,6 +426,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             passed += f" ({c['pass_first']} first time, {c['pass'] - c['pass_first']} on re-check)"
             failures = [f"{m}: {recheck_text(rows[m]['recheck'])}" if rows[m]["recheck"] else m for m in failures]
             sep = "; "
+        if check == "a":
+            failures = [f"{text} ({row['fastest_fitting']}'s own plan)" if row.get("reference_plan") else text
+                        for text, row in zip(failures, (rows[m] for m in c["fail"]))]  # fmt: skip
         failed = f"{len(failures)} failed" + (f" ({sep.join(failures)})" if failures else "")
         return f"({check}) {what}: {passed}, {failed}, {c['n/a']} n/a"
 
