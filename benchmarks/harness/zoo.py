@@ -384,6 +384,12 @@ def _steps_over(row: dict[str, Any]) -> str:
     return "; ".join(part for part in parts if part)
 
 
+def _own_plan(row: dict[str, Any]) -> str:
+    """What an (a) failure's text adds where the budget ran only the plan of the simple plan it was compared with."""
+    # none in results written before it was checked
+    return f" ({row['fastest_fitting']}'s own plan)" if row.get("reference_plan") else ""
+
+
 def shape_markdown(summary: dict[str, Any], method: bool = True) -> list[str]:
     """The zoo's section of a shape's markdown: the checks per budget, each re-check's runs, and the counts;
     ``method``: with what the re-check is (the summary says it once, in its head)."""
@@ -399,8 +405,8 @@ def shape_markdown(summary: dict[str, Any], method: bool = True) -> list[str]:
         )
         recheck = row.get("recheck")
         verdict = mark(row["a"]) + (" (re-check)" if recheck and recheck["state"] == "judged" else "")
-        if row["a"] is False and row.get("reference_plan"):  # none in results written before it was checked
-            verdict += f" ({row['fastest_fitting']}'s own plan)"
+        if row["a"] is False:
+            verdict += _own_plan(row)
         lines.append(
             f"| {row['mode']} | {size(row['budget_bytes'])} | {status} | {plan} | {fmt(row['step_s'])} | "
             f"{fmt(row['median_s'])} | "
@@ -427,8 +433,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             failures = [f"{m}: {recheck_text(rows[m]['recheck'])}" if rows[m]["recheck"] else m for m in failures]
             sep = "; "
         if check == "a":
-            failures = [f"{text} ({row['fastest_fitting']}'s own plan)" if row.get("reference_plan") else text
-                        for text, row in zip(failures, (rows[m] for m in c["fail"]))]  # fmt: skip
+            failures = [text + _own_plan(rows[m]) for text, m in zip(failures, c["fail"])]
         failed = f"{len(failures)} failed" + (f" ({sep.join(failures)})" if failures else "")
         return f"({check}) {what}: {passed}, {failed}, {c['n/a']} n/a"
 
