@@ -624,6 +624,11 @@ class _TiledLayerFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.call is None:
+            raise RuntimeError("a tiled layer's backward ran a second time through one graph (retain_graph=True): "
+                               "its first released the layer's call, whose mask and rotary tables would otherwise "
+                               "live as long as the loss. Tiled layers (tile_layer) allow one backward per "
+                               "forward.")  # fmt: skip
         x, *params = ctx.saved_tensors
         need_x = ctx.needs_input_grad[1]
         need = ctx.needs_input_grad[2:]
@@ -706,6 +711,9 @@ class _TiledLayerFunction(torch.autograd.Function):
                             grad_x[:, start:end] += g
                     sums.add(grads)
                 del hidden, qkv_rows, pairs
+        # The node lives as long as the loss that made it, and a loop's `loss` lives through the next step's forward:
+        # the call's mask and rotary tables, held here, would be memory held between steps.
+        ctx.call = ctx.attention = ctx.rng = None
         summed = iter(sums.gradients())
         return None, grad_x, *(next(summed) if n else None for n in need)
 

@@ -29,6 +29,7 @@ import copy
 import sys
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -473,6 +474,29 @@ def test_the_op_saves_only_the_layer_input():
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             layer(x, attention_mask=None, position_embeddings=rotary, position_ids=positions)
     assert [id(t) for t in saved] == [id(x)] + [id(p) for p in layer.parameters() if p.requires_grad]
+
+
+def test_backward_releases_the_call_the_loss_would_keep_until_the_next_forward():
+    """A training loop's `loss` lives until the next step's forward has run (`loss = model(...).loss`), and with it the
+    graph's nodes: a tiled layer's node held the layer's call, its mask and rotary tables, past backward, into the next
+    forward and in the memory held between steps (on an H200, a 32 MiB mask of the previous step still allocated as
+    the next began). Backward releases them; a second backward through the same graph is refused, clearly."""
+    model = tiny("llama", attn="eager")
+    embeds, labels = batch(model)
+    layer = layers_of(model)[0]
+    seen = []
+    layer.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    with apply_tiled_layer(model, TOKENS_PER_CHUNK):
+        loss = model(inputs_embeds=embeds, labels=labels, attention_mask=torch.ones_like(labels), use_cache=False).loss
+        mask, rotary = seen[0]["attention_mask"], seen[0]["position_embeddings"][0]
+        assert isinstance(mask, torch.Tensor)
+        held = [weakref.ref(mask), weakref.ref(rotary)]
+        seen.clear()
+        del mask, rotary
+        loss.backward(retain_graph=True)
+        assert [ref() for ref in held] == [None, None], "the mask and rotary tables outlived backward"
+        with pytest.raises(RuntimeError, match="second time"):
+            loss.backward()
 
 
 # --------------------------------------------------------------------------------------------------------------------
