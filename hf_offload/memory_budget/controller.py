@@ -17,14 +17,16 @@ training forwards of the model (grad enabled, model in training mode) and:
    the forward leaves, the head's time, and the whole step's time (the rest of the step, embedding and optimizer,
    is what the model of the safe step does not explain).
 3. Third forward: plans (`search.choose_plan`) for the budget, applies the plan (`layer_actions.apply_layer_actions`)
-   and sizes the engine's windows; a budget no plan fits is an `InfeasibleBudgetError` here. On every later forward it
-   re-plans if the step has more tokens than it planned for (checked as each stack starts, before its layers run;
-   each stack's tokens scale the whole step from the first step's) or the memory held between steps has grown
-   (optimizer state created after a gradient accumulation cycle). Such a step that no plan fits runs on the
-   lowest-memory plan, with a warning: never an exception in the middle of training. The plans made are kept by
-   the length they were made for, and a step runs the one made for the shortest length at least its own; a step
-   more than a length step (`_LENGTH_STEP`) shorter than any gets a plan of its own, which may keep more
-   (`_plan_for`).
+   and sizes the engine's windows; a budget no plan fits is an `InfeasibleBudgetError` here. Where gradients
+   accumulate over micro-steps and no optimizer has stepped yet, the first plan waits for the optimizer's first step,
+   whose state it must count (`_first_plan_waits`), the steps running the safe plan until then. On every later
+   forward it re-plans if the step has more tokens than it planned for (checked as each stack starts, before its
+   layers run; each stack's tokens scale the whole step from the first step's) or the memory held between steps has
+   grown (optimizer state created after a gradient accumulation cycle, where no optimizer step hook told). Such a
+   step that no plan fits runs on the lowest-memory plan, with a warning: never an exception in the middle of
+   training. The plans made are kept by the length they were made for, and a step runs the one made for the
+   shortest length at least its own; a step more than a length step (`_LENGTH_STEP`) shorter than any gets a plan
+   of its own, which may keep more (`_plan_for`).
 4. The closed loop: the steps a plan runs are measurements (their time; on a device, their peak: exactly in the
    profiled steps, later an upper bound, as the counter is not reset after them). After the `_MEASURED_STEPS` steps
    that follow the first one on a new plan, the controller plans again with what every plan run so far measured
@@ -60,6 +62,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..allocator import release_unusable_cache
 from ..engine import OffloadActivations, default_prefetch_window_bytes
@@ -124,6 +127,9 @@ _TRIAL_MEASURED_STEPS = 2
 # whole layer 15-25. Enough that a plan keeping an input rather than offloading it for nothing is the faster.
 _INPUT_OFFLOAD_HOST_S = 1e-5
 _SAVED_OFFLOAD_HOST_S = 1e-4
+# The first plan waits for the optimizer's first step at most this many forwards after the profiled ones: an
+# optimizer that is no `torch.optim.Optimizer` calls no step hook, and the safe plan is the slowest.
+_FIRST_PLAN_WAIT_FORWARDS = 64
 # Plans per length (`_plan_for`): made for the first plan's tokens times a power of this (a step of 19%: a 2x range
 # of shorter steps makes at most 4 more plans), and for no fewer tokens than this share of the first plan's.
 _LENGTH_STEP = 2**0.25
@@ -269,6 +275,10 @@ class MemoryBudgetController:
         self._peak_floor = 0
         self._peak_at_backward_end: int | None = None
         self._parameter_refs: list[weakref.ref] | None = None  # `_parameters`
+        # Every `torch.optim` optimizer's steps since the controller began (a hook for all of them, taken off with the
+        # context's hooks): whether the optimizer's state can exist yet (`_first_plan_waits`).
+        self._optimizer_steps = _StepCount()
+        engine.track_hook(register_optimizer_step_post_hook(self._optimizer_steps))
         # Under torch.distributed: the ranks' agreement (made at the first plan, which every rank reaches at once),
         # the host caps they agreed on at the latest plan, and how this rank estimates its step's tokens before its
         # layers run: in proportion to its forward's input elements (`_estimated_step_tokens`), from a step whose
@@ -343,12 +353,9 @@ class MemoryBudgetController:
             if self._meter.device is None and engine is not None:  # the last step's statistics: the second's
                 self._measured.head_saved_bytes = int(engine.get_stats()["bytes_kept_exempt"])
             self._record_profiled_step()
-            tokens = self._measured.step_tokens
-            ranks = self._agreement()
-            if ranks is not None:  # the longest step of the ranks: the profiled ones, or this one
-                tokens = ranks.largest([max(tokens, self._estimated_step_tokens())])[0]
-            self._plan_and_apply(tokens)
-            self._start_timing()
+            self._first_plan()
+        elif self.plan is None:
+            self._first_plan()
         else:
             self._close_the_loop()
             ranks = self._agreement()
@@ -364,6 +371,36 @@ class MemoryBudgetController:
                 self._plan_and_apply(max(tokens, self.plan.tokens))
             else:
                 self._plan_for(tokens)
+
+    def _first_plan(self) -> None:
+        """Makes the first plan at a training forward's start, for the profiled steps' tokens (under torch.distributed,
+        the longest step of the ranks: the profiled ones, or this one), unless it waits (`_first_plan_waits`)."""
+        if self._first_plan_waits():
+            return
+        tokens = self._measured.step_tokens
+        ranks = self._agreement()
+        if ranks is not None:
+            tokens = ranks.largest([max(tokens, self._estimated_step_tokens())])[0]
+        self._plan_and_apply(tokens)
+        self._start_timing()
+
+    def _first_plan_waits(self) -> bool:
+        """Whether the first plan waits: gradients are held as this forward starts (micro-steps accumulate) and no
+        optimizer has stepped since the controller began, so the optimizer's state (AdamW's: twice the trained
+        parameters) does not exist yet. A plan made now would not count it, nor would the smallest budget its
+        refusal names: on an H200, a budget at that minimum ran 340-390 MB over once the state appeared (gradient
+        accumulation over four micro-steps, a medium Llama, full fine-tune). The steps meanwhile run the safe plan,
+        at most `_FIRST_PLAN_WAIT_FORWARDS` of them. Every rank decides alike: the ranks step their optimizers and
+        accumulate together."""
+        if self._optimizer_steps.count or self._forwards > 3 + _FIRST_PLAN_WAIT_FORWARDS:
+            return False
+        if not any(p.grad is not None for p in self._parameters() if p.requires_grad):
+            return False
+        if self._forwards == 3:
+            logger.info("hf_offload: memory_budget: gradients accumulate over micro-steps and no optimizer has stepped "
+                        "yet; the first plan waits for the optimizer's first step, whose state it must count, and the "
+                        "steps run the profiled steps' plan until then")  # fmt: skip
+        return True
 
     def _agreement(self) -> RankAgreement | None:
         """The ranks' agreement, None when this process trains alone; made at its first use, the first plan."""
@@ -1177,6 +1214,17 @@ _MLP_TILING = ("tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes"
 _LAYER_TILING = ("layer_tile_tokens", "layer_tiled_backward_working_bytes", "layer_tile_chunk_bytes",
                  "layer_tiled_backward_sequence_bytes", "layer_tiled_working_bytes", "layer_chunk_bytes_per_token",
                  "layer_tiled_sequence_bytes")  # fmt: skip
+
+
+class _StepCount:
+    """An optimizer step post hook (`register_optimizer_step_post_hook`: every `torch.optim` optimizer's) that counts
+    the steps."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.count += 1
 
 
 def _held_growth(at_step_start: int, now: int) -> int:

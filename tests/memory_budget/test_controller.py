@@ -121,6 +121,7 @@ def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step():
     for _ in range(2):  # the profiled steps run under the safe plan
         with context:
             model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)  # gradients held would be micro-steps accumulating: no plan until a step
     with pytest.raises(InfeasibleBudgetError) as error, context:
         model(input_ids=ids, labels=ids)
     assert str(error.value).startswith("the memory budget of 1.00 KiB (1024 bytes) is below the smallest peak")
@@ -726,6 +727,62 @@ def test_a_measured_peak_grows_with_the_memory_held_since_its_step(monkeypatch):
     with pytest.raises(InfeasibleBudgetError):  # measured with the growth, the safe plan no longer fits
         controller._choose(controller._profile_now(controller.profile.tokens), budget, 0,
                            controller._measured_plans(controller._profile_now(controller.profile.tokens)))  # fmt: skip
+
+
+def accumulate(model, context, micro_steps: int, accumulation: int, optimizer: bool = True,
+               after_micro_step: Callable[[], None] | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Losses of `micro_steps` forwards and backwards of 16 tokens, AdamW stepping after every `accumulation` of them
+    (with `optimizer`; else the gradients only accumulate); then every gradient."""
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer else None
+    torch.manual_seed(1)
+    results = []
+    for step in range(micro_steps):
+        ids = torch.randint(VOCAB, (2, 16))
+        with context:
+            loss = model(input_ids=ids, labels=ids).loss
+        (loss / accumulation).backward()
+        results.append(loss.detach())
+        if adamw is not None and (step + 1) % accumulation == 0:
+            adamw.step()
+            adamw.zero_grad(set_to_none=True)
+        if after_micro_step is not None:
+            after_micro_step()
+    return results + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_with_gradient_accumulation_the_first_plan_waits_for_the_optimizers_first_step():
+    """Gradient accumulation over four micro-steps: the profiled steps come before the optimizer's first step, and so
+    before its state exists (AdamW's: twice the trained parameters; on an H200 a budget at the minimum named then ran
+    340-390 MB over once it appeared). The first plan waits for that step: micro-steps 3 and 4 run the safe plan, and
+    the plan is made as micro-step 5 begins. A budget no plan fits is refused there. Exact throughout."""
+    baseline = accumulate(tiny_llama(), Unchanged(), micro_steps=8, accumulation=4)
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
+    plans = []
+    results = accumulate(model, context, micro_steps=8, accumulation=4,
+                         after_micro_step=lambda: plans.append(context.memory_plan))  # fmt: skip
+    assert_bitwise_equal(results, baseline)
+    assert plans[:4] == [None] * 4 and plans[4] is not None
+    assert context.budget_controller._code == plans[-1].code  # the plan's layers, applied
+    model = tiny_llama()
+    refused = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1KiB")
+    forwards = []
+    with pytest.raises(InfeasibleBudgetError):
+        accumulate(model, refused, micro_steps=8, accumulation=4,
+                   after_micro_step=lambda: forwards.append(refused.budget_controller._forwards))  # fmt: skip
+    assert forwards == [1, 2, 3, 4]  # refused as the fifth forward began
+
+
+def test_the_first_plan_waits_for_an_optimizer_step_a_bounded_number_of_forwards(monkeypatch):
+    """Gradients held and no `torch.optim` step: an optimizer of its own that calls no step hook, or a loop that only
+    accumulates. The first plan waits at most `_FIRST_PLAN_WAIT_FORWARDS` forwards after the profiled ones."""
+    monkeypatch.setattr(controller_module, "_FIRST_PLAN_WAIT_FORWARDS", 2)
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
+    plans = []
+    accumulate(model, context, micro_steps=7, accumulation=1, optimizer=False,
+               after_micro_step=lambda: plans.append(context.memory_plan is not None))  # fmt: skip
+    assert plans == [False] * 5 + [True] * 2  # forwards 3-5 wait, the sixth plans
 
 
 def test_a_peak_counter_reset_by_someone_else_is_not_taken_for_the_step_peak():

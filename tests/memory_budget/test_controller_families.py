@@ -174,6 +174,7 @@ def test_a_stack_that_grows_scales_the_planned_step():
     for step in range(5):
         with context:
             model(**batches[step == 4]).loss.backward()
+        model.zero_grad(set_to_none=True)  # gradients held would be micro-steps accumulating: no plan until a step
     image_tokens = 2 * 17  # 16 patches and the CLS, per image
     assert context.memory_plan.tokens == 2 * image_tokens
     dispose(context)
@@ -237,6 +238,7 @@ def test_one_kind_of_layer_in_two_stacks_is_probed_in_each():
     for _ in range(3):
         with context:
             model(ids).backward()
+        model.zero_grad(set_to_none=True)
     first, second = context.budget_controller.profile.layers
     assert (first.input_bytes, second.input_bytes) == (2 * SEQ * SIZE["hidden"] * 4, 2 * 2 * SEQ * SIZE["hidden"] * 4)
     dispose(context)
