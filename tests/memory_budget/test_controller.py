@@ -426,6 +426,14 @@ def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
     plan = context.memory_plan
     assert plan.code == "L" * LAYERS and plan.layer_tile_tokens == 64 and plan.tile_tokens == 0
     assert plan.predicted.peak_bytes <= budget
+    # The rest of the step is what the profiled step's time leaves beyond the model of the plan it ran, tiled here:
+    # against `C`'s model the tiling's own time counted as the rest of every plan's step.
+    controller = context.budget_controller
+    controller._measured.step_s = 10.0  # a step longer than either model: nothing clamped to zero
+    profile = controller._profile_now(controller._measured.step_tokens)
+    untimed = dataclasses.replace(profile, other_s=0.0)
+    assert simulate(untimed, "L" * LAYERS).step_s != simulate(untimed, "C" * LAYERS).step_s
+    assert profile.other_s == pytest.approx(10.0 - simulate(untimed, "L" * LAYERS).step_s)
     assert "4 layers run whole in chunks of 64 tokens" in plan.format_table()
     # The profiled steps are predicted not to fit with tiled MLPs either: they tile every layer whole.
     assert seen == [[True] * LAYERS] * 4
