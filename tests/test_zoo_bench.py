@@ -158,6 +158,10 @@ def test_the_simple_plans_the_library_measured_are_reported():
     text = "\n".join(zoo.shape_markdown(zoo.shape_summary(results, REFERENCE)))
     assert "| simple plans the library measured (fastest step) |" in text
     assert "| C 0.330 s, c 0.280 s, +1 other |" in text
+    # A plan only the first step ran: its peak measured, no time (the library's JSON has null for it)
+    results[-1]["plan"]["measured_s"] = {"CCCC": [None], "cccc": [None, 0.29, 0.28]}
+    (row,) = zoo.budget_checks(results)
+    assert row["library_measured"] == "C (peak only), c 0.280 s"
 
 
 def test_an_a_failure_that_ran_its_references_own_plan_says_so():

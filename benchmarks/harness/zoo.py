@@ -278,10 +278,12 @@ def apply_recheck(row: dict[str, Any], runs: list[Result], pairs: int) -> None:
 def library_measured(r: Result) -> str:
     """The simple plans the library measured itself in a budget's run (every layer one letter: `C` the profiled
     safe plan, `c` the closed loop's trial of plain checkpointing), with their fastest step (what the library
-    compares plans by), and how many other plans its closed loop measured."""
+    compares plans by; "peak only" where only the first step ran it), and how many other plans its closed loop
+    measured."""
     measured = r.get("plan", {}).get("measured_s") or {}
-    simple = [f"{code[0]} {min(times):.3f} s" for code, times in measured.items()
-              if times and len(set(code)) == 1]  # fmt: skip
+    timed = {code: [time for time in times if time is not None] for code, times in measured.items()}
+    simple = [f"{code[0]} {min(times):.3f} s" if times else f"{code[0]} (peak only)" for code, times in timed.items()
+              if len(set(code)) == 1 and measured[code]]  # fmt: skip
     others = sum(1 for code in measured if len(set(code)) > 1)
     return ", ".join(simple + ([f"+{others} other"] if others else []))
 

@@ -95,7 +95,7 @@ def calibrate(profile: StepProfile, measured: Sequence[MeasuredStep]) -> tuple[S
         profile: the measured step; its `input_offload_s` and `saved_offload_s` are the floors of what is learned (a
             layer's offload never costs the host less than its hooks).
         measured: plans that ran, at `profile`'s tokens (see `MeasuredStep.scaled`); those that tile MLPs or layers
-            where `profile` cannot are left out.
+            where `profile` cannot, and those whose time was not measured, are left out.
 
     Returns:
         `(calibrated profile, Calibration)`; the profile as it is (and a neutral calibration) without measured plans.
@@ -114,7 +114,7 @@ def calibrate(profile: StepProfile, measured: Sequence[MeasuredStep]) -> tuple[S
         >>> round(learned.time_scale, 3), round(learned.input_offload_s * 1000, 3)
         (0.5, 1.0)
     """
-    usable = [step for step in measured if not unavailable_tiling(profile, step.code)]
+    usable = [step for step in measured if step.step_s is not None and not unavailable_tiling(profile, step.code)]
     quiet = [step for step in usable if set(step.code) <= _NOTHING_SENT]
     inputs = [step for step in usable if set(step.code) & _INPUTS_SENT and not set(step.code) & _SAVED_SENT]
     saved = [step for step in usable if set(step.code) & _SAVED_SENT]

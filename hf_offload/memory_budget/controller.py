@@ -30,9 +30,9 @@ training forwards of the model (grad enabled, model in training mode) and:
 4. The closed loop: the steps a plan runs are measurements (their time; on a device, their peak: exactly in the
    profiled steps, later an upper bound, as the counter is not reset after them). After the `_MEASURED_STEPS` steps
    that follow the first one on a new plan, the controller plans again with what every plan run so far measured
-   (`choose_plan`'s `measured`: the profiled steps measured the safe plan), and switches plans when the one in force
-   ran `_SLOWER_TOLERANCE` slower than the answer, at most `_MAX_CORRECTIONS` times (the last among measured plans
-   only), saying so in the log. Measurements at other lengths are scaled by the model (`MeasuredStep.scaled`). Once
+   (`choose_plan`'s `measured`: the profiled steps measured the safe plan; the first step's peak, the plan it ran),
+   and switches plans when the one in force ran `_SLOWER_TOLERANCE` slower than the answer, at most
+   `_MAX_CORRECTIONS` times (the last among measured plans only), saying so in the log. Measurements at other lengths are scaled by the model (`MeasuredStep.scaled`). Once
    a plan has passed its check, steps are no longer timed (timing a device step waits for it).
 
 While profiling, the device's peak-memory counter is reset at the phase boundaries it measures.
@@ -93,6 +93,7 @@ from .simulate import (
     MeasuredStep,
     Plan,
     chunk_sizes,
+    optimizer_step_bytes,
     simulate,
     simulated_step,
     unavailable_tiling,
@@ -190,10 +191,13 @@ class _Sample:
     as the step began, which its peak grows with (`_measured_plans`); `predicted_peak_bytes`: the model's prediction
     of the step as it ran (its window, no correction), which an exact peak corrects (`_peak_correction`);
     `head_base_bytes` and `head_reload_bytes`: its head's point without reloads and the reloads counted on top
-    (`SimulatedStep`), with which an exact peak bounds what the head hides (`_head_reload_hidden`)."""
+    (`SimulatedStep`), with which an exact peak bounds what the head hides (`_head_reload_hidden`).
+
+    The first step's is a peak alone (`through_backward`): no time (the probes and the warm-up ran in it), and its
+    peak is the counter's at the end of backward, as the optimizer's step then makes the optimizer's state."""
 
     tokens: int
-    seconds: float
+    seconds: float | None
     peak_bytes: int | None
     profiled: bool = False
     tail_bytes: int = 0  # what the engine's tail kept through the step's head
@@ -202,6 +206,7 @@ class _Sample:
     predicted_peak_bytes: int | None = None
     head_base_bytes: int | None = None
     head_reload_bytes: int = 0
+    through_backward: bool = False
 
 
 class MemoryBudgetController:
@@ -277,6 +282,10 @@ class MemoryBudgetController:
         # of the measured step's backward (`_peak_since_own_reset`).
         self._peak_floor = 0
         self._peak_at_backward_end: int | None = None
+        # The codes the first step's layers ran, and the memory held as it began (`_record_first_step`).
+        self._first_step_codes: set[str] = set()
+        self._first_step_static = 0
+        self._first_step_read = False  # whether the first step's backward will read the counter as it ends
         self._parameter_refs: list[weakref.ref] | None = None  # `_parameters`
         # Every `torch.optim` optimizer's steps since the controller began (a hook for all of them, taken off with the
         # context's hooks): whether the optimizer's state can exist yet (`_first_plan_waits`).
@@ -344,7 +353,11 @@ class MemoryBudgetController:
         self._gradients_accumulate = self._gradients_accumulate or self._gradients_held()
         if self._forwards == 1:
             self._apply(_actions("C" * len(self._layers)), "C" * len(self._layers), windows=None)
+            self._first_step_static = self._static_at_step_start
+            self._meter.reset_peak()
+            self._peak_floor = 0
         elif self._forwards == 2:
+            self._record_first_step()
             if not self._probes_finished:
                 self._finish_probes()
             else:  # decided in the first step, before the optimizer made its state: decided again with it
@@ -493,6 +506,24 @@ class MemoryBudgetController:
                          **predicted)  # fmt: skip
         self._samples.setdefault(self._code, []).append(sample)
 
+    def _first_step_backward_reached(self, grad: torch.Tensor) -> None:
+        """Backward reached a layer's input in the first step: the counter is read as that backward ends."""
+        queue_after_backward(self._read_peak_at_backward_end)
+
+    def _record_first_step(self) -> None:
+        """The first step's peak as its backward ended, as a measurement of the plan its layers ran (where they all
+        ran one). Before the profiled steps' plan is decided again with the optimizer's state, it tiles where plain
+        checkpointing does not fit; on a 7B shape the tiled plan then stayed at 1.87x plain checkpointing, which
+        a budget at plain checkpointing's measured peak fits, and no step had measured it. The first step had."""
+        peak, self._peak_at_backward_end = self._peak_at_backward_end, None
+        if peak is None or len(self._first_step_codes) != 1:
+            return
+        (code,) = self._first_step_codes
+        self._samples.setdefault(code, []).append(_Sample(self._measured.step_tokens, None, peak,
+                                                          tail_bytes=self._tail_kept(), peak_exact=True,
+                                                          static_bytes=self._first_step_static,
+                                                          through_backward=True))  # fmt: skip
+
     def _tail_kept(self) -> int:
         """What the engine's tail kept in its latest step (the one that just ended, or the one whose head runs)."""
         engine = self._engine()
@@ -564,6 +595,10 @@ class MemoryBudgetController:
                 self._called.append(index)
             if not self._probes_finished and self._kinds[index] not in measured.probes:
                 self._probe(index, layer, args, kwargs)
+            self._first_step_codes.add(self._code)  # as this layer runs: the probes may have tiled the safe plan
+            if not self._first_step_read and args[0].requires_grad:  # read as the step's backward ends
+                self._first_step_read = True
+                args[0].register_hook(self._first_step_backward_reached)
         elif self.plan is not None and index in self._stack_starts and stack in measured.stack_tokens:
             # The stack's layers have not run yet: plan for this step if it grew past the plan's tokens.
             self._step_tokens = max(
@@ -1032,8 +1067,8 @@ class MemoryBudgetController:
         def make_plan() -> Plan:
             measured = self._measured_plans(profile)
             ran = next((step for step in measured if step.code == in_force.code), None)
-            if ran is None:  # its steps were all shorter than one tiled chunk: the model has no such step
-                return in_force
+            if ran is None or ran.step_s is None:  # its steps were all shorter than one tiled chunk: the model has
+                return in_force  # no such step
             calibrated = self._calibrated(profile, measured)
             over = ran.peak_bytes is not None and ran.peak_bytes > budget_bytes
             try:
@@ -1053,7 +1088,7 @@ class MemoryBudgetController:
                         len(self._samples[in_force.code]), profile.tokens, in_force.predicted.step_s * 1000,
                         f" and peaked at {ran.peak_bytes} bytes, over the budget of {budget_bytes}" if over else "",
                         better.code,
-                        "expected at" if better.measured is None else "measured at", expected_s * 1000,
+                        "measured at" if better.time_measured else "expected at", expected_s * 1000,
                         "" if better.measured is None or better.measured.peak_bytes is None
                         else f" with a peak of {better.measured.peak_bytes} bytes",
                         self.calibration.describe())  # fmt: skip
@@ -1082,11 +1117,12 @@ class MemoryBudgetController:
                 plan = self._choose(calibrated, budget_bytes, margin_bytes, measured)
             except InfeasibleBudgetError as error:  # the trial ran over the budget, and the safe plan too
                 plan = error.lowest_plan
-            times = ", ".join(f"{step.code!r} {step.step_s * 1000:.2f} ms" for step in measured)
+            times = ", ".join(f"{step.code!r} " + ("its peak only" if step.step_s is None else
+                                                    f"{step.step_s * 1000:.2f} ms") for step in measured)  # fmt: skip
             logger.info("hf_offload: closed loop, trial of plain checkpointing (every input kept) over %d steps at %d "
                         "tokens: measured %s; learned: %s; plan %r, %s %.2f ms", _TRIAL_MEASURED_STEPS,
                         profile.tokens, times, self.calibration.describe(), plan.code,
-                        "expected at" if plan.measured is None else "measured at",
+                        "measured at" if plan.time_measured else "expected at",
                         plan.expected_step_s * 1000)  # fmt: skip
             return plan
 
@@ -1105,11 +1141,22 @@ class MemoryBudgetController:
         A peak grows by what the memory held between steps, with the gradients pending, grew since its step began
         (`_held_growth`): with gradient accumulation over three micro-steps or more, the profiled steps run before the
         optimizer made its state (AdamW's: twice the trained parameters), and a plan chosen by their peak would run
-        over the budget by that state once it exists."""
+        over the budget by that state once it exists.
+
+        The first step's peak (`_record_first_step`), grown so, measures the plan it ran where no later step measured
+        a peak of that plan: with the optimizer's step (after the counter's read) as the model has it, and not
+        under gradient accumulation, whose later micro-steps hold the gradients the first step created in backward.
+        It has no time: the plan's predicted time stands for it."""
         at_tokens: dict[int, StepProfile] = {}
         measured = []
-        for code, samples in self._samples.items():
-            enough = (len(samples) >= _MEASURED_STEPS or any(sample.profiled for sample in samples)
+        for code, all_samples in self._samples.items():
+            samples = [sample for sample in all_samples if not sample.through_backward]
+            first = [sample for sample in all_samples if sample.through_backward and not self._gradients_accumulate]
+            if not any(sample.peak_bytes is not None for sample in samples):
+                samples += first
+            else:
+                first = []
+            enough = (len(samples) >= _MEASURED_STEPS or any(sample.profiled for sample in samples) or first
                       or (code in self._trialled and len(samples) >= _TRIAL_MEASURED_STEPS))  # fmt: skip
             if not enough or unavailable_tiling(profile, code):
                 continue
@@ -1122,6 +1169,8 @@ class MemoryBudgetController:
                 peak = sample.peak_bytes
                 if peak is not None and sample.static_bytes is not None:
                     peak += _held_growth(sample.static_bytes, self._static_at_step_start)
+                if peak is not None and sample.through_backward:
+                    peak = max(peak, optimizer_step_bytes(at_tokens[sample.tokens]))
                 steps.append(MeasuredStep(code, sample.seconds, peak).scaled(at_tokens[sample.tokens], profile))
             if not steps:
                 continue
@@ -1129,7 +1178,8 @@ class MemoryBudgetController:
             # unknown: the counter held that peak), for that proves the plan does not fit.
             known = [step.peak_bytes for step in steps if step.peak_bytes is not None]
             proven = known and (len(known) == len(steps) or max(known) > self._budget_bytes())
-            measured.append(MeasuredStep(code, min(step.step_s for step in steps),
+            timed = [step.step_s for step in steps if step.step_s is not None]
+            measured.append(MeasuredStep(code, min(timed) if timed else None,
                                          max(known) if proven else None))  # fmt: skip
         return measured
 

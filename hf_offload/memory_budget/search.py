@@ -373,7 +373,8 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
 
     # The model's error in time, as the measured plans show it: a prediction compared with a measurement is scaled
     # by it (a model that over-predicts every step would otherwise lose every comparison to a measurement).
-    ratios = [step.step_s / run.step_s for step in by_code.values() if (run := run_of(step.code)).step_s > 0]
+    ratios = [step.step_s / run.step_s for step in by_code.values()
+              if step.step_s is not None and (run := run_of(step.code)).step_s > 0]  # fmt: skip
     time_scale = statistics.median(ratios) if ratios else 1.0
 
     def fits(run: SimulatedStep) -> bool:

@@ -106,6 +106,7 @@ __all__ = [
     "Prediction",
     "MeasuredStep",
     "Plan",
+    "optimizer_step_bytes",
     "simulate",
     "simulated_step",
 ]
@@ -231,6 +232,12 @@ def gradients_at_backward(profile: StepProfile) -> list[int]:
     return existing
 
 
+def optimizer_step_bytes(profile: StepProfile) -> int:
+    """The step's point after backward, whatever the plan: the memory held (the layers' arguments gone with their
+    backward) and the model's correction of it, every gradient, and the optimizer's temporaries."""
+    return profile.static_bytes + profile.peak_correction_bytes + profile.gradient_bytes + profile.optimizer_bytes
+
+
 class SimulatedStep(NamedTuple):
     """The step-level results of `simulate_step`, without per-layer objects, for the planner's inner loop."""
 
@@ -334,9 +341,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         below -= offloaded
         points.append((static + gradients[i] + held_before + saved + working + gathered_in_backward[i], below,
                        "backward", i))  # fmt: skip
-    # After backward: every gradient, and the optimizer's temporaries.
-    after_backward = static - profile.call_argument_bytes  # the layers' arguments are gone with their backward
-    points.append((after_backward + profile.gradient_bytes + profile.optimizer_bytes, 0, "optimizer", -1))
+    points.append((optimizer_step_bytes(profile), 0, "optimizer", -1))
     if window is None:
         window = narrowest
         if limit is not None:
@@ -511,17 +516,20 @@ class MeasuredStep:
 
     Args:
         code: the plan's code (see `ACTION_CODES`).
-        step_s: its step's time, the fastest of its steps (the host's stalls only add to some).
+        step_s: its step's time, the fastest of its steps (the host's stalls only add to some); None where only its
+            peak was measured (the first step's: the probes and the warm-up ran in it), its predicted time then
+            standing for it.
         peak_bytes: its steps' largest peak; None where nothing counts peaks (the CPU test mode): its predicted
             peak then stands for it.
     """
 
     code: str
-    step_s: float
+    step_s: float | None
     peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        check_seconds("MeasuredStep", "step_s", self.step_s)
+        if self.step_s is not None:
+            check_seconds("MeasuredStep", "step_s", self.step_s)
         if self.peak_bytes is not None:
             check_bytes("MeasuredStep", "peak_bytes", self.peak_bytes)
 
@@ -530,7 +538,9 @@ class MeasuredStep:
         more memory held): its time in the proportion of the two predictions, its peak grown by what the
         prediction's grows (what the model gets wrong of the measured step stays as it was)."""
         before, after = simulate(measured_at, self.code), simulate(profile, self.code)
-        step_s = self.step_s * after.step_s / before.step_s if before.step_s > 0 else after.step_s
+        step_s = self.step_s
+        if step_s is not None:
+            step_s = step_s * after.step_s / before.step_s if before.step_s > 0 else after.step_s
         peak = None if self.peak_bytes is None else max(0, self.peak_bytes + after.peak_bytes - before.peak_bytes)
         return MeasuredStep(self.code, step_s, peak)
 
@@ -587,7 +597,12 @@ class Plan:
     @property
     def expected_step_s(self) -> float:
         """The step time `choose_plan` chose this plan by: measured, or else predicted in the measurements' terms."""
-        return self.predicted.step_s * self.time_scale if self.measured is None else self.measured.step_s
+        return self.measured.step_s if self.time_measured else self.predicted.step_s * self.time_scale
+
+    @property
+    def time_measured(self) -> bool:
+        """Whether `expected_step_s` is a measurement: the plan ran steps that were timed."""
+        return self.measured is not None and self.measured.step_s is not None
 
     @property
     def layers(self) -> tuple[PlannedLayer, ...]:
@@ -650,12 +665,15 @@ class Plan:
         ]
         if self.trial:
             lines.append("A trial: measured for a few steps, then the plan is chosen with what it measured")
-        if self.measured is not None:
+        if self.time_measured:
             peak = self.measured.peak_bytes
             lines.append(
                 f"Chosen by measurement: its steps ran in {self.measured.step_s * 1000:.1f} ms"
                 + ("" if peak is None else f" at a peak of {format_bytes(peak)}")
             )
+        elif self.measured is not None and self.measured.peak_bytes is not None:
+            lines.append(f"Its peak measured: {format_bytes(self.measured.peak_bytes)} (the first step's, with the "
+                         "memory held since), its time predicted")  # fmt: skip
         if self.host_growth:
             lines.append(f"Host: {format_bytes(predicted.host_bytes)} pinned of a {format_bytes(self.host_cap_bytes)} "
                          f"cap (default {format_bytes(self.host_default_cap_bytes)}), grown because "

@@ -20,7 +20,7 @@ from hf_offload.memory_budget import controller as controller_module
 from hf_offload.memory_budget import probes
 from hf_offload.memory_budget.calibrate import Calibration
 from hf_offload.memory_budget.search import plan_of
-from hf_offload.memory_budget.simulate import simulate
+from hf_offload.memory_budget.simulate import MeasuredStep, optimizer_step_bytes, simulate
 
 LAYERS = 4
 VOCAB = 128
@@ -738,6 +738,56 @@ def test_a_measured_peak_grows_with_the_memory_held_since_its_step(monkeypatch):
     with pytest.raises(InfeasibleBudgetError):  # measured with the growth, the safe plan no longer fits
         controller._choose(controller._profile_now(controller.profile.tokens), budget, 0,
                            controller._measured_plans(controller._profile_now(controller.profile.tokens)))  # fmt: skip
+
+
+def test_the_first_steps_peak_is_read_as_its_backward_ends_and_measures_the_plan_it_ran(monkeypatch):
+    """The first step runs `C` on every layer before the profiled steps' plan is decided again with the optimizer's
+    state; its peak, read once as its backward ends (not in the probes' backward, nor after the optimizer's step,
+    which makes the state), is a measurement of `C`: a peak alone, with the memory held as the step began."""
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
+    controller = context.budget_controller
+    reads = []
+
+    def read_at_backward_end() -> None:  # the CPU test mode has no counter: the read, counted, with a stand-in figure
+        reads.append(controller._forwards)
+        controller._peak_at_backward_end = 12345
+
+    monkeypatch.setattr(controller, "_read_peak_at_backward_end", read_at_backward_end)
+    held = []
+    model.model.layers[0].register_forward_pre_hook(lambda *_: held.append(controller._static_at_step_start))
+    train(model, context, steps=2)
+    assert reads[:1] == [1] and reads.count(1) == 1
+    (first,) = [sample for sample in controller._samples["C" * LAYERS] if sample.through_backward]
+    assert (first.seconds, first.peak_bytes, first.static_bytes) == (None, 12345, held[0])
+
+
+def test_the_first_steps_peak_stands_for_its_plan_only_where_no_later_step_measured_one():
+    """`_measured_plans`: the first step's peak grows by the memory held since (the optimizer's state, here 10%), is
+    no lower than the optimizer's step as the model has it, and has no time; a plan's later measured peaks replace
+    it, and under gradient accumulation it counts for nothing (the later micro-steps hold every gradient)."""
+    _, context, _, _ = long_run(10 * 2**30)
+    controller = context.budget_controller
+    tokens, held = controller._measured.step_tokens, controller._static_at_step_start
+    at = controller._profile_now(tokens)
+    floor = optimizer_step_bytes(at)
+    code = "c" * LAYERS  # a plan no step ran
+    before = held - held // 11  # the memory held grew by a tenth since the first step began
+
+    def first(peak: int) -> controller_module._Sample:
+        return controller_module._Sample(tokens, None, peak, peak_exact=True, static_bytes=before,
+                                         through_backward=True)  # fmt: skip
+
+    controller._samples = {code: [first(floor)]}
+    (step,) = controller._measured_plans(at)
+    assert (step.code, step.step_s, step.peak_bytes) == (code, None, floor + held - before)
+    controller._samples = {code: [first(1)]}  # under the optimizer's step: that point stands
+    assert controller._measured_plans(at)[0].peak_bytes == floor
+    later = [controller_module._Sample(tokens, 0.5, 1000, static_bytes=held) for _ in range(3)]
+    controller._samples = {code: [first(floor), *later]}
+    assert controller._measured_plans(at) == [MeasuredStep(code, 0.5, 1000)]
+    controller._samples, controller._gradients_accumulate = {code: [first(floor)]}, True
+    assert controller._measured_plans(at) == []
 
 
 def accumulate(model, context, micro_steps: int, accumulation: int, optimizer: bool = True,
