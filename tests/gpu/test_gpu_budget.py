@@ -366,14 +366,14 @@ def test_plain_checkpointing_is_tried_and_the_plan_chosen_after_it_is_no_slower(
     seen: list = []
     peaks, losses = step_peaks(model, batch, ctx, steps, seen)
     controller = ctx.budget_controller
-    measured = {code: [round(sample.seconds * 1000, 2) for sample in samples]
+    measured = {code: [None if sample.seconds is None else round(sample.seconds * 1000, 2) for sample in samples]
                 for code, samples in controller._samples.items()}  # fmt: skip
     record("trial", {"budget": budget, "plans": seen, "step_peaks": peaks, "measured_ms": measured,
                      "learned": controller.calibration.describe(), "plan": ctx.memory_plan.code,
                      "expected_ms": ctx.memory_plan.expected_step_s * 1000}, show=True)  # fmt: skip
     assert seen[2:5] == [("c" * layers, True, "planned")] * 3
     assert not ctx.memory_plan.trial
-    trial_s = sorted(sample.seconds for sample in controller._samples["c" * layers])
+    trial_s = sorted(sample.seconds for sample in controller._samples["c" * layers] if sample.seconds is not None)
     assert ctx.memory_plan.expected_step_s <= trial_s[len(trial_s) // 2]
     assert max(peaks) <= budget, f"step peaks {peaks} over the budget {budget}"
     assert torch.equal(torch.stack(losses), torch.stack(reference))
