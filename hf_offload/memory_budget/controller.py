@@ -32,10 +32,12 @@ training forwards of the model (grad enabled, model in training mode) and:
    that follow the first one on a new plan, the controller plans again with what every plan run so far measured
    (`choose_plan`'s `measured`: the profiled steps measured the safe plan; the first step's peak, the plan it ran),
    and switches plans when the one in force ran `_SLOWER_TOLERANCE` slower than the answer, at most
-   `_MAX_CORRECTIONS` times (the last among measured plans only), saying so in the log. Measurements at other lengths are scaled by the model (`MeasuredStep.scaled`). Once
-   a plan has passed its check, steps are no longer timed (timing a device step waits for it).
+   `_MAX_CORRECTIONS` times (the last among measured plans only), saying so in the log. Measurements at other
+   lengths are scaled by the model (`MeasuredStep.scaled`). Once a plan has passed its check, steps are no longer
+   timed (timing a device step waits for it).
 
-While profiling, the device's peak-memory counter is reset at the phase boundaries it measures.
+While profiling, the device's peak-memory counter is reset at the phase boundaries it measures (the first step's
+start among them).
 
 Under `torch.distributed` every rank runs rank 0's plan, made for the longest of the ranks' steps and the smallest of
 their pinned host caps (`ranks.RankAgreement`). The ranks decide together, at each training forward's start, whether
@@ -512,9 +514,10 @@ class MemoryBudgetController:
 
     def _record_first_step(self) -> None:
         """The first step's peak as its backward ended, as a measurement of the plan its layers ran (where they all
-        ran one). Before the profiled steps' plan is decided again with the optimizer's state, it tiles where plain
-        checkpointing does not fit; on a 7B shape the tiled plan then stayed at 1.87x plain checkpointing, which
-        a budget at plain checkpointing's measured peak fits, and no step had measured it. The first step had."""
+        ran one: `C` on every layer, unless the budget had it tiled already). The second step's plan is decided again
+        with the optimizer's state and may tile where plain checkpointing is predicted not to fit, so no later step
+        need run `C`: on a 7B shape the tiled plan then stayed at 1.87x plain checkpointing under a budget at plain
+        checkpointing's measured peak, which the model put within its margin. The first step had run it."""
         peak, self._peak_at_backward_end = self._peak_at_backward_end, None
         if peak is None or len(self._first_step_codes) != 1:
             return
@@ -1067,8 +1070,9 @@ class MemoryBudgetController:
         def make_plan() -> Plan:
             measured = self._measured_plans(profile)
             ran = next((step for step in measured if step.code == in_force.code), None)
-            if ran is None or ran.step_s is None:  # its steps were all shorter than one tiled chunk: the model has
-                return in_force  # no such step
+            # None: its steps were all shorter than one tiled chunk (the model has no such step); no time: none timed
+            if ran is None or ran.step_s is None:
+                return in_force
             calibrated = self._calibrated(profile, measured)
             over = ran.peak_bytes is not None and ran.peak_bytes > budget_bytes
             try:
