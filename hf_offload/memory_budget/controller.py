@@ -1155,12 +1155,10 @@ class MemoryBudgetController:
         measured = []
         for code, all_samples in self._samples.items():
             samples = [sample for sample in all_samples if not sample.through_backward]
-            first = [sample for sample in all_samples if sample.through_backward and not self._gradients_accumulate]
-            if not any(sample.peak_bytes is not None for sample in samples):
-                samples += first
-            else:
-                first = []
-            enough = (len(samples) >= _MEASURED_STEPS or any(sample.profiled for sample in samples) or first
+            if not self._gradients_accumulate and not any(sample.peak_bytes is not None for sample in samples):
+                samples += [sample for sample in all_samples if sample.through_backward]
+            enough = (len(samples) >= _MEASURED_STEPS or any(sample.profiled or sample.through_backward
+                                                            for sample in samples)
                       or (code in self._trialled and len(samples) >= _TRIAL_MEASURED_STEPS))  # fmt: skip
             if not enough or unavailable_tiling(profile, code):
                 continue
