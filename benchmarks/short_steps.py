@@ -124,6 +124,10 @@ def main() -> int:
         help="move every object alive after the model is built out of the garbage collector's reach (gc.freeze()), "
         "as training loops that manage the collector do: a full collection then scans only what the steps allocate",
     )
+    ap.add_argument("--stack", action="store_true",
+                    help="trace with Python stacks (torch.profiler's with_stack): the host time of each Python "
+                         "function and operator, per thread, in each traced variant, and where it differs from the "
+                         "first traced variant's")  # fmt: skip
     ap.add_argument("--regional", action="store_true",
                     help="compile each decoder layer (regional compilation), as run.py's '/regional' modes do; every "
                          "variant then runs on the compiled layers")  # fmt: skip
@@ -212,7 +216,7 @@ def main() -> int:
                     results[variant].setdefault("plans", []).append(context.memory_plan.code)
             if round_index == args.rounds - 1 and variant in traced:
                 path = out / f"short-steps-{args.scenario}-{trace_name(variant)}.json.gz"
-                results[variant]["trace"] = trace_summary(step, context, str(path))
+                results[variant]["trace"] = trace_summary(step, context, str(path), args.stack)
             if context is not None:
                 context.remove_hooks()
             del context
@@ -255,9 +259,18 @@ def main() -> int:
     for variant in variants:
         trace = results[variant].get("trace")
         if trace:
-            print(f"\n{variant}: trace " + json.dumps({k: v for k, v in trace.items() if k != "gaps"}))
+            print(f"\n{variant}: trace " + json.dumps({k: v for k, v in trace.items() if k not in ("gaps", "host")}))
             for gap in trace["gaps"][:8]:
                 print("   gap", json.dumps(gap))
+    stacked = [variant for variant in variants if "host" in results[variant].get("trace", {})]
+    for variant in stacked[1:]:
+        first, this = results[stacked[0]]["trace"]["host"], results[variant]["trace"]["host"]
+        names = set(first) | set(this)
+        ms = {name: this.get(name, {"ms": 0.0})["ms"] - first.get(name, {"ms": 0.0})["ms"] for name in names}
+        print(f"\nhost time, {variant} less {stacked[0]} (ms, inclusive; the 30 largest differences):")
+        for name in sorted(names, key=lambda name: -abs(ms[name]))[:30]:
+            counts = f"{first.get(name, {}).get('count', 0)} -> {this.get(name, {}).get('count', 0)}"
+            print(f"  {ms[name]:+8.2f}  ({counts:>11s})  {name}")
     (out / f"short-steps-{args.scenario}.json").write_text(
         json.dumps(
             {
@@ -298,13 +311,26 @@ def host_profile(variant: str, model: torch.nn.Module, step: Any, warmup: int) -
         context.remove_hooks()
 
 
-def trace_summary(run_step: Any, context: Any, path: str) -> dict[str, Any]:
+def host_time(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per thread and name, the Python functions' and operators' host time in a trace (inclusive: a function's time
+    holds its callees'), the 400 largest."""
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "ms": 0.0})
+    for event in events:
+        if event.get("ph") == "X" and event.get("cat") in ("python_function", "cpu_op", "user_annotation"):
+            key = f"tid {event.get('tid')} {event.get('cat')} {event.get('name', '')[:120]}"
+            totals[key]["count"] += 1
+            totals[key]["ms"] += float(event.get("dur", 0)) / 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]["ms"])[:400])
+
+
+def trace_summary(run_step: Any, context: Any, path: str, stack: bool = False) -> dict[str, Any]:
     """One step under torch.profiler: the compute stream's busy and idle time, its largest gaps, the copies per
-    stream and the runtime calls, from the chrome trace (saved gzipped at `path`)."""
+    stream and the runtime calls, from the chrome trace (saved gzipped at `path`); with `stack`, Python stacks too,
+    and the host's time per function and operator (`host_time`)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof:
         run_step(context)
     events = save_trace(prof, path)
     device_work = stream_work(events)
@@ -340,6 +366,7 @@ def trace_summary(run_step: Any, context: Any, path: str) -> dict[str, Any]:
         "copies": dict(copies),
         "runtime": {k: v for k, v in sorted(runtime.items(), key=lambda kv: -kv[1]["ms"])[:14]},
         "gaps": gaps[:20],
+        **({"host": host_time(events)} if stack else {}),
     }
 
 
