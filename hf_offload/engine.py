@@ -118,33 +118,34 @@ class NoOpManager(saved_tensors_hooks):
     """
 
     def __init__(self) -> None:
-        super().__init__(self._pack, self._unpack)
+        # Functions, not this object's bound methods: a context whose hooks refer to it is a cycle, which only the
+        # garbage collector frees, and an exempt region's holds its engine and, through the memory budget's
+        # controller, the model's layers (a dropped model's GPU memory stayed allocated until a full collection).
+        super().__init__(_kept, _unchanged)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _kept(tensor)
 
-    @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class _ExemptRegion(NoOpManager):
     """A NoOp region that tells its engine what it kept, so the statistics account for every tensor."""
 
     def __init__(self, engine: OffloadActivations, ends_forward: bool, reason: str) -> None:
+        super().__init__()
         self._engine = engine
         self._ends_forward = ends_forward
-        self._reason = reason
-        super().__init__()
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:  # a closure over the engine, not over the region (above)
+            engine._keep(tensor, reason)
+            return _kept(tensor)
+
+        self.pack_hook = keep
 
     def __enter__(self) -> None:
         if self._ends_forward:
             self._engine._forward_ends()
         super().__enter__()
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._engine._keep(tensor, self._reason)
-        return _kept(tensor)
 
 
 class _SideStream:

@@ -146,3 +146,28 @@ def exception_inside_forward(model, engine) -> None:
 )
 def test_next_steps_exact_after(fault) -> None:
     paired_runs(fault)
+
+
+@pytest.mark.parametrize("memory_budget", [None, 10**12], ids=["offloading", "memory_budget"])
+def test_a_context_and_model_dropped_after_remove_hooks_are_freed_without_a_garbage_collection(memory_budget) -> None:
+    """The tail's exempt regions, one or more per step, once referred to themselves through their pack hook (a bound
+    method) and held their engine: the engine, its memory budget's controller and through it the model's layers stayed
+    allocated until a full garbage collection. On an H200 that was 0.5 GB of a dropped model's still allocated in the
+    next run's first step, over its budget."""
+    import weakref
+
+    model = tiny_llama()
+    options = {} if memory_budget is None else {"memory_budget": memory_budget}
+    engine = get_act_offloading_ctx_manager(model, device_type="cpu", **options)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gc.collect()
+    gc.disable()  # from here on only reference counts free anything
+    try:
+        for seed in range(4):
+            train_step(model, optimizer, engine, seed)
+        engine.remove_hooks()
+        dropped_engine, dropped_layer = weakref.ref(engine), weakref.ref(model.model.layers[0])
+        del model, engine, optimizer
+        assert dropped_engine() is None and dropped_layer() is None
+    finally:
+        gc.enable()
