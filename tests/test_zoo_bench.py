@@ -626,8 +626,9 @@ def test_recheck_pairs_option():
 
 def test_modes_on_a_shared_model_take_turns_on_one_build():
     """A re-check's runs on one model (``harness.worker.SharedModel``), for real on CPU (the tiny shape, hf-offload's
-    test mode): the first run builds it, the others reuse it with their own checkpointing, and each run's offload
-    context (a memory plan's layer changes included) comes off the model when the run ends."""
+    test mode): the first run builds it, the others reuse it with their own checkpointing and an optimizer without
+    state, and each run's offload context (a memory plan's layer changes included) comes off the model when the run
+    ends."""
     from harness.worker import SharedModel, run_mode_safely
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -648,7 +649,16 @@ def test_modes_on_a_shared_model_take_turns_on_one_build():
         return [h for h in hooks if getattr(h, "__module__", type(h).__module__).startswith("hf_offload")]
 
     assert first["status"] == "ok" and "shared_model" not in first and our_hooks() == []
+    optimizer, state_at_steps = shared.built.optimizer, []
+    original_step = optimizer.step
+
+    def step(*args, **kwargs):
+        state_at_steps.append(len(optimizer.state))
+        return original_step(*args, **kwargs)
+
+    optimizer.step = step
     plan = run_mode_safely(spec("plan@80", 2_000_000), shared)
+    assert state_at_steps[0] == 0 < state_at_steps[1]  # the run began without the last run's optimizer state
     assert plan["status"] == "ok" and plan["shared_model"] and plan["plan"]["code"]
     assert shared.built.model is model and our_hooks() == [] and [layer.forward for layer in layers] == forwards
     plain = run_mode_safely(spec("none"), shared)

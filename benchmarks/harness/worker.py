@@ -34,10 +34,10 @@ class Built:
 class SharedModel:
     """One model for several modes that run one after another in this process (the zoo's re-check: a budget's plan and
     the simple plan it is compared with, alternately). Built by the first mode, as `run_mode` builds it for that mode;
-    each later mode turns the model's checkpointing on or off, and takes its offload context off the model when it
-    ends. Both sides then run on one build, with no rebuild between them: what is left between them is the host's own
-    stalls, which on host-paced short steps still move a plan against itself by 5-13% (`benchmarks/NOTES.md`,
-    session 37)."""
+    each later mode turns the model's checkpointing on or off, starts with the optimizer's state cleared, and takes its
+    offload context off the model when it ends. Both sides then run on one build, with no rebuild between them: what
+    is left between them is the host's own stalls, which on host-paced short steps still move a plan against itself
+    by 5-13% (`benchmarks/NOTES.md`, session 37)."""
 
     def __init__(self) -> None:
         self.built: Built | None = None
@@ -67,6 +67,10 @@ def run_mode(spec: ModeSpec, res: dict[str, Any], shared: SharedModel | None = N
         if shared.key != key:
             raise ValueError(f"mode {spec['mode']!r} of {key} cannot run on the model built for {shared.key}")
         built = shared.built
+        # Each run starts as a run of its own does, its optimizer without state: the memory budget decides its first
+        # step's plan with the memory held then, and mistral-7b-8l's re-check, begun with the last run's AdamW state,
+        # tiled whole layers from its first step (1.86x) where its sweep ran `C` (1.02x).
+        built.optimizer.state.clear()
         if mode.checkpointing:
             res["ckpt_call"] = enable_checkpointing(built.model, offload=False, every=mode.ckpt_every)
         else:
