@@ -116,7 +116,10 @@ def test_checks_a_b_c():
     assert summary["did_not_finish"] == ["plan@70 (OOM)"] and not summary["passed"]
     assert summary["lowest_feasible_percent"] == 50 and summary["named_minimum_bytes"] == int(19 * GIB)
     text = "\n".join(zoo.shape_markdown(summary))
-    assert "(c) no budget refused that a simple plan meets: 4 passed, 1 failed (plan@65), 1 n/a" in text
+    assert (
+        "(c) no budget refused that a simple plan meets: 4 passed, 1 failed (plan@65: ckpt peaked at "
+        f"{int(21.5 * GIB):,} bytes; ckpt+hfo peaked at {20 * GIB:,} bytes), 1 n/a"
+    ) in text
     assert "verdict: **FAIL**" in text
 
 
@@ -185,6 +188,31 @@ def test_an_a_failure_that_ran_its_references_own_plan_says_so():
     assert "3 failed (plan@50 (ckpt+hfo's own plan), plan@55 (ckpt's own plan), plan@60)" in text
     results[-3]["per_step"][1]["plan"] = "CCCC"  # another plan ran first (the profiled safe plan): not ckpt's own
     assert not {row["mode"]: row for row in zoo.budget_checks(results)}["plan@55"]["reference_plan"]
+
+
+def test_a_c_failure_names_the_peaks_it_was_up_against_allocated_and_requested():
+    """A budget at a simple plan's peak, refused because the library's lowest plan peaked a few MB higher: the report
+    gives both peaks and, where the allocator counted them, the bytes each requested, which tell a plan that asks for
+    more from one whose allocator's blocks came out larger (gemma2-2b-2k on the H200)."""
+    simple = _simple()
+    simple[2]["peak_requested_all_bytes"] = 19 * GIB  # ckpt+hfo: 20 GiB allocated
+    refused = _plan(50, 0.3, [], status="infeasible",
+                    error="the memory budget of 20.00 GiB is below the smallest peak this step can reach, 20.01 GiB "
+                          "(21485413171 bytes; plan 'CCCC', peak at head)")  # fmt: skip
+    lowest = _plan(55, 0.3, [20.01] * 4, code="CCCC", peak_requested_all_bytes=19 * GIB)
+    other = _plan(60, 0.3, [20.5] * 4, code="cCCC")  # another plan: not the one the refusal names
+    results = [*simple, refused, lowest, other]
+    rows = {row["mode"]: row for row in zoo.budget_checks(results)}
+    assert rows["plan@50"]["c"] is False
+    against = rows["plan@50"]["c_against"]
+    assert against == (f"ckpt+hfo peaked at {20 * GIB:,} bytes (requested {19 * GIB:,}); the lowest plan `C` x 4, "
+                       f"alone at plan@55: {int(20.01 * GIB):,} bytes (requested {19 * GIB:,})")  # fmt: skip
+    text = "\n".join(zoo.shape_markdown(zoo.shape_summary(results, REFERENCE)))
+    assert f"1 failed (plan@50: {against})" in text
+    del lowest["peak_requested_all_bytes"]  # results measured before requested bytes were counted
+    refused["error"] = "below the smallest peak"  # a refusal that names no plan
+    expected = f"ckpt+hfo peaked at {20 * GIB:,} bytes (requested {19 * GIB:,})"
+    assert zoo.budget_checks(results)[0]["c_against"] == expected
 
 
 def _rerun(budget: str, run: int, mode: str, times: list[float], peaks: list[float] | None = None) -> dict:
@@ -693,3 +721,33 @@ def test_the_gradient_fingerprint_sums_the_bits_of_every_gradient():
     assert grad_fingerprint(params) == f"{expected:016x}"
     params[1].grad.view(torch.int32)[0, 0] ^= 1
     assert grad_fingerprint(params) != f"{expected:016x}"
+
+
+def test_a_steps_peaks_fold_the_counters_a_reset_inside_it_would_lose(monkeypatch):
+    """``harness.measure.StepPeaks`` on a made-up CUDA counter: the memory budget resets the device's peak counters
+    inside a step; the step's allocated, reserved and requested peaks are still the whole step's."""
+    import torch
+    from harness.measure import StepPeaks
+
+    counters = {"allocated": 0, "reserved": 0, "requested": 0}
+
+    def reset(device=None):
+        counters.update(allocated=0, reserved=0, requested=0)
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: counters["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_stats",
+                        lambda device=None: {"requested_bytes.all.peak": counters["requested"]})  # fmt: skip
+    peaks = StepPeaks(torch.device("cuda"))
+    with peaks:
+        peaks.start_step()
+        counters.update(allocated=100, reserved=128, requested=90)
+        torch.cuda.reset_peak_memory_stats()  # the memory budget's, mid-step
+        counters.update(allocated=60, reserved=64, requested=59)
+        assert peaks.step_peak() == (100, 128) and peaks.requested_peak() == 90
+        peaks.start_step()
+        counters.update(allocated=70, reserved=64, requested=69)
+        assert peaks.step_peak() == (70, 64) and peaks.requested_peak() == 69
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})  # an allocator that counts no requests
+    assert peaks.requested_peak() is None

@@ -54,16 +54,23 @@ def make_train_step(
 
 
 class StepPeaks:
-    """Peak device memory (allocated, reserved) of each step, read at its end.
+    """Peak device memory (allocated, reserved) of each step, read at its end; and the peak of the bytes requested.
 
     Something inside a step may reset the device's peak counters: the memory budget's profiler does, at the phase
     boundaries it measures (it calls ``torch.cuda.reset_peak_memory_stats``). While this is entered, every such
-    reset first folds the counters into the step's running maximum, so that a step's peak is the whole step's."""
+    reset first folds the counters into the step's running maximum, so that a step's peak is the whole step's.
+
+    The allocated peak counts each tensor's whole block, which the caching allocator may hand out up to 1 MiB larger
+    than asked for; the requested peak counts what was asked for. Two runs that ask for the same bytes in the same
+    order can so peak apart by what their caches' histories left: on gemma2-2b-2k (H200) the memory budget's plan
+    `C` and ckpt+hfo requested the same 25,715,361,288 bytes at their peaks, and peaked at 25,730,042,368 and
+    25,724,275,200 allocated."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._reset = torch.cuda.reset_peak_memory_stats
         self._folded = (0, 0)
+        self._folded_requested = 0
 
     def __enter__(self) -> StepPeaks:
         torch.cuda.reset_peak_memory_stats = self._fold_then_reset
@@ -75,17 +82,27 @@ class StepPeaks:
     def _counters(self) -> tuple[int, int]:
         return torch.cuda.max_memory_allocated(self._device), torch.cuda.max_memory_reserved(self._device)
 
+    def _requested(self) -> int | None:
+        # None where the allocator does not count requests (torch before 2.1, other allocators)
+        return torch.cuda.memory_stats(self._device).get("requested_bytes.all.peak")
+
     def _fold_then_reset(self, device: Any = None) -> None:
         self._folded = self.step_peak()
+        self._folded_requested = self.requested_peak() or 0
         self._reset(device)
 
     def start_step(self) -> None:
-        self._folded = (0, 0)
+        self._folded, self._folded_requested = (0, 0), 0
         self._reset(self._device)
 
     def step_peak(self) -> tuple[int, int]:
         allocated, reserved = self._counters()
         return max(self._folded[0], allocated), max(self._folded[1], reserved)
+
+    def requested_peak(self) -> int | None:
+        """The step's peak of the bytes requested, so far; None where the allocator does not count them."""
+        requested = self._requested()
+        return None if requested is None else max(self._folded_requested, requested)
 
 
 def _library_host_available() -> int:
@@ -161,6 +178,7 @@ def time_steps(
             rec = {"step": i + 1, "s": dt, "loss": float(loss.float().item())}
             if peaks is not None:
                 rec["peak_bytes"], rec["peak_reserved_bytes"] = peaks.step_peak()
+                rec["peak_requested_bytes"] = peaks.requested_peak()
             if i == 0:
                 res["first_step_s"] = dt  # includes the gradient fingerprint
                 res["loss1"] = rec["loss"]
@@ -213,6 +231,9 @@ def _summarise(per_step: list[dict[str, Any]], warmup: int, offloader: str, res:
         res["peak_all_gib"] = max(r["peak_bytes"] for r in per_step) / GIB  # warm-up (and profiling) included
         res["peak_step1_gib"] = per_step[0]["peak_bytes"] / GIB
         res["peak_reserved_gib"] = max(r["peak_reserved_bytes"] for r in timed) / GIB
+        requested = [r.get("peak_requested_bytes") for r in per_step]
+        if all(value is not None for value in requested):
+            res["peak_requested_all_bytes"] = max(requested)  # warm-up (and profiling) included, as peak_all_gib
     if "bytes_out" in per_step[-1]:
         res["bytes_out"] = per_step[-1]["bytes_out"]
         res["tensors_out"] = per_step[-1]["tensors_out"]

@@ -30,6 +30,7 @@ shape's markdown and JSON, and ``pareto.py`` draws its chart.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -193,6 +194,8 @@ def budget_checks(results: list[Result], rechecks: Sequence[Result] = (), pairs:
             row["c"] = True
         elif status == "infeasible":
             row["c"] = not fits if simple else None
+            if row["c"] is False:
+                row["c_against"] = refused_against(r, fits, results)
         elif status == "OOM":
             row["b"] = False  # the step outgrew the device, so the budget below it
         row["a_first"] = row["a"]
@@ -200,6 +203,31 @@ def budget_checks(results: list[Result], rechecks: Sequence[Result] = (), pairs:
             apply_recheck(row, [x for x in rechecks if x["recheck"]["budget"] == r["mode"]], pairs)
         rows.append(row)
     return rows
+
+
+def refused_against(refused: Result, fits: list[Result], results: list[Result]) -> str:
+    """What a refused budget that (c) fails was up against: the peak of each simple plan that meets it, and of the
+    lowest plan the refusal names where a budget of the sweep ran that plan alone, each allocated and, where counted,
+    requested. Equal requested peaks are the same bytes asked for; the allocated peaks then differ by the caching
+    allocator's blocks alone (`harness.measure.StepPeaks`)."""
+
+    def peaks(r: Result) -> str:
+        requested = r.get("peak_requested_all_bytes")
+        return f"{peak_all(r):,} bytes" + (f" (requested {requested:,})" if requested is not None else "")
+
+    parts = [f"{s['mode']} peaked at {peaks(s)}" for s in fits]
+    named = re.search(r"plan '([A-Za-z]+)'", refused.get("error") or "")
+    lowest = named.group(1) if named else None
+    alone = [r for r in results if r.get("status") == "ok" and lowest is not None and peak_all(r) is not None
+             and {step.get("plan") for step in r.get("per_step", []) if step.get("plan")} == {lowest}]  # fmt: skip
+    if alone:
+        parts.append(f"the lowest plan {_code_text(lowest)}, alone at {alone[0]['mode']}: {peaks(alone[0])}")
+    return "; ".join(parts)
+
+
+def _code_text(code: str) -> str:
+    """A plan code for the report: `C` x 26 where every layer is alike."""
+    return f"`{code[0]}` x {len(code)}" if len(set(code)) == 1 else f"`{code}`"
 
 
 def recheck_modes(row: dict[str, Any], pairs: int) -> list[str]:
@@ -436,6 +464,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             sep = "; "
         if check == "a":
             failures = [text + _own_plan(rows[m]) for text, m in zip(failures, c["fail"])]
+        if check == "c":  # none in results written before it was recorded
+            failures = [f"{m}: {rows[m]['c_against']}" if rows[m].get("c_against") else m for m in failures]
+            sep = "; "
         failed = f"{len(failures)} failed" + (f" ({sep.join(failures)})" if failures else "")
         return f"({check}) {what}: {passed}, {failed}, {c['n/a']} n/a"
 
