@@ -61,10 +61,10 @@ class StepPeaks:
     reset first folds the counters into the step's running maximum, so that a step's peak is the whole step's.
 
     The allocated peak counts each tensor's whole block, which the caching allocator may hand out up to 1 MiB larger
-    than asked for; the requested peak counts what was asked for. Two runs that ask for the same bytes in the same
-    order can so peak apart by what their caches' histories left: on gemma2-2b-2k (H200) the memory budget's plan
-    `C` and ckpt+hfo requested the same 25,715,361,288 bytes at their peaks, and peaked at 25,730,042,368 and
-    25,724,275,200 allocated."""
+    than asked for; the requested peak counts what was asked for. Two runs whose peaks ask for the same bytes can so
+    peak apart by what their caches' histories left (which blocks were free to hand out): on gemma2-2b-2k (H200,
+    the zoo's s44 run) the memory budget's plan `C` and ckpt+hfo both requested 25,708,949,440 bytes at their
+    peaks, and peaked at 25,729,518,592 and 25,722,702,848 allocated."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
