@@ -707,15 +707,25 @@ class MemoryBudgetController:
         budget_bytes = self._budget_bytes()
         count = len(self._layers)
         code, peak = "C" * count, simulate(profile, "C" * count).peak_bytes
+        not_lower = []  # the tilings that could not lower the prediction, and why
         for letter, available, what in (("T", tiling_available, "every MLP"), ("L", layer_tiling_available,
                                                                                  "every layer whole")):  # fmt: skip
-            if peak <= budget_bytes or not available(profile):
+            if peak <= budget_bytes:
+                continue
+            if not available(profile):
+                not_lower.append(f"tiling {what} is not available")
                 continue
             tiled = simulate(profile, letter * count).peak_bytes
             if tiled < peak:  # tiling can cost memory (two chunks of 4K on a 7B shape)
                 logger.info("hf_offload: the profiled steps tile %s: plan %r is predicted to peak at %.2f GiB, over "
                             "the budget of %.2f GiB", what, code, peak / 2**30, budget_bytes / 2**30)  # fmt: skip
                 code, peak = letter * count, tiled
+            else:
+                not_lower.append(f"tiling {what} is predicted to peak at {tiled / 2**30:.2f} GiB")
+        if peak > budget_bytes:  # said, so that a profiled step over the budget can be told apart from a wrong model
+            logger.info("hf_offload: the profiled steps run plan %r, predicted to peak at %.2f GiB, over the budget of "
+                        "%.2f GiB: %s", code, peak / 2**30, budget_bytes / 2**30,
+                        "; ".join(not_lower) or "it is the lowest plan the model knows of")  # fmt: skip
         if code != self._code:
             self._apply(_actions(code), code, windows=None, **chunk_sizes(profile, code))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -212,20 +213,28 @@ def long_steps_between(letters: str, steps: int = 5) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("probe_tokens", [None, 4096])
-def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, record, monkeypatch, nondeterministic):
+def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, record, monkeypatch, nondeterministic,
+                                                              caplog):  # fmt: skip
+    """With [4096] this failed in two whole-file runs (H200, session 43), its first step at the untiled plan's peak,
+    and passed alone and in two whole-file runs after; what the controller said of the profiled steps' plan is
+    recorded, so that a failure shows which prediction decided it."""
     from hf_offload.memory_budget import probes
 
     if probe_tokens is not None:  # the probes then run on the first 4096 tokens and scale
         monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", probe_tokens)
+    caplog.set_level(logging.INFO, logger="hf_offload")
     run = long_steps_between("CT")
     untiled, tiled, plan = run.lowest["C"], run.lowest["T"], run.plan
+    said = [entry.getMessage() for entry in caplog.records if "the profiled steps" in entry.getMessage()]
     record(f"tiled_plan_probe_{probe_tokens}", {
         "budget": run.budget, "untiled_lowest_predicted": untiled, "tiled_lowest_predicted": tiled,
         "plan": plan.code, "step_peaks": run.peaks, "predicted_peak": plan.predicted.peak_bytes,
         "loss_relative_difference": run.difference, "tile_chunk_bytes": run.profile.tile_chunk_bytes,
+        "profiled_steps_said": said,
     }, show=True)  # fmt: skip
     assert tiled < untiled and "T" in plan.code and plan.tile_tokens == LONG["hidden"]
-    assert max(run.peaks) <= run.budget, f"plan {plan.code}: step peaks {run.peaks} over the budget {run.budget}"
+    over = f"plan {plan.code}: step peaks {run.peaks} over the budget {run.budget}; the controller said {said}"
+    assert max(run.peaks) <= run.budget, over
     assert run.difference < 2e-2  # bf16, chunked weight-gradient sums: close, not bitwise
     dispose(run.ctx)
 

@@ -114,14 +114,21 @@ def planned_minimum() -> int:
     return peak
 
 
-def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step():
+def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step(caplog):
+    """The profiled steps run the safe plan over such a budget, and the log says so and why nothing lower ran (here
+    the steps are shorter than a tile's chunk), before the planned step's clear error."""
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1KiB")
     ids = torch.randint(VOCAB, (2, 16))
-    for _ in range(2):  # the profiled steps run under the safe plan
-        with context:
-            model(input_ids=ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)  # gradients held would be micro-steps accumulating: no plan until a step
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        for _ in range(2):  # the profiled steps run under the safe plan
+            with context:
+                model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)  # gradients held would be micro-steps accumulating: no plan until a step
+    said = [record.getMessage() for record in caplog.records if "the profiled steps run plan" in record.getMessage()]
+    assert len(said) == 2 and all(message.startswith(f"hf_offload: the profiled steps run plan {'C' * LAYERS!r}, "
+                                                     "predicted to peak at ") for message in said)  # fmt: skip
+    assert "tiling every MLP is not available; tiling every layer whole is not available" in said[0]
     with pytest.raises(InfeasibleBudgetError) as error, context:
         model(input_ids=ids, labels=ids)
     assert str(error.value).startswith("the memory budget of 1.00 KiB (1024 bytes) is below the smallest peak")
