@@ -14,6 +14,7 @@ Usage (GPU machine):
   python benchmarks/short_steps.py --scenario M36 --out $OUT
   python benchmarks/short_steps.py --scenario M36 --variants ckpt,ckpt+hfo,ckpt+hfo:use_streams=False
   python benchmarks/short_steps.py --scenario M36 --regional --variants ckpt,ckpt+hfo
+  python benchmarks/short_steps.py --scenario gemma2-2b-2k --variants ckpt,ckpt+hfo --span forward
 A variant is `ckpt` (checkpointing alone), `none` (no checkpointing, no offloading), or `ckpt+hfo` / `hfo` with
 `:key=value` engine options after it (`ckpt+hfo:min_offload_size=1099511627776`: nothing eligible).
 """
@@ -131,6 +132,14 @@ def main() -> int:
     ap.add_argument("--regional", action="store_true",
                     help="compile each decoder layer (regional compilation), as run.py's '/regional' modes do; every "
                          "variant then runs on the compiled layers")  # fmt: skip
+    ap.add_argument(
+        "--span",
+        choices=("step", "forward"),
+        default="step",
+        help="what the offload context wraps: the forward and the backward (run.py's default) or the forward only (as "
+        "the Trainer callback and TRL's trainers wrap `compute_loss`): saved-tensor hooks held while backward runs "
+        "cost host time of their own",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
@@ -154,12 +163,21 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    def forward(context: Any, stack: contextlib.ExitStack) -> torch.Tensor:
+        """The step's forward under `context` (entered on `stack`), which `--span forward` exits before backward."""
+        if context is not None:
+            stack.enter_context(context)
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        if args.span == "forward":
+            stack.close()
+        return loss
+
     def step(context: Any) -> dict[str, float]:
         """One step, synchronised before and after, as the benchmark times it; host-side marks along the way."""
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with context if context is not None else contextlib.nullcontext():
-            loss = model(input_ids=input_ids, labels=input_ids).loss
+        with contextlib.ExitStack() as stack:
+            loss = forward(context, stack)
             t_forward = time.perf_counter()
             loss.backward()
         t_backward = time.perf_counter()
@@ -183,9 +201,8 @@ def main() -> int:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
-            with context if context is not None else contextlib.nullcontext():
-                loss = model(input_ids=input_ids, labels=input_ids).loss
-                loss.backward()
+            with contextlib.ExitStack() as stack:
+                forward(context, stack).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
