@@ -218,9 +218,9 @@ def refused_against(refused: Result, fits: list[Result], results: list[Result]) 
     parts = [f"{s['mode']} peaked at {peaks(s)}" for s in fits]
     named = re.search(r"plan '([A-Za-z]+)'", refused.get("error") or "")
     lowest = named.group(1) if named else None
-    alone = [r for r in results if r.get("status") == "ok" and lowest is not None and peak_all(r) is not None
+    alone = [r for r in results if r.get("status") == "ok" and peak_all(r) is not None
              and {step.get("plan") for step in r.get("per_step", []) if step.get("plan")} == {lowest}]  # fmt: skip
-    if alone:
+    if lowest is not None and alone:
         parts.append(f"the lowest plan {_code_text(lowest)}, alone at {alone[0]['mode']}: {peaks(alone[0])}")
     return "; ".join(parts)
 
