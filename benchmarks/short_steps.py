@@ -116,8 +116,9 @@ def main() -> int:
         "--cprofile",
         default=None,
         metavar="VARIANTS",
-        help="also run 3 steps of each of these variants (comma-separated) under cProfile, after --warmup steps: the "
-        "functions that took the most host time",
+        help="also run 5 steps of each of these variants (comma-separated) under cProfile, after --warmup steps: the "
+        "functions that took the most host time on the main thread (the forward's; backward runs on autograd's), and "
+        "where each variant's own time per function differs from the first's",
     )
     ap.add_argument(
         "--gc-freeze",
@@ -244,8 +245,9 @@ def main() -> int:
                 flush=True,
             )
 
-    for variant in filter(None, (v.strip() for v in (args.cprofile or "").split(","))):
-        host_profile(variant, model, step, args.warmup)
+    profiled = {variant: host_profile(variant, model, step, args.warmup)
+                for variant in filter(None, (v.strip() for v in (args.cprofile or "").split(",")))}  # fmt: skip
+    print_profile_differences(profiled)
 
     def lower_quartile(times: list[float]) -> float:
         """This host's hiccups (a stalled host thread in a host-bound step) only ever add time: the lower quartile
@@ -304,9 +306,12 @@ def main() -> int:
     return 0
 
 
-def host_profile(variant: str, model: torch.nn.Module, step: Any, warmup: int) -> None:
-    """Three steps of `variant` under cProfile (after `warmup` steps, so that a memory plan is settled): where the
-    host's time goes."""
+PROFILED_STEPS = 5
+
+
+def host_profile(variant: str, model: torch.nn.Module, step: Any, warmup: int) -> dict[str, tuple[int, float]]:
+    """`PROFILED_STEPS` steps of `variant` under cProfile (after `warmup` steps, so that a memory plan is settled):
+    where the main thread's time goes. Returns, per function, its calls and own seconds per step."""
     import cProfile
     import pstats
 
@@ -317,15 +322,37 @@ def host_profile(variant: str, model: torch.nn.Module, step: Any, warmup: int) -
         step(context)
     profiler = cProfile.Profile()
     profiler.enable()
-    for _ in range(3):
+    for _ in range(PROFILED_STEPS):
         step(context)
     profiler.disable()
-    print(f"\ncProfile of 3 steps of {variant}, by own time:")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(45)
-    print(f"cProfile of 3 steps of {variant}, by cumulative time, hf_offload only:")
-    pstats.Stats(profiler).sort_stats("cumulative").print_stats("hf_offload", 30)
+    print(f"\ncProfile of {PROFILED_STEPS} steps of {variant}, by own time:")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(45)
+    print(f"cProfile of {PROFILED_STEPS} steps of {variant}, by cumulative time, hf_offload only:")
+    stats.sort_stats("cumulative").print_stats("hf_offload", 30)
     if context is not None:
         context.remove_hooks()
+    own: dict[str, tuple[int, float]] = {}
+    for (path, line, name), (_, calls, own_seconds, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        own[f"{path}:{line}({name})"] = (calls // PROFILED_STEPS, own_seconds / PROFILED_STEPS)
+    return own
+
+
+def print_profile_differences(profiled: dict[str, dict[str, tuple[int, float]]]) -> None:
+    """Per variant after the first, the functions whose own time per step differs most from the first variant's:
+    host time a variant adds shows where it is spent, even where the added calls are each cheap."""
+    if len(profiled) < 2:
+        return
+    (first_name, first), *others = profiled.items()
+    for variant, this in others:
+        names = set(first) | set(this)
+        added = {name: this.get(name, (0, 0.0))[1] - first.get(name, (0, 0.0))[1] for name in names}
+        total = sum(added.values())
+        print(f"\nmain thread's own time per step, {variant} less {first_name}: {total * 1e3:+.2f} ms in all; the 30 "
+              f"largest differences (ms, calls per step):")  # fmt: skip
+        for name in sorted(names, key=lambda name: -abs(added[name]))[:30]:
+            calls = f"{first.get(name, (0, 0))[0]} -> {this.get(name, (0, 0))[0]}"
+            print(f"  {added[name] * 1e3:+8.3f}  ({calls:>11s})  {name}")
 
 
 def host_time(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

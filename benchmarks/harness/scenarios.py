@@ -203,6 +203,8 @@ ZOO_SCENARIOS: dict[str, Scenario] = {
     ),
 }
 SCENARIOS.update(ZOO_SCENARIOS)
+# Issue 21's second row: M36 at 4 x 4096 tokens, where per-layer compute is four times as long as M36's.
+SCENARIOS["M36-4x4k"] = dataclasses.replace(SCENARIOS["M36"], batch=4)
 # The zoo's CPU smoke test of a LoRA shape: tiny-lora without Liger and without forced checkpointing, so that every
 # mode of the sweep runs.
 SCENARIOS["tiny-lora-plain"] = dataclasses.replace(SCENARIOS["tiny-lora"], liger=False, force_ckpt=False)
