@@ -391,7 +391,7 @@ def test_the_second_profiled_step_is_tiled_when_the_memory_held_since_the_first_
     # Planned in the third step with every gradient held, as a step that began with gradients held makes plans
     # (gradient accumulation); the first step, before any were held, creates them in backward.
     held = roomy.budget_controller.profile
-    gradients = sum(p.numel() * p.element_size() for p in roomy.budget_controller._parameters() if p.requires_grad)
+    gradients = sum(nbytes for ref, nbytes in roomy.budget_controller._sized_parameters() if ref().requires_grad)
     assert held.gradient_bytes == 0
     profile = dataclasses.replace(held, static_bytes=held.static_bytes - gradients, gradient_bytes=gradients)
     first, second, second_tiled = (simulate(p, letter * LAYERS).peak_bytes for p, letter in
