@@ -201,6 +201,13 @@ ZOO_SCENARIOS: dict[str, Scenario] = {
     "gemma3-4b-12l": _zoo_shape(
         "Gemma-3-4B, text, 12 of 34 layers", 2560, 10240, 12, 8, 4, 262208, 4096, 1, **_GEMMA3_4B_TEXT
     ),
+    # Added in session 45, after the planner's last change, as shapes it was never tuned on: Qwen3's own layers (q/k
+    # norms) at 2 x 4K, a LoRA at 8K tokens on a 49K vocabulary, and a wide full fine-tune at 4 x 2K on a 64K one.
+    "qwen3-4b-12l-2x4k": _zoo_shape(
+        "Qwen3-4B, 12 of 36 layers", 2560, 9728, 12, 32, 8, 151936, 4096, 2, head_dim=128, family="qwen3"
+    ),
+    "smollm2-1.7b-8k-lora": _zoo_shape("SmolLM2-1.7B", 2048, 8192, 24, 32, 32, 49152, 8192, 1, lora=True),
+    "yi1.5-6b-10l-4x2k": _zoo_shape("Yi-1.5-6B, 10 of 32 layers", 4096, 11008, 10, 32, 4, 64000, 2048, 4),
 }
 SCENARIOS.update(ZOO_SCENARIOS)
 # Issue 21's second row: M36 at 4 x 4096 tokens, where per-layer compute is four times as long as M36's.
