@@ -271,6 +271,7 @@ class MemoryBudgetController:
         self._samples: dict[str, list[_Sample]] = {}
         self._code = ""
         self._applied_at = 0
+        self._over_checked = -1  # `_applied_at` of the plan whose measurement a step over the budget ended
         self._timed_step_start: Any = None
         self._floor_at_timed_start = 0  # the counter's largest read when the timed step began
         # `_static_bytes`, summed, as this training forward began (read once a step: a plan made within the forward,
@@ -575,7 +576,16 @@ class MemoryBudgetController:
             if exact and counted is not None and self._profile is not None and self._agreement() is None:
                 if peak > counted + self._profile.peak_correction_bytes:
                     self._generation += 1
-            if ended == self._applied_at + self._steps_to_measure():
+            # A step over the budget ends the plan's measurement there (alone: under torch.distributed every rank
+            # checks at the same step). Waiting for the others ran a plan that peaked 103 MB above its prediction, up
+            # to 41 MB over the budget, for three steps instead of one (a zoo shape the planner was never tuned on,
+            # 5 layers offloaded whole, H200).
+            first_over = exact and peak > self._budget_bytes() and self._over_checked != self._applied_at
+            if first_over and self._agreement() is None:
+                self._over_checked = self._applied_at
+            else:
+                first_over = False
+            if ended == self._applied_at + self._steps_to_measure() or first_over:
                 if self.plan.trial:
                     self._end_trial()
                 else:
@@ -1165,8 +1175,10 @@ class MemoryBudgetController:
         paced by the host, whose stalls (the garbage collector, the VM) only ever add time, to one step and not the
         next (on the H100 zoo, plain checkpointing's steps spanned 0.167-0.246 s within one run), and are no
         property of the plan. Only plans with `_MEASURED_STEPS` steps count
-        (one step is noise), the safe plan, whose profiled step the model is calibrated on, and the trial's
-        `_TRIAL_MEASURED_STEPS`. Plans that tile MLPs or layers where `profile` cannot are left out.
+        (one step is noise), the safe plan, whose profiled step the model is calibrated on, the trial's
+        `_TRIAL_MEASURED_STEPS`, and a plan one of whose steps peaked over the budget, exactly: that one step proves
+        the plan does not fit (`_close_the_loop` checks the plan there). Plans that tile MLPs or layers where
+        `profile` cannot are left out.
 
         A peak grows by what the memory held between steps, with the gradients pending, grew since its step began
         (`_held_growth`): with gradient accumulation over three micro-steps or more, the profiled steps run before the
@@ -1179,13 +1191,15 @@ class MemoryBudgetController:
         It has no time: the plan's predicted time stands for it."""
         at_tokens: dict[int, StepProfile] = {}
         measured = []
+        budget_bytes = self._budget_bytes()
         for code, all_samples in self._samples.items():
             samples = [sample for sample in all_samples if not sample.through_backward]
             if not self._gradients_accumulate and not any(sample.peak_bytes is not None for sample in samples):
                 samples += [sample for sample in all_samples if sample.through_backward]
             enough = (len(samples) >= _MEASURED_STEPS or any(sample.profiled or sample.through_backward
                                                             for sample in samples)
-                      or (code in self._trialled and len(samples) >= _TRIAL_MEASURED_STEPS))  # fmt: skip
+                      or (code in self._trialled and len(samples) >= _TRIAL_MEASURED_STEPS)
+                      or any(sample.peak_exact and sample.peak_bytes > budget_bytes for sample in samples))  # fmt: skip
             if not enough or unavailable_tiling(profile, code):
                 continue
             steps = []

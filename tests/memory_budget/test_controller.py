@@ -951,8 +951,7 @@ def test_a_trial_that_peaks_over_the_budget_is_not_chosen_and_raises_every_predi
     the counter reached in a step (above every read before it) is that step's own, over the budget or not: the
     trial's plan, proven not to fit, is not chosen, and every prediction after it is raised by what the trial
     peaked above its own (here no plan of the tiny model is that much lower: the lowest runs, over the budget, with
-    a warning). The counter here is never reset, so the trial's second step reads the first one's peak again: a
-    bound, not a measurement."""
+    a warning). Its first measured step over the budget ends the trial there."""
     budget = int(simulate(roomy_profile(), "cccc").peak_bytes * 1.011)  # the trial fits, with twice the margin
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
@@ -962,7 +961,7 @@ def test_a_trial_that_peaks_over_the_budget_is_not_chosen_and_raises_every_predi
     _, seen = train_recording(model, context, steps=8)
     assert seen[2][:2] == ("cccc", True)
     trial = controller.measurements["cccc"]
-    assert [(sample["peak_bytes"], sample["peak_exact"]) for sample in trial] == [(over, True), (None, False)]
+    assert [(sample["peak_bytes"], sample["peak_exact"]) for sample in trial] == [(over, True)]
     plan, profile = context.memory_plan, controller.profile
     assert plan.code != "cccc"
     assert profile.peak_correction_bytes == over - trial[0]["predicted_peak_bytes"] > 0
@@ -974,6 +973,33 @@ def test_a_trial_that_peaks_over_the_budget_is_not_chosen_and_raises_every_predi
         plan.predicted.peak_bytes
         == simulate(uncorrected, plan.code, window).peak_bytes + over - trial[0]["predicted_peak_bytes"]
     )
+
+
+@pytest.mark.parametrize("trial", [False, True], ids=["plan", "trial"])
+def test_a_step_over_the_budget_ends_its_plans_measurement_there(monkeypatch, trial):
+    """On an H200, a zoo shape the planner was never tuned on (5 layers offloaded whole, LoRA, 8K tokens) peaked
+    103 MB above its first plan's prediction, 41 MB over the budget, and the plan ran three measured steps before
+    the closed loop replaced it. A measured step over the budget now ends the measurement at once: one step over,
+    not three. Here the counter reads over the budget in every step of the first plan (or of the trial), so the
+    plan is replaced at the forward after its first measured step: it ran its first step and that one."""
+    budget = int(simulate(roomy_profile(), "cccc").peak_bytes * 1.011) if trial else 10 * 2**30
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+    controller = context.budget_controller
+    first: list[str] = []
+
+    def peak() -> int | None:
+        plan = controller.plan
+        if plan is None or plan.trial is not trial or first[:1] not in ([], [plan.code]):
+            return None
+        first[:] = [plan.code]
+        return budget + 1
+
+    monkeypatch.setattr(controller._meter, "peak", peak)
+    _, seen = train_recording(model, context, steps=9)
+    ran = [code for code, *_ in seen]
+    assert first and ran.count(first[0]) == 2, ran
+    assert [sample["peak_exact"] for sample in controller.measurements[first[0]]] == [True]
 
 
 def test_the_correction_grows_with_a_longer_step_and_not_with_a_shorter_one(monkeypatch):
