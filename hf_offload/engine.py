@@ -331,6 +331,8 @@ class OffloadActivations(saved_tensors_hooks):
         self.use_pin_memory = options.use_pin_memory and self.device_type not in (None, "cpu")
         # Whether each unpack starts the next reloads; a model layer whose `prefetch_hook`s time them turns it off.
         self.prefetch_on_unpack = True
+        # What decides it from the model's layers (`set_prefetch_on_unpack_rule`), held weakly, or None.
+        self._prefetch_on_unpack_rule: weakref.WeakMethod | None = None
         # Set by the model hooks of `get_act_offloading_ctx_manager` whenever one runs: a forward that saved tensors
         # while none ran was compiled as a whole, and the engine then stands aside (see `_begin_backward`).
         self.model_hooks_ran = False
@@ -548,6 +550,23 @@ class OffloadActivations(saved_tensors_hooks):
                 engine._prefetch_from_hook(step, window_bytes)
 
         return hook
+
+    def set_prefetch_on_unpack_rule(self, rule: Callable[[], bool]) -> None:
+        """Give the engine what decides `prefetch_on_unpack` from the model's layers (a bound method, held weakly).
+
+        The model's hooks decide it as each forward begins; `refresh_prefetch_on_unpack` decides it again when the
+        layers change between that and the step's backward (a memory plan applied at the same forward's start).
+
+        Args:
+            rule: returns whether unpacks start the next reloads, from the layers' checkpointing now.
+        """
+        self._prefetch_on_unpack_rule = weakref.WeakMethod(rule)
+
+    def refresh_prefetch_on_unpack(self) -> None:
+        """Decide `prefetch_on_unpack` again by the rule the model's hooks gave (none given: unchanged)."""
+        rule = None if self._prefetch_on_unpack_rule is None else self._prefetch_on_unpack_rule()
+        if rule is not None:
+            self.prefetch_on_unpack = rule()
 
     def exempt(self, ends_forward: bool = False, reason: str = "exempt") -> NoOpManager:
         """Return a region whose saved tensors stay in place and are counted as kept.

@@ -157,20 +157,27 @@ class _PrefetchPoints:
       so by its attribute `offloads_saved_tensors`): their recomputation unpacks all of those at once.
     """
 
-    def __init__(self, engine: OffloadActivations, layers: list[nn.Module]) -> None:
+    def __init__(self, engine: OffloadActivations, model: nn.Module, layers: list[nn.Module]) -> None:
         self._engine = weakref.ref(engine)  # a model that outlives the engine must not keep it alive
+        self._model = weakref.ref(model)
         self._layers = layers
 
     @eager_only
     def root_enter(self, module: nn.Module, args: Any) -> None:
         engine = self._engine()
-        if engine is None:
-            return
+        if engine is not None:
+            engine.prefetch_on_unpack = self.unpacks_prefetch()
+
+    def unpacks_prefetch(self) -> bool:
+        """Whether unpacks start the next reloads, from the layers' checkpointing now: not when every layer hands the
+        engine at most its input. Decided as each forward begins, and again when a memory plan changes the layers
+        after that (`OffloadActivations.refresh_prefetch_on_unpack`): the plan's first step would otherwise run the
+        last plan's way (on an H200, a plan offloading 5 layers whole after one checkpointing every layer missed a
+        reload in its first step)."""
         if self._layers:
-            input_only = all(self._input_only(layer) for layer in self._layers)
-        else:
-            input_only = checkpointing_on(module)
-        engine.prefetch_on_unpack = not input_only
+            return not all(self._input_only(layer) for layer in self._layers)
+        model = self._model()
+        return model is None or not checkpointing_on(model)
 
     @staticmethod
     def _input_only(layer: nn.Module) -> bool:
@@ -207,9 +214,10 @@ class _PrefetchPoints:
 
 def install_prefetch_points(engine: OffloadActivations, model: nn.Module, layers: list[nn.Module],
                              head: nn.Module | None, attention: list[nn.Module]) -> None:  # fmt: skip
-    points = _PrefetchPoints(engine, layers)
+    points = _PrefetchPoints(engine, model, layers)
     if attention:  # with no blocks found, unpacks keep prefetching
         engine.track_hook(model.register_forward_pre_hook(points.root_enter))
+        engine.set_prefetch_on_unpack_rule(points.unpacks_prefetch)
     if head is not None:
         engine.track_hook(head.register_forward_hook(points.head_exit))
     for module in attention:

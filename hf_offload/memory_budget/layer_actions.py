@@ -499,4 +499,5 @@ def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: S
             function = _layer_function(entry.action, entry.offload_input, engine)
             layer._gradient_checkpointing_func = (_TiledLayerCheckpoint(layer, function)
                                                   if entry.action == TILED_LAYER else function)  # fmt: skip
+    engine.refresh_prefetch_on_unpack()  # applied at a forward's start, after the model's hooks decided it
     return applied

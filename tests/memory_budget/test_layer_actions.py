@@ -284,6 +284,30 @@ def test_unpacks_prefetch_unless_every_layer_hands_the_engine_only_its_input(cod
     assert context.prefetch_on_unpack is on_unpack
 
 
+@pytest.mark.parametrize(("before", "after"), [("CCCC", "OSSS"), ("OSSS", "CCCC")])
+def test_a_plan_applied_as_a_forward_starts_decides_how_that_steps_backward_prefetches(before, after):
+    """The model's hooks decide whether unpacks start reloads as a forward begins. A memory plan applied at the same
+    forward's start by a hook registered after theirs (the budget's controller) changes the layers: that step's
+    backward prefetches the new plan's way, not the last plan's. Exact either way."""
+    model = tiny_llama("eager")
+    baseline = step(model)
+    context = get_act_offloading_ctx_manager(model, device_type="cpu")
+    applied = apply_layer_actions(model, context, actions(before))
+
+    def new_plan(module, args):  # registered after the context's hooks, as the controller's is
+        nonlocal applied
+        applied.remove()
+        applied = apply_layer_actions(model, context, actions(after))
+
+    model.register_forward_pre_hook(new_plan)
+    seen = []
+    unpack = context._unpack
+    context._unpack = lambda saved: (seen.append(context.prefetch_on_unpack), unpack(saved))[1]
+    loss, grads = step(model, context)
+    assert seen and set(seen) == {after != "CCCC"}
+    assert torch.equal(loss, baseline[0]) and all(torch.equal(grads[n], baseline[1][n]) for n in grads)
+
+
 def test_a_selective_offload_outside_the_engine_is_a_selective_checkpoint():
     model = tiny_llama("eager")
     baseline = step(model)
