@@ -580,11 +580,10 @@ class MemoryBudgetController:
             # checks at the same step). Waiting for the others ran a plan that peaked 103 MB above its prediction, up
             # to 41 MB over the budget, for three steps instead of one (a zoo shape the planner was never tuned on,
             # 5 layers offloaded whole, H200).
-            first_over = exact and peak > self._budget_bytes() and self._over_checked != self._applied_at
-            if first_over and self._agreement() is None:
+            first_over = (exact and peak > self._budget_bytes() and self._over_checked != self._applied_at
+                          and self._agreement() is None)  # fmt: skip
+            if first_over:
                 self._over_checked = self._applied_at
-            else:
-                first_over = False
             if ended == self._applied_at + self._steps_to_measure() or first_over:
                 if self.plan.trial:
                     self._end_trial()
