@@ -367,6 +367,9 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
         minimum_percent = 100 * probe["minimum_bytes"] / 2_500_000
         assert budgets == [f"plan@{p}" for p in (20, 40, 60, 80) if p >= minimum_percent]
         assert all(results[m]["status"] == "ok" and results[m]["plan"]["code"] for m in budgets)
+        # the closed loop's steps, whole, for replaying a plan offline: each with the peak its prediction counted
+        steps = [step for m in budgets for samples in results[m]["plan"]["measurements"].values() for step in samples]
+        assert steps and all("predicted_peak_bytes" in step and "peak_exact" in step for step in steps)
         # every first-step loss equal bitwise: the same weights and data in every mode, offloading exact
         assert len({r["loss1_bits"] for r in results.values() if r.get("loss1_bits")}) == 1
         summary = data["meta"]["zoo"]

@@ -206,10 +206,13 @@ def _plan_summary(context: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(profile):
         summary["profile"] = dataclasses.asdict(profile)
     # What the closed loop measured (per plan code, its steps' seconds: the profiled safe plan, the trial of plain
-    # checkpointing, the plans it checked) and what it learned from them, where the library has them.
+    # checkpointing, the plans it checked) and what it learned from them, where the library has them; and each of
+    # those steps whole (its peak, exact or a bound, and the peak its prediction counted), with which a plan that ran
+    # above its prediction can be replayed offline against the profile above.
     measurements = getattr(controller, "measurements", None)
     if isinstance(measurements, dict):
         summary["measured_s"] = {code: [step["seconds"] for step in steps] for code, steps in measurements.items()}
+        summary["measurements"] = measurements
     calibration = getattr(controller, "calibration", None)
     if hasattr(calibration, "describe"):
         summary["learned"] = calibration.describe()
