@@ -5,8 +5,9 @@ very arguments it receives (on the first `PROBE_MAX_TOKENS` of them at long cont
 runs it kept (once more timing its attention operators apart, `_TimeAttention`; and on a half and a quarter of its
 tokens, for the part of its bytes that grows with their square, `_quadratic_part`), then selectively checkpointed, then
 (when the planner may tile MLPs) kept with its MLP tiled, then (when it may tile whole layers) tiled whole, and
-returns the bytes it saves, the bytes a selective checkpoint would keep, and the times of its forward, backward,
-attention and selective recompute (a `LayerProbe`, whose `LayerProfile` the step's profile is made of).
+returns the bytes it saves (and, where memory is counted, the most its forward holds at once), the bytes a selective
+checkpoint would keep, and the times of its forward, backward, attention and selective recompute (a `LayerProbe`,
+whose `LayerProfile` the step's profile is made of).
 `measure_link_bandwidth` times the copies between the device and the host. A `Meter` reads time and memory on the
 engine's device, or the host clock in the CPU test mode, which has no memory counters.
 
@@ -355,7 +356,7 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
     # Once more on the first half and the first quarter of the tokens: eager attention saves tokens x tokens weights a
     # head, whose bytes a profile scaled in proportion misses at a longer step (2048 -> 4096 tokens: predicted
     # 8.34 GB, peaked 10.35). Three lengths, as a part that does not grow (a constant) would blur two.
-    quadratic, quadratic_error = {"saved": 0, "selective": 0, "working": 0}, None
+    quadratic, quadratic_error = {"saved": 0, "selective": 0, "working": 0, "forward_working": 0}, None
     if hidden.dim() == 3 and hidden.shape[-2] >= 4:  # packed sequences (2-d) cannot be cut
         runs = [(tokens, kept)]
         try:
@@ -370,7 +371,7 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
             # head size equal to a short step's length), the cut arguments do not fit together.
             quadratic_error = f"its arguments cut to fewer tokens do not run ({str(error).splitlines()[0][:160]})"
         else:
-            quadratic = {name: _quadratic_part([(n, getattr(run, f"{name}_bytes")) for n, run in runs])
+            quadratic = {name: _quadratic_part([(n, getattr(run, f"{name}_bytes") or 0) for n, run in runs])
                          for name in quadratic}  # fmt: skip
     profile = LayerProfile(
         saved_bytes=kept.saved_bytes,
@@ -385,6 +386,8 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         quadratic_saved_bytes=quadratic["saved"],
         quadratic_selective_bytes=quadratic["selective"],
         saved_tensors=kept.saved_tensors,
+        forward_peak_bytes=kept.forward_working_bytes or 0,
+        quadratic_forward_peak_bytes=quadratic["forward_working"],
     )
     probe = LayerProbe(profile, kept.working_bytes, tokens, step_tokens, quadratic_working_bytes=quadratic["working"],
                        quadratic_error=quadratic_error)  # fmt: skip

@@ -69,6 +69,11 @@ class LayerProfile:
             `sharding`): held through its forward and its backward, and through the backward of the layer after it,
             which FSDP2 runs with this one gathered ahead. Under sharding `parameter_gradient_bytes` is the
             gradients' local shard, what lasts after the backward's reduce-scatter.
+        forward_peak_bytes: the most its forward holds at once, its input included: its saved tensors so far and
+            the temporaries among them (a LoRA adapter's cast input, an upcast norm's). A checkpoint's recomputation
+            holds as much again inside its backward, while its output's gradient exists. 0 where not measured (no
+            memory counter): then `saved_bytes` stands for it.
+        quadratic_forward_peak_bytes: the part of `forward_peak_bytes` that grows with the square of the tokens.
     """
 
     saved_bytes: int
@@ -88,13 +93,17 @@ class LayerProfile:
     quadratic_selective_bytes: int = 0
     saved_tensors: int = 0
     gathered_parameter_bytes: int = 0
+    forward_peak_bytes: int = 0
+    quadratic_forward_peak_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("saved_bytes", "selective_bytes", "input_bytes", "parameter_gradient_bytes",
                      "tiled_saved_bytes", "layer_tiled_saved_bytes", "quadratic_saved_bytes",
-                     "quadratic_selective_bytes", "saved_tensors", "gathered_parameter_bytes"):  # fmt: skip
+                     "quadratic_selective_bytes", "saved_tensors", "gathered_parameter_bytes", "forward_peak_bytes",
+                     "quadratic_forward_peak_bytes"):  # fmt: skip
             check_bytes("LayerProfile", name, getattr(self, name))
-        for part, whole in (("quadratic_saved_bytes", "saved_bytes"), ("quadratic_selective_bytes", "selective_bytes")):
+        for part, whole in (("quadratic_saved_bytes", "saved_bytes"), ("quadratic_selective_bytes", "selective_bytes"),
+                            ("quadratic_forward_peak_bytes", "forward_peak_bytes")):  # fmt: skip
             if getattr(self, part) > getattr(self, whole):
                 raise ValueError(f"LayerProfile.{part} is part of {whole}, so it cannot exceed it: "
                                  f"{getattr(self, part)!r} > {getattr(self, whole)!r}")  # fmt: skip
@@ -119,6 +128,10 @@ class LayerProfile:
             selective_bytes=with_square(self.selective_bytes, self.quadratic_selective_bytes, measured_tokens, tokens),
             quadratic_saved_bytes=in_square(self.quadratic_saved_bytes, measured_tokens, tokens),
             quadratic_selective_bytes=in_square(self.quadratic_selective_bytes, measured_tokens, tokens),
+            forward_peak_bytes=with_square(
+                self.forward_peak_bytes, self.quadratic_forward_peak_bytes, measured_tokens, tokens
+            ),
+            quadratic_forward_peak_bytes=in_square(self.quadratic_forward_peak_bytes, measured_tokens, tokens),
             input_bytes=in_proportion(self.input_bytes, measured_tokens, tokens),
             forward_s=grow_time(self.forward_s, self.attention_forward_s),
             backward_s=grow_time(self.backward_s, self.attention_backward_s),

@@ -211,7 +211,8 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowe
         i, option = run.peak_layer, chosen[run.peak_layer]
         in_forward, in_backward = gathered_parameters(profile)
         gathered = in_backward[i] if run.peak_phase == "backward" else in_forward[i]
-        working = option.saved + (option.working if run.peak_phase == "backward" else 0) + gathered
+        working = (option.saved + option.working if run.peak_phase == "backward"
+                   else max(option.saved, option.forward_peak)) + gathered  # fmt: skip
         what = "its activations and gradient buffers" + (", parameters FSDP2 gathered" if gathered else "")
         at_peak = (f"layer {i}'s working set ({what})", working)
     correction = profile.peak_correction_bytes

@@ -33,8 +33,9 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     forward ends (FIFO, at `d2h_bytes_per_s`) and leave the GPU when their copy finishes. Compute never waits for
     a copy except at the end of the forward, where every copy is drained before the head runs: that wait is
     exposed time. Memory while layer i computes = static + what the layers before it hold + their copies not
-    finished when layer i starts + layer i's `saved_bytes` (all its activations exist while it computes, even
-    when it is checkpointed). For `T`/`t` that is its `tiled_saved_bytes` + the step's `tile_chunk_bytes` (one
+    finished when layer i starts + layer i's `forward_peak_bytes` (all its activations exist while it computes,
+    even when it is checkpointed, and the temporaries among them; `saved_bytes` where the peak was not measured).
+    For `T`/`t` that is its `tiled_saved_bytes` + the step's `tile_chunk_bytes` (one
     chunk's MLP intermediates); for `L`/`l` its `layer_tiled_saved_bytes` + the step's `layer_tile_chunk_bytes`.
     A layer that FSDP2 shards adds its `gathered_parameter_bytes` (zero otherwise).
   * Reloads. The offloaded layers come back one after another, from the last to the first, on one host-to-device
@@ -55,7 +56,11 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     `layer_tiled_extra_s`). Memory = static + the gradients that
     exist by then + what the layers before it hold + its `saved_bytes` (kept, reloaded or recomputed, all of it
     exists during its backward) + `backward_working_bytes` + min(window, the reloads of the layers before it) + the
-    `gathered_parameter_bytes` of layer i and of layer i-1 (FSDP2 gathers the next layer to run backward ahead). For
+    `gathered_parameter_bytes` of layer i and of layer i-1 (FSDP2 gathers the next layer to run backward ahead).
+    A layer that recomputes untiled (`S`, `s`, `X`, `C`, `c`) counts, in place of its saved and working bytes, its
+    recomputation's where that is more: its `forward_peak_bytes` + its output's gradient (`input_bytes`), which
+    exists from before the recomputation starts (on an H200, SmolLM2-1.7B with LoRA at 8192 tokens: the step
+    peaked 134 MB above the model in layer 22's recomputed MLP, a LoRA adapter's cast inputs alive). For
     `T`/`t`: its bytes in the forward above, and `tiled_backward_working_bytes` in place of `backward_working_bytes`,
     or as much as makes its bytes `tiled_backward_sequence_bytes` where that is more (the backward's phase over the
     whole sequence, which at long context holds more than a chunk's); for `L`/`l` likewise with the `layer_tiled_`
@@ -211,6 +216,7 @@ class LayerOption(NamedTuple):
     backward_s: float
     working: int  # its backward's gradient buffers on top of `saved`, its own parameters' gradients included
     host_s: float = 0.0  # host time its offloading adds to the step (`StepProfile.input_offload_s`, `saved_offload_s`)
+    forward_peak: int = 0  # its forward's bytes at their peak, where more than `saved`
 
 
 def gathered_parameters(profile: StepProfile) -> tuple[list[int], list[int]]:
@@ -257,30 +263,35 @@ class SimulatedStep(NamedTuple):
 def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerOption]:
     """The layer under each action code (the tiled ones only when `tiling_available`, `layer_tiling_available`)."""
     saved, selective, inputs = layer.saved_bytes, layer.selective_bytes, layer.input_bytes
-    times = (saved, layer.forward_s, layer.backward_s, profile.backward_working_bytes)
-    sends_input, sends_saved = (profile.input_offload_s,), (profile.saved_offload_s,)
+    working = profile.backward_working_bytes
+    # A recomputation holds the forward's peak while the output's gradient waits for it.
+    recomputing = max(working, layer.forward_peak_bytes + inputs - saved)
+    times = (saved, layer.forward_s, layer.backward_s, working)
+    recomputed = (saved, layer.forward_s, layer.backward_s, recomputing)
+    sends_input, sends_saved = profile.input_offload_s, profile.saved_offload_s
+    peak = {"forward_peak": layer.forward_peak_bytes}
     options = {
-        "K": LayerOption(saved, 0, 0.0, *times),
-        "O": LayerOption(0, saved, 0.0, *times, *sends_saved),
-        "S": LayerOption(selective, inputs, layer.selective_recompute_s, *times, *sends_input),
-        "s": LayerOption(selective + inputs, 0, layer.selective_recompute_s, *times),
-        "X": LayerOption(0, selective + inputs, layer.selective_recompute_s, *times, *sends_saved),
-        "C": LayerOption(0, inputs, layer.forward_s, *times, *sends_input),
-        "c": LayerOption(inputs, 0, layer.forward_s, *times),
+        "K": LayerOption(saved, 0, 0.0, *times, **peak),
+        "O": LayerOption(0, saved, 0.0, *times, sends_saved, **peak),
+        "S": LayerOption(selective, inputs, layer.selective_recompute_s, *recomputed, sends_input, **peak),
+        "s": LayerOption(selective + inputs, 0, layer.selective_recompute_s, *recomputed, **peak),
+        "X": LayerOption(0, selective + inputs, layer.selective_recompute_s, *recomputed, sends_saved, **peak),
+        "C": LayerOption(0, inputs, layer.forward_s, *recomputed, sends_input, **peak),
+        "c": LayerOption(inputs, 0, layer.forward_s, *recomputed, **peak),
     }
     if tiling_available(profile):
         saved_tiled = layer.tiled_saved_bytes + profile.tile_chunk_bytes
         working = _backward_working(saved_tiled, profile.tiled_backward_working_bytes,
                                     profile.tiled_backward_sequence_bytes)  # fmt: skip
         tiled = (layer.forward_s + layer.tiled_extra_s, saved_tiled, layer.forward_s, layer.backward_s, working)
-        options["T"] = LayerOption(0, inputs, *tiled, *sends_input)
+        options["T"] = LayerOption(0, inputs, *tiled, sends_input)
         options["t"] = LayerOption(inputs, 0, *tiled)
     if layer_tiling_available(profile):
         saved_tiled = layer.layer_tiled_saved_bytes + profile.layer_tile_chunk_bytes
         working = _backward_working(saved_tiled, profile.layer_tiled_backward_working_bytes,
                                     profile.layer_tiled_backward_sequence_bytes)  # fmt: skip
         tiled = (layer.forward_s + layer.layer_tiled_extra_s, saved_tiled, layer.forward_s, layer.backward_s, working)
-        options["L"] = LayerOption(0, inputs, *tiled, *sends_input)
+        options["L"] = LayerOption(0, inputs, *tiled, sends_input)
         options["l"] = LayerOption(inputs, 0, *tiled)
     return options
 
@@ -309,8 +320,8 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     copies_done_at = 0.0
     forward_window = 0
     gathered, gathered_in_backward = gathered_parameters(profile)
-    for i, (held, offloaded, _, saved, forward_s, _, _, _) in enumerate(options):
-        memory = static + held_before + copying_bytes + saved + gathered[i]
+    for i, (held, offloaded, _, saved, forward_s, _, _, _, forward_peak) in enumerate(options):
+        memory = static + held_before + copying_bytes + max(saved, forward_peak) + gathered[i]
         if memory > peak:
             peak, peak_phase, peak_layer = memory, "forward", i
         now += forward_s
@@ -336,7 +347,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     below = reloads_total
     gradients = gradients_at_backward(profile)
     for i in range(len(options) - 1, -1, -1):
-        held, offloaded, _, saved, _, _, working, _ = options[i]
+        held, offloaded, _, saved, _, _, working, _, _ = options[i]
         held_before -= held
         below -= offloaded
         points.append((static + gradients[i] + held_before + saved + working + gathered_in_backward[i], below,
@@ -382,7 +393,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     host_total_s = 0.0
     previous_end = head_start + profile.head_s  # end of the backward after this layer's (the head's, first)
     for i in range(len(options) - 1, -1, -1):
-        _, offloaded, recompute_s, _, _, backward_s, _, host_s = options[i]
+        _, offloaded, recompute_s, _, _, backward_s, _, host_s, _ = options[i]
         start = previous_end
         if offloaded:
             issue(start, window)  # a no-op unless every earlier reload is used: then this one goes now

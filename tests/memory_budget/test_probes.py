@@ -234,6 +234,47 @@ def test_a_probe_separates_the_bytes_that_grow_with_the_square_of_the_tokens(att
     assert probe.quadratic_working_bytes == 0  # on CPU: the gradients of the input and the weights, none quadratic
 
 
+def test_a_probe_measures_its_forwards_peak_and_the_part_of_it_that_grows_with_the_square_of_the_tokens():
+    """A checkpoint's recomputation holds the forward's peak inside backward, temporaries included (on an H200, a
+    LoRA adapter's cast inputs put SmolLM2-1.7B's step 134 MB above the model there): the probe keeps its forward's
+    peak over what was allocated before it, from the last kept run, and separates its square part over the three
+    lengths as it does the saved bytes'. A meter whose counter reads as scripted: per run, the forward's peak, then
+    the backward's; three kept runs at 96 tokens, then the runs at 48 and 24 (1000 + 10 t + t**2 bytes forward)."""
+    from hf_offload.memory_budget import probes
+
+    def forward_peak(tokens):
+        return 1000 + 10 * tokens + tokens**2
+
+    tokens = 4 * SEQ
+    peaks = iter([forward_peak(96) + 7, 500, forward_peak(96) + 3, 500, forward_peak(96), 500,
+                  forward_peak(48), 500, forward_peak(24), 500])  # fmt: skip
+
+    class CountingMeter(probes.Meter):
+        def allocated(self):
+            return 0
+
+        def reset_peak(self):
+            pass
+
+        def peak(self):
+            return next(peaks)
+
+    layer = build_model("llama", dtype="fp32", device="cpu", attn="sdpa", **SIZE).model.layers[0]
+    hidden = torch.randn(1, tokens, SIZE["hidden"])
+    position = torch.arange(tokens)[None]
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(layer.self_attn.config)
+    probe = probes.probe_layer(layer, (hidden,), {"position_embeddings": rotary(hidden, position)},
+                               CountingMeter("cpu"))  # fmt: skip
+    assert next(peaks, None) is None
+    assert probe.profile.forward_peak_bytes == forward_peak(96)
+    assert probe.profile.quadratic_forward_peak_bytes == 96**2
+    doubled = probe.profile.scaled(tokens, 2 * tokens)
+    assert doubled.forward_peak_bytes == 2 * (1000 + 10 * 96) + 4 * 96**2
+    # Without a memory counter (the CPU test mode) nothing is measured: the model counts the saved bytes instead.
+    plain = probes.probe_layer(layer, (hidden,), {"position_embeddings": rotary(hidden, position)}, probes.Meter("cpu"))
+    assert plain.profile.forward_peak_bytes == plain.profile.quadratic_forward_peak_bytes == 0
+
+
 def test_the_link_probe_takes_at_most_half_the_room_the_budget_leaves():
     """The link is probed inside the first profiled step, whose peak must stay under the budget: its device buffer
     takes at most half of the room above the memory allocated then (a power of two, from 1 MiB to 64 MiB)."""

@@ -163,6 +163,25 @@ def test_parameters_fsdp2_gathers_count_in_their_layer_and_in_the_backward_of_th
     assert (simulate(profile, "cc").peak_bytes, simulate(profile, "cc").peak_at) == (1185, "backward layer 1")
 
 
+def test_a_forwards_peak_raises_its_forward_and_a_recomputations_backward():
+    # Each layer's forward peaks at 140 bytes, 40 of temporaries on top of its 100 saved. Kept, its forward holds
+    # them (layer 1's: 1000 + 100 + 140 = 1240) but its backward does not (1000 + 200 + 30): the head's 1250 peaks,
+    # as before. Checkpointed, layer 1's backward recomputes its forward, 140, while its output's gradient (10, an
+    # input's size) waits: 1000 + 10 (layer 0's input) + max(100 + 30, 140 + 10) = 1160, where the model without
+    # the peak said 1140 (and the forward's points 1000 + 140 and 1000 + 10 + 140 stay below).
+    layer = dataclasses.replace(tiny_profile().layers[0], forward_peak_bytes=140)
+    profile = tiny_profile(layers=(layer, layer))
+    kept = simulate(profile, "KK")
+    assert (kept.peak_bytes, kept.peak_at) == (1250, "head")
+    assert (simulate(profile, "cc").peak_bytes, simulate(profile, "cc").peak_at) == (1160, "backward layer 1")
+    for code in ("ss", "SS", "CC", "XX"):  # every action that recomputes, whatever it holds and sends
+        assert simulate(profile, code).peak_bytes == simulate(tiny_profile(), code).peak_bytes + 20, code
+        assert simulate(profile, code).peak_at == "backward layer 1"
+    # One layer and no head: the forward's 1000 + 140 is the step's peak.
+    alone = simulate(tiny_profile(layers=(layer,), head_bytes=0), "K")
+    assert (alone.peak_bytes, alone.peak_at) == (1140, "forward layer 0")
+
+
 def test_the_layers_call_arguments_raise_every_point_but_the_optimizers_and_an_eager_mask_grows_with_the_square():
     # Keep everything: the head's 1250 peaks (test_keep_everything); 35 bytes of mask and tables raise it to 1285. After
     # backward they are gone: 1000 + 300 of gradients + 0 at the optimizer's point, where 1335 would be the peak.
