@@ -20,6 +20,10 @@ side's pooled timed steps, and the report shows both ratios. Within --max-minute
 its first verdict, "not re-checked (time)". A budget that fails (a) having run only its reference's own plan (every
 layer `C` against ckpt+hfo, `c` against ckpt, `K` against none) is marked so: the planner chose nothing else there.
 
+(c)'s re-check (also with --recheck-pairs > 0): a refused budget that a simple plan's measured peak fits runs that
+simple plan once more, built afresh as in the sweep; (c) counts only the simple plans whose re-run met the budget too,
+since a plan's peak moves between runs by the caching allocator's blocks (``harness/zoo.py`` gives the figures).
+
 Speed: all modes of all shapes run one after the other in one child process (run.py's harness: ``harness.worker``
 builds each of the sweep's modes its model afresh from the same seed; between modes the model is freed, the
 allocator's cache emptied; each step's peak is reset and read, so ``max_memory_allocated`` is exact per step). A
@@ -37,7 +41,7 @@ Usage:
   python benchmarks/zoo.py                                    # the default 8 shapes, ~12 minutes on an H100 (two runs)
   python benchmarks/zoo.py --shapes M36,mistral-7b-8l         # a subset (--shapes all: every zoo shape)
   python benchmarks/zoo.py --device cpu --out /tmp/zoo        # CPU smoke run: tiny shapes, hf-offload's CPU test mode
-  python benchmarks/zoo.py --recheck-pairs 0                  # no re-check of (a)'s failures
+  python benchmarks/zoo.py --recheck-pairs 0                  # no re-check of (a)'s or (c)'s failures
   python benchmarks/zoo.py --gpus 2 --shapes all              # two sweeps at once, one a GPU; one summary
   python benchmarks/zoo.py --report-only --out DIR            # the summary and charts again, from DIR's JSON files
 """
@@ -133,7 +137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=zoo.RECHECK_PAIRS,
         help="after a shape's sweep, each budget that failed (a) and the simple plan it was compared with run again, "
         "alternately (ref, plan) this many times, with the sweep's steps; (a) is then judged on each side's pooled "
-        "timed steps (default %(default)s: ABAB; 0: no re-check)",
+        "timed steps (default %(default)s: ABAB; 0: no re-check); with N > 0, each refused budget that a simple plan "
+        "fitted also runs that simple plan once more, for (c)",
     )
     ap.add_argument(
         "--cpu-reference-bytes",
@@ -564,6 +569,13 @@ class Sweep:
             if not self._time_for(shape, f"re-check of {task.budget}", task.modes_left, results):
                 write_shape(files, meta, self.env, results, rechecks, final=False)
                 return False
+            if task.check == "c":  # each simple plan as the sweep ran it: on a model of its own
+                if task.run == 1:
+                    log(f"{shape} {task.budget}: (c) failed: re-run {', '.join(task.modes_left)}")
+                shared = None
+                self._free_memory()
+                run_and_write(task.modes_left[0], task.tag)
+                continue
             if task.run == 1:
                 log(f"{shape} {task.budget}: (a) failed: re-check {', '.join(task.modes_left)} on one model")
             if shared is None or shared[0] != task.budget:
@@ -661,7 +673,9 @@ class Sweep:
             text += f"; (a) {zoo.mark(row['a'])} (b) {zoo.mark(row['b'])} (c) {zoo.mark(row['c'])}"
         if recheck and row is not None:
             text += f"; re-check run {recheck['run']} of {budget}"
-            if row["recheck"]["state"] != "time":  # its runs are over: what it found
+            if recheck.get("check", "a") == "c":
+                text += f": {zoo.c_recheck_text(row)}"
+            elif row["recheck"]["state"] != "time":  # its runs are over: what it found
                 text += f": {zoo.recheck_text(row['recheck'])}"
         log(f"{shape} {res['mode']}: {text} ({res.get('wall_s', 0):.1f} s)")
 

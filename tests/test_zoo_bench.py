@@ -274,7 +274,7 @@ def test_recheck_runs_ref_and_plan_alternately_after_the_budgets_that_failed_a()
     assert zoo.next_recheck(results, [], 0) is None  # --recheck-pairs 0: no re-check
     first = zoo.next_recheck(results, [], 2)
     assert (first.budget, first.run, first.modes_left) == ("plan@50", 1, ["ckpt+hfo", "plan@50"] * 2)
-    assert first.tag == {"budget": "plan@50", "run": 1}
+    assert first.tag == {"budget": "plan@50", "run": 1, "check": "a"}
     assert zoo.next_recheck(results, [], 3).modes_left == ["ckpt+hfo", "plan@50"] * 3
     # plan@50's and plan@55's re-checks done, plan@60's first run done: its second is next
     task = zoo.next_recheck(results, rechecks[:9], 2)
@@ -337,6 +337,43 @@ def test_the_report_shows_the_first_ratio_and_the_rechecks():
     )
     # without a re-check, the table is the one from before it
     assert "re-check" not in "\n".join(zoo.shape_markdown(zoo.shape_summary(results, REFERENCE)))
+
+
+def test_a_refused_budget_that_c_fails_reruns_the_simple_plans_that_fitted_it_and_is_judged_on_their_reruns():
+    """A simple plan's peak moves between its runs by the allocator's blocks (ckpt+hfo on gemma2-2b-2k: 25,724,275,712
+    and 25,731,091,456 bytes, H200): a budget at one run's peak, refused, is judged again once each simple plan that
+    fitted it has run once more, built afresh. A re-run over the budget did not meet it; one that did not finish
+    judges nothing."""
+    refused = _plan(50, 0.3, [], status="infeasible", error="below the smallest peak this step can reach")
+    results = [*_simple(), refused]  # plan@50's budget is 20 GiB: ckpt+hfo's peak, which fits it
+    assert zoo.budget_checks(results)[0]["c"] is False
+    task = zoo.next_recheck(results, [], 2)
+    assert (task.budget, task.run, task.modes_left, task.check) == ("plan@50", 1, ["ckpt+hfo"], "c")
+    assert task.tag == {"budget": "plan@50", "run": 1, "check": "c"}
+    assert zoo.next_recheck(results, [], 0) is None  # with re-checks off, none
+
+    def rerun(peak_gib: float | None) -> dict:
+        res = _result("ckpt+hfo", status="ok" if peak_gib else "crashed", peaks=[peak_gib] * 2 if peak_gib else None)
+        res["recheck"] = task.tag
+        return res
+
+    over = rerun(20 + 6.5 / 1024)  # 6.5 MiB over, as on the H200
+    assert zoo.next_recheck(results, [over], 2) is None
+    row = zoo.budget_checks(results, [over], 2)[0]
+    assert row["c"] is True and row["c_recheck"] == {"ckpt+hfo": int((20 + 6.5 / 1024) * GIB)}
+    summary = zoo.shape_summary(results, REFERENCE, [over], 2)
+    text = "\n".join(zoo.shape_markdown(summary))
+    rerun_text = f"re-run: ckpt+hfo {int((20 + 6.5 / 1024) * GIB):,} bytes (budget {20 * GIB:,})"
+    assert f"| yes ({rerun_text}) |" in text
+    assert f"- plan@50: refused while ckpt+hfo fitted it; (c)'s {rerun_text}: (c) yes" in text
+    assert summary["checks"]["c"]["fail"] == []
+    for again in (rerun(20), rerun(None)):  # met the budget again, or did not finish: (c) still fails
+        row = zoo.budget_checks(results, [again], 2)[0]
+        assert row["c"] is False, again["status"]
+    text = "\n".join(zoo.shape_markdown(zoo.shape_summary(results, REFERENCE, [rerun(20)], 2)))
+    assert f"(plan@50: ckpt+hfo peaked at {20 * GIB:,} bytes; re-run: ckpt+hfo {20 * GIB:,} bytes" in text
+    # without re-checks (--recheck-pairs 0, or results from before (c) had one) the first verdict stands
+    assert zoo.budget_checks(results, [over], 0)[0]["c"] is False
 
 
 # ------------------------------------------------------------------------------------------- the script, on CPU
@@ -620,6 +657,47 @@ def test_the_child_rechecks_within_its_time_and_goes_on_with_resume(tmp_path, mo
     report_only = ["--device", "cpu", "--shapes", "tiny", "--out", str(out), "--report-only", "--no-charts"]
     assert zoo_script.main(report_only) == 1  # plan@60 fails
     assert summary_md.read_text() == summary_text
+
+
+def test_the_child_reruns_the_simple_plan_a_refused_budget_fitted_on_a_model_of_its_own(tmp_path, monkeypatch):
+    """plan@50's budget is ckpt+hfo's peak and the library refuses it: after the sweep and (a)'s re-checks, the child
+    runs ckpt+hfo once more, built afresh as in the sweep; its re-run peaks 1 MiB higher, so (c) passes on it."""
+    import harness.worker
+    import torch
+
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    clock = SweepClock()
+    monkeypatch.setattr(zoo_script, "time", clock)
+
+    class RefusingWorker(MadeUpWorker):
+        def __call__(self, spec: dict, shared: object = None) -> dict:
+            if spec["mode"] == "plan@50":
+                self.calls.append((spec["mode"], spec["warmup"], spec["steps"]))
+                self.models.append(shared)
+                return {"scenario": spec["scenario"], "mode": "plan@50", "status": "infeasible", "notes": [],
+                        "error": "below the smallest peak this step can reach", "wall_s": 2.0}  # fmt: skip
+            res = super().__call__(spec, shared)
+            if spec["mode"] == "ckpt+hfo" and [call[0] for call in self.calls].count("ckpt+hfo") == 2:
+                for step in res["per_step"]:
+                    step["peak_bytes"] += MIB
+            return res
+
+    worker = RefusingWorker(clock)
+    monkeypatch.setattr(harness.worker, "run_mode_safely", worker)
+    out = tmp_path / "zoo"
+    out.mkdir()
+    _sweep(out, 600.0, clock).run()
+    assert [mode for mode, _, _ in worker.calls] == [
+        "none", "ckpt", "ckpt+hfo", zoo.PROBE_MODE, "plan@50", "plan@60", "plan@80",
+        "ckpt", "plan@60", "ckpt", "plan@60", "ckpt+hfo",
+    ]  # fmt: skip
+    assert worker.models[-1] is None and worker.models[-2] is not None  # (c)'s re-run builds its own model
+    data = _shape_json(out, "tiny")
+    assert data["rechecks"][-1]["recheck"] == {"budget": "plan@50", "run": 1, "check": "c"}
+    rows = {row["mode"]: row for row in data["meta"]["zoo"]["rows"]}
+    assert rows["plan@50"]["c"] is True and rows["plan@50"]["c_recheck"] == {"ckpt+hfo": 51 * MIB}
+    assert data["meta"]["zoo"]["checks"]["c"]["fail"] == []
 
 
 def test_a_recheck_run_that_dies_is_recorded_as_one(tmp_path, monkeypatch):

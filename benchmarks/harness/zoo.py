@@ -23,6 +23,12 @@ plan` ``pairs`` times (ABAB for 2), on one model built for the re-check, so that
 budget's verdict, the first ratio stays in the report. A re-check is a measurement like the sweep's: the plan's
 re-check steps count for (b) too.
 
+Check (c)'s re-check: a simple plan's peak moves between two runs of it by the caching allocator's blocks (on an
+H200, ckpt+hfo on gemma2-2b-2k peaked at 25,724,275,712 and 25,731,091,456 bytes, one process, the same requests),
+so a budget at one run's peak may not be met by the next. Every refused budget that (c) fails runs each simple plan
+that fitted it once more, built afresh as in the sweep; a simple plan whose re-run peaks over the budget did not meet
+it, and (c) is judged again on those that did (with re-checks on, ``pairs`` > 0).
+
 Every mode's result is run.py's (``harness.worker``), so the files are run.py's format: ``harness.report`` writes a
 shape's markdown and JSON, and ``pareto.py`` draws its chart.
 """
@@ -196,11 +202,13 @@ def budget_checks(results: list[Result], rechecks: Sequence[Result] = (), pairs:
             row["c"] = not fits if simple else None
             if row["c"] is False:
                 row["c_against"] = refused_against(r, fits, results)
+                if pairs:
+                    apply_c_recheck(row, _rechecks_of(rechecks, r["mode"], "c"))
         elif status == "OOM":
             row["b"] = False  # the step outgrew the device, so the budget below it
         row["a_first"] = row["a"]
         if pairs and row["a"] is False:
-            apply_recheck(row, [x for x in rechecks if x["recheck"]["budget"] == r["mode"]], pairs)
+            apply_recheck(row, _rechecks_of(rechecks, r["mode"], "a"), pairs)
         rows.append(row)
     return rows
 
@@ -237,31 +245,46 @@ def recheck_modes(row: dict[str, Any], pairs: int) -> list[str]:
 
 
 class Recheck(NamedTuple):
-    """The next run of a budget's re-check: ``modes_left[0]``, the ``run``-th (from 1) of its ABAB."""
+    """The next run of a budget's re-check: ``modes_left[0]``, the ``run``-th (from 1) of its runs: check (a)'s ABAB
+    (``check`` "a"), or check (c)'s re-run of each simple plan that fitted a refused budget ("c")."""
 
     budget: str
     run: int
     modes_left: list[str]
+    check: str = "a"
 
     @property
     def tag(self) -> dict[str, Any]:
         """What the run's result carries (``"recheck"``), to be told from the sweep's run of the same mode."""
-        return {"budget": self.budget, "run": self.run}
+        return {"budget": self.budget, "run": self.run, "check": self.check}
+
+
+def _rechecks_of(rechecks: Sequence[Result], budget: str, check: str) -> list[Result]:
+    """The re-check runs of ``budget`` for ``check`` ("a" in results written before (c) had one)."""
+    return [x for x in rechecks if x["recheck"]["budget"] == budget and x["recheck"].get("check", "a") == check]
 
 
 def next_recheck(results: list[Result], rechecks: list[Result], pairs: int) -> Recheck | None:
     """The next re-check run of a shape whose sweep is done: the budgets that failed (a) at their first measurement,
     in the order run; any status counts as done, and a budget one of whose runs did not finish is not run on (its
-    re-check cannot be judged). None when every re-check is done, or ``pairs`` is 0."""
+    re-check cannot be judged); then the refused budgets that failed (c), each simple plan that fitted them once.
+    None when every re-check is done, or ``pairs`` is 0."""
     if not pairs:
         return None
-    for row in budget_checks(results):
+    rows = budget_checks(results)
+    for row in rows:
         if row["a"] is not False:
             continue
-        done = [x for x in rechecks if x["recheck"]["budget"] == row["mode"]]
+        done = _rechecks_of(rechecks, row["mode"], "a")
         order = recheck_modes(row, pairs)
         if len(done) < len(order) and all(_ok(x) for x in done):
             return Recheck(row["mode"], len(done) + 1, order[len(done) :])
+    for row in rows:
+        if row["c"] is not False:
+            continue
+        done = _rechecks_of(rechecks, row["mode"], "c")
+        if len(done) < len(row["simple_fitting"]):
+            return Recheck(row["mode"], len(done) + 1, row["simple_fitting"][len(done) :], "c")
     return None
 
 
@@ -301,6 +324,29 @@ def apply_recheck(row: dict[str, Any], runs: list[Result], pairs: int) -> None:
         recheck["state"] = "judged"
         row["a"] = recheck["x"] <= TIME_TOLERANCE
     row["recheck"] = recheck
+
+
+def apply_c_recheck(row: dict[str, Any], runs: list[Result]) -> None:
+    """Judges (c) of a refused budget that failed it again on its re-check ``runs``, one of each simple plan that
+    fitted it: a simple plan meets the budget if its re-run did too. ``row["c_recheck"]`` holds each re-run's peak
+    (None where it did not finish, which judges nothing: that plan still counts as meeting the budget); (c) stays
+    failed until every re-run is in."""
+    peaks = {x["mode"]: peak_all(x) if _ok(x) else None for x in runs}
+    row["c_recheck"] = peaks
+    if any(mode not in peaks for mode in row["simple_fitting"]):
+        return
+    budget = row["budget_bytes"]
+    met = [mode for mode in row["simple_fitting"] if peaks[mode] is None or peaks[mode] <= budget]
+    row["c"] = not met
+
+
+def c_recheck_text(row: dict[str, Any]) -> str:
+    """A refused budget's (c) re-check in a few words: each simple plan's re-run peak against the budget."""
+    peaks = row.get("c_recheck")
+    if not peaks:
+        return ""
+    parts = [f"{mode} {'did not finish' if peak is None else f'{peak:,} bytes'}" for mode, peak in peaks.items()]
+    return f"re-run: {', '.join(parts)} (budget {row['budget_bytes']:,})"
 
 
 def library_measured(r: Result) -> str:
@@ -391,7 +437,9 @@ def recheck_method(pairs: int) -> str:
         "timed steps), so that both sides see the same drift of the host; (a) is judged again on the lower quartile "
         "of each side's timed steps pooled over its runs, and that is the budget's verdict (the first ratio stays: "
         "x it); the plan's re-check steps count for (b) too. A budget the time limit left without its re-check keeps "
-        "its first verdict: not re-checked (time)"
+        "its first verdict: not re-checked (time). (c) re-check: each refused budget that (c) fails runs each simple "
+        "plan that fitted it once more, built afresh; one whose re-run peaks over the budget did not meet it, and (c) "
+        "is judged on those that did"
     )
 
 
@@ -412,6 +460,12 @@ def _steps_over(row: dict[str, Any]) -> str:
     parts = [str(first) if first else "" if first is None else "none"]
     parts += [f"re-check run {run}: {steps}" for run, steps in row.get("recheck_steps_over", {}).items()]
     return "; ".join(part for part in parts if part)
+
+
+def _c_cell(row: dict[str, Any]) -> str:
+    """A budget's (c) verdict, and where it was re-checked, the simple plans' re-run peaks."""
+    text = c_recheck_text(row)
+    return mark(row["c"]) + (f" ({text})" if text else "")
 
 
 def _own_plan(row: dict[str, Any]) -> str:
@@ -442,7 +496,7 @@ def shape_markdown(summary: dict[str, Any], method: bool = True) -> list[str]:
             f"{fmt(row['median_s'])} | "
             f"{row.get('library_measured', '')} | {fastest} "
             f"| {fmt(row['x_fastest'], '{:.3f}')} | {f'{recheck_text(recheck)} | ' if pairs else ''}{verdict} | "
-            f"{size(row['peak_all_bytes'])} | {_steps_over(row)} | {mark(row['b'])} | {mark(row['c'])} |"
+            f"{size(row['peak_all_bytes'])} | {_steps_over(row)} | {mark(row['b'])} | {_c_cell(row)} |"
         )
     lines += [""] + ([f"- {recheck_method(pairs)}"] if method and pairs else [])
     lines += [f"- {line}" for line in summary_lines(summary)]
@@ -466,6 +520,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             failures = [text + _own_plan(rows[m]) for text, m in zip(failures, c["fail"])]
         if check == "c":  # none in results written before it was recorded
             failures = [f"{m}: {rows[m]['c_against']}" if rows[m].get("c_against") else m for m in failures]
+            failures = [f"{text}; {c_recheck_text(rows[m])}" if rows[m].get("c_recheck") else text
+                        for text, m in zip(failures, c["fail"])]  # fmt: skip
             sep = "; "
         failed = f"{len(failures)} failed" + (f" ({sep.join(failures)})" if failures else "")
         return f"({check}) {what}: {passed}, {failed}, {c['n/a']} n/a"
@@ -494,9 +550,12 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
 
 def recheck_lines(summary: dict[str, Any]) -> list[str]:
     """Each re-checked budget's runs in the order run (each run's lower quartile) and the pooled ratio that judged
-    it."""
+    it; each refused budget's (c) re-check."""
     lines = []
     for row in summary["rows"]:
+        if row.get("c_recheck"):
+            lines.append(f"{row['mode']}: refused while {', '.join(row['simple_fitting'])} fitted it; (c)'s "
+                         f"{c_recheck_text(row)}: (c) {mark(row['c'])}")  # fmt: skip
         recheck = row.get("recheck")
         if not recheck:
             continue
