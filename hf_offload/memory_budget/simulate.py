@@ -83,7 +83,8 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     `X`: what the engine's host work costs a short step that the host, not the GPU, paces; learned from measured
     steps by `calibrate`). Peak = the largest memory of all the points above.
 Where the engine can do better than the model says, the model takes the worse: a copy could start when the tensor
-is saved rather than when the layer ends, and memory inside a layer's forward only reaches `saved_bytes` at its end.
+is saved rather than when the layer ends, and a layer's forward reaches its peak at one point of it, where the model
+counts it from the layer's start, with the copies of the layers before it still in flight then.
 """
 
 from __future__ import annotations
