@@ -282,16 +282,17 @@ def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerO
     }
     if tiling_available(profile):
         saved_tiled = layer.tiled_saved_bytes + profile.tile_chunk_bytes
-        working = _backward_working(saved_tiled, profile.tiled_backward_working_bytes,
-                                    profile.tiled_backward_sequence_bytes)  # fmt: skip
-        tiled = (layer.forward_s + layer.tiled_extra_s, saved_tiled, layer.forward_s, layer.backward_s, working)
+        tiled_working = _backward_working(saved_tiled, profile.tiled_backward_working_bytes,
+                                          profile.tiled_backward_sequence_bytes)  # fmt: skip
+        tiled = (layer.forward_s + layer.tiled_extra_s, saved_tiled, layer.forward_s, layer.backward_s, tiled_working)
         options["T"] = LayerOption(0, inputs, *tiled, sends_input)
         options["t"] = LayerOption(inputs, 0, *tiled)
     if layer_tiling_available(profile):
         saved_tiled = layer.layer_tiled_saved_bytes + profile.layer_tile_chunk_bytes
-        working = _backward_working(saved_tiled, profile.layer_tiled_backward_working_bytes,
-                                    profile.layer_tiled_backward_sequence_bytes)  # fmt: skip
-        tiled = (layer.forward_s + layer.layer_tiled_extra_s, saved_tiled, layer.forward_s, layer.backward_s, working)
+        tiled_working = _backward_working(saved_tiled, profile.layer_tiled_backward_working_bytes,
+                                          profile.layer_tiled_backward_sequence_bytes)  # fmt: skip
+        tiled = (layer.forward_s + layer.layer_tiled_extra_s, saved_tiled, layer.forward_s, layer.backward_s,
+                 tiled_working)  # fmt: skip
         options["L"] = LayerOption(0, inputs, *tiled, sends_input)
         options["l"] = LayerOption(inputs, 0, *tiled)
     return options
