@@ -518,10 +518,10 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             sep = "; "
         if check == "a":
             failures = [text + _own_plan(rows[m]) for text, m in zip(failures, c["fail"])]
-        if check == "c":  # none in results written before it was recorded
-            failures = [f"{m}: {rows[m]['c_against']}" if rows[m].get("c_against") else m for m in failures]
-            failures = [f"{text}; {c_recheck_text(rows[m])}" if rows[m].get("c_recheck") else text
-                        for text, m in zip(failures, c["fail"])]  # fmt: skip
+        if check == "c":  # what it was up against and its re-check: none in results written before they existed
+            details = {m: "; ".join(part for part in (rows[m].get("c_against"), c_recheck_text(rows[m])) if part)
+                       for m in failures}  # fmt: skip
+            failures = [f"{m}: {details[m]}" if details[m] else m for m in failures]
             sep = "; "
         failed = f"{len(failures)} failed" + (f" ({sep.join(failures)})" if failures else "")
         return f"({check}) {what}: {passed}, {failed}, {c['n/a']} n/a"
