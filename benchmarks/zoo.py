@@ -441,6 +441,7 @@ def write_summary(out: Path, stem: str, shapes: list[str]) -> bool:
         f"- date (UTC): {meta['date']}; host: {meta['host']}; command: "
         + "; ".join(f"`{command}`" for command in dict.fromkeys(d["meta"]["command"] for _, d in data)),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
+        f"- CUDA allocator: {bw.get('allocator', 'not recorded')}",
         f"- method: {PROCESSES}; bf16 weights from a config (seed {meta['seed']}), sdpa, fused AdamW, labels = "
         f"input_ids. none, ckpt, ckpt+hfo: {settings['simple_steps'][0]} warm-up + {settings['simple_steps'][1]} "
         f"timed steps; each budget: {settings['plan_steps'][0]} + {settings['plan_steps'][1]}; budgets every "

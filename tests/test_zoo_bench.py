@@ -390,6 +390,7 @@ def _shape_json(out: Path, shape: str) -> dict:
 def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
     bundle_dir = tmp_path / "OUT"
     monkeypatch.setenv("OUT", str(bundle_dir))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # inherited by the children
     out = tmp_path / "zoo"
     assert zoo_script.main([*FAST, "--out", str(out)]) == 0
     for shape in ("tiny", "tiny-lora-plain"):
@@ -417,6 +418,9 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
     (summary_md,) = out.glob("*-zoo.md")
     text = summary_md.read_text()
     assert "| tiny | " in text and "| tiny-lora-plain | " in text and "Not run (time budget): none." in text
+    # the allocator's settings move allocated peaks (a block up to 1 MiB over the request by default): both reports say
+    assert "- CUDA allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in text
+    assert "- CUDA allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in md
     # $OUT gets three files: the archive of everything, the summary and the log
     assert sorted(p.name for p in bundle_dir.iterdir()) == sorted(
         [f"{summary_md.stem}.tar.gz", summary_md.name, f"{summary_md.stem}.log"]

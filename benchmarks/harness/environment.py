@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -85,10 +86,20 @@ def _measure_bandwidth(device: torch.device, n: int, reps: int, res: dict[str, A
     res["pageable_d2h_GBps"] = n / _median_seconds(lambda: hp.copy_(d1), 2, device) / 1e9
 
 
+def allocator_setting() -> str:
+    """The CUDA caching allocator's settings from the environment, as its children inherit them: with
+    ``expandable_segments:True`` a block is split to the requested size (rounded to 512 bytes), so allocated bytes
+    are the requested ones; by default a large block is handed out up to 1 MiB larger, which moves a step's
+    allocated peak with the process's history."""
+    settings = [f"{name}={os.environ[name]}" for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+                if os.environ.get(name)]  # fmt: skip
+    return ", ".join(settings) or "default (no PYTORCH_CUDA_ALLOC_CONF)"
+
+
 def probe(device_name: str, bw_bytes: int, reps: int = 5) -> dict[str, Any]:
-    """Versions, and on a CUDA device its name, memory and copy bandwidth (``bw_bytes`` per copy; none when 0). A
-    failure of the device's part is recorded as ``error``, not raised."""
-    res: dict[str, Any] = {"versions": versions()}
+    """Versions, the allocator's settings, and on a CUDA device its name, memory and copy bandwidth (``bw_bytes`` per
+    copy; none when 0). A failure of the device's part is recorded as ``error``, not raised."""
+    res: dict[str, Any] = {"versions": versions(), "allocator": allocator_setting()}
     try:
         device = torch.device(device_name)
         if device.type != "cuda":

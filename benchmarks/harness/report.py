@@ -336,6 +336,7 @@ def _markdown(meta: dict[str, Any], bw: dict[str, Any], by_scen: dict[str, list[
             )
             if k in v
         ),
+        f"- CUDA allocator: {bw.get('allocator', 'not recorded')}",
         f"- method: {meta.get('processes', 'one process per mode')}; bf16 weights from a config (seed "
         f"{meta['seed']}), sdpa attention, fused "
         f"AdamW on the trainable parameters, labels = input_ids; offload context spans the "
