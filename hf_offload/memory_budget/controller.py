@@ -1257,10 +1257,12 @@ class MemoryBudgetController:
         engine = self._engine()
         if engine is not None:
             engine.set_host_cap(new_plan.host_cap_bytes)  # the cap it planned with: raised, where it grew the pool
-            # A plan chosen by its measured peak keeps no more of the engine's tail than its measured steps did (the
-            # tail only grows, and a budget at that peak would not hold it); a predicted plan counts a whole window.
+            # The engine keeps no more of its tail than the plan counted (the tail only grows, and a budget at the
+            # plan's peak would not hold more): a plan chosen by its measured peak, what its measured steps kept; a
+            # predicted one, the copies the model has unfinished as the forward ends. Copies beyond it are drained
+            # before the head (time the model counts), not kept on top of the loss.
             samples = self._samples.get(new_plan.code) if new_plan.measured is not None else None
-            engine.cap_tail(max(sample.tail_bytes for sample in samples) if samples else None)
+            engine.cap_tail(max(sample.tail_bytes for sample in samples) if samples else new_plan.predicted.tail_bytes)
         forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
         windows = (forward_window, new_plan.prefetch_window_bytes or None, new_plan.head_prefetch_window_bytes or None)
         acts = (new_plan.code, new_plan.tile_tokens, new_plan.layer_tile_tokens)  # what the layers are given

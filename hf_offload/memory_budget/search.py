@@ -26,6 +26,7 @@ from .simulate import (
     describe_peak,
     gathered_parameters,
     gradients_at_backward,
+    late_gradients_bytes,
     layer_options,
     prediction_of,
     simulate_step,
@@ -199,12 +200,15 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowe
     """The error for a budget below the lowest-memory plan's peak, with what that peak is made of."""
     code = lowest_plan.code
     static = profile.static_bytes
-    if run.peak_phase == "optimizer":
+    if run.peak_phase in ("embeddings", "optimizer"):
         static += profile.gradient_bytes
     elif run.peak_phase == "backward":
         static += gradients_at_backward(profile)[run.peak_layer]
     if run.peak_phase == "head":
         at_peak = ("the head and loss", profile.head_bytes)
+    elif run.peak_phase == "embeddings":
+        at_peak = ("the gradient of the embeddings' output",
+                   late_gradients_bytes(profile) - static - profile.peak_correction_bytes)  # fmt: skip
     elif run.peak_phase == "optimizer":
         at_peak = ("the optimizer step's temporaries", profile.optimizer_bytes)
     else:
@@ -216,7 +220,7 @@ def _infeasible(profile: StepProfile, budget_bytes: int, margin_bytes: int, lowe
         what = "its activations and gradient buffers" + (", parameters FSDP2 gathered" if gathered else "")
         at_peak = (f"layer {i}'s working set ({what})", working)
     correction = profile.peak_correction_bytes
-    arguments = profile.call_argument_bytes if run.peak_phase != "optimizer" else 0
+    arguments = profile.call_argument_bytes if run.peak_phase not in ("embeddings", "optimizer") else 0
     parts = [
         ("static memory (parameters, gradients, optimizer state)", static),
         at_peak,

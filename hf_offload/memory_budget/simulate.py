@@ -47,9 +47,11 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
   * Head. Memory = static + what every layer holds + `head_bytes` + the reloads outstanding, counted as
     min(narrowest window, every reload) less what of them the head's peak hides (`head_reload_hidden_bytes`,
     learned: the reloads start at the logits' gradient, after the loss's temporaries): the engine fills its window
-    copy by copy, not layer by layer; + the engine's tail, the last offloaded bytes it keeps on the GPU instead (at
-    most `tail_bytes`, and with those reloads at most every offloaded byte: a plan that offloads nothing has no
-    tail).
+    copy by copy, not layer by layer; + the engine's tail, the last offloaded bytes it keeps on the GPU instead: the
+    copies still unfinished when the forward ends, as the engine learns its tail, at most `tail_bytes` (its bound),
+    and with those reloads at most every offloaded byte. A plan that offloads nothing has no tail, nor does one whose
+    copies all finish within the forward (a checkpoint's input takes 0.2 ms to leave at 4K tokens; a layer's forward,
+    milliseconds); the controller caps the engine's tail at what the plan counted (`Prediction.tail_bytes`).
   * Backward, layer i from the last to the first. Its backward starts when layer i+1's has ended and its reload
     has finished (the difference is a stall), and lasts `backward_s` + its recompute (full: `forward_s`,
     selective: `selective_recompute_s`, tiled MLP: `forward_s` + `tiled_extra_s`, tiled layer: `forward_s` +
@@ -71,9 +73,11 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     (`parameter_gradient_bytes`), the late ones (`late_gradient_bytes`: the input embeddings', created after every
     layer's backward), and its own, which its backward creates and `backward_working_bytes` counts (the probe
     measures a layer's backward with its parameters' gradients).
-  * After backward: static + every gradient + `optimizer_bytes` (where the step's peak is when a large vocabulary's
-    embedding gradient comes last, as on a 256K-vocabulary model at 2K tokens).
-  * Arguments. Every point above but the optimizer's is raised by `call_argument_bytes`: the masks and rotary tables
+  * After the layers' backward, two points (where the step's peak is when a large vocabulary's embedding gradient
+    comes last, as on a 256K-vocabulary model at 2K tokens): the late gradients', static + every gradient + the
+    gradient of the embeddings' output (the largest `input_bytes`; only where there are late gradients), then the
+    optimizer's, static + every gradient + `optimizer_bytes`.
+  * Arguments. Every point above but the last two is raised by `call_argument_bytes`: the masks and rotary tables
     the model gives its layers, held from before the first layer until the layers' backward.
   * Correction. Every point above is raised by `peak_correction_bytes`: the most a plan that ran peaked above this
     model's prediction of it, which the closed loop measures.
@@ -112,6 +116,7 @@ __all__ = [
     "Prediction",
     "MeasuredStep",
     "Plan",
+    "late_gradients_bytes",
     "optimizer_step_bytes",
     "simulate",
     "simulated_step",
@@ -189,6 +194,8 @@ class Prediction:
         host_bytes: bytes on the host at the end of the forward.
         forward_window_bytes: the most bytes in flight to the host at once, counting a copy from its queueing.
         prefetch_window_bytes: the reloads issued ahead of need, at most (0 when nothing is offloaded).
+        tail_bytes: the engine's tail the head counts: the last offloaded bytes kept on the GPU, the most the engine
+            may keep while the plan is in force.
     """
 
     layers: tuple[PlannedLayer, ...]
@@ -199,6 +206,7 @@ class Prediction:
     host_bytes: int
     forward_window_bytes: int
     prefetch_window_bytes: int
+    tail_bytes: int = 0
 
     @property
     def code(self) -> str:
@@ -245,12 +253,24 @@ def optimizer_step_bytes(profile: StepProfile) -> int:
     return profile.static_bytes + profile.peak_correction_bytes + profile.gradient_bytes + profile.optimizer_bytes
 
 
+def late_gradients_bytes(profile: StepProfile) -> int:
+    """The step's point where the late gradients (the input embeddings') are made, after every layer's backward,
+    whatever the plan: the memory held and its correction, every gradient, and the gradient of the embeddings'
+    output, as large as a layer's input (the largest, for a model of several stacks), which exists until they are
+    made. 0 without late gradients. On a 26-layer model with a 256K vocabulary (H200) it was the peak of every plan
+    that offloads each layer's input, to 17 KB: 1.1 GiB of embedding gradient on 6 GiB of others."""
+    if not profile.late_gradient_bytes:
+        return 0
+    largest_input = max(layer.input_bytes for layer in profile.layers)
+    return profile.static_bytes + profile.peak_correction_bytes + profile.gradient_bytes + largest_input
+
+
 class SimulatedStep(NamedTuple):
     """The step-level results of `simulate_step`, without per-layer objects, for the planner's inner loop."""
 
     peak_bytes: int
-    peak_phase: str  # "forward", "head", "backward" or "optimizer"
-    peak_layer: int  # -1 for the head and the optimizer step
+    peak_phase: str  # "forward", "head", "backward", "embeddings" (the late gradients) or "optimizer"
+    peak_layer: int  # -1 for the points outside the layers (head, embeddings, optimizer)
     step_s: float
     drain_s: float
     host_bytes: int
@@ -259,6 +279,7 @@ class SimulatedStep(NamedTuple):
     stall_s: list[float]
     head_base_bytes: int  # the head's point without its reloads
     head_reload_bytes: int  # the reloads the head starts, before `StepProfile.head_reload_hidden_bytes`
+    tail_bytes: int  # the engine's tail the head counts (in `head_base_bytes`)
 
 
 def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerOption]:
@@ -342,8 +363,12 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     narrowest = max(option.offloaded for option in options)
     # The head's reloads stay within the narrowest window (the engine widens it once the layers' backward begins),
     # so that they never pile onto the loss's peak. The engine's tail keeps some of the last offloaded bytes instead:
-    # those are not reloaded, and with the reloads they are at most every offloaded byte.
-    tail = min(profile.tail_bytes, max(0, reloads_total - narrowest))
+    # those are not reloaded, and with the reloads they are at most every offloaded byte. It learns them as the
+    # copies unfinished when the forward ended, so those are what it can hold: counting its bound whatever the
+    # copies did put 128 MiB too many at the head of plans whose copies all finish (a 28-layer LoRA model at 4K
+    # tokens, H200: every `C` plan predicted 136-149 MB above its measured peak, the engine's tail empty).
+    unfinished = sum(nbytes for done_at, nbytes in copies if done_at > now)
+    tail = min(profile.tail_bytes, unfinished, max(0, reloads_total - narrowest))
     head_base, head_reload = static + held_before + profile.head_bytes + tail, min(narrowest, reloads_total)
     points = [(head_base, max(0, head_reload - profile.head_reload_hidden_bytes), "head", -1)]
     below = reloads_total
@@ -354,6 +379,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         below -= offloaded
         points.append((static + gradients[i] + held_before + saved + working + gathered_in_backward[i], below,
                        "backward", i))  # fmt: skip
+    points.append((late_gradients_bytes(profile), 0, "embeddings", -1))
     points.append((optimizer_step_bytes(profile), 0, "optimizer", -1))
     if window is None:
         window = narrowest
@@ -419,12 +445,14 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         stall_s=stalls,
         head_base_bytes=head_base,
         head_reload_bytes=head_reload,
+        tail_bytes=tail,
     )
 
 
 def describe_peak(run: SimulatedStep) -> str:
-    if run.peak_phase in ("head", "optimizer"):
-        return {"head": "head", "optimizer": "the optimizer step"}[run.peak_phase]
+    steps = {"head": "head", "embeddings": "the input embeddings' gradient", "optimizer": "the optimizer step"}
+    if run.peak_phase in steps:
+        return steps[run.peak_phase]
     return f"{run.peak_phase} layer {run.peak_layer}"
 
 
@@ -520,6 +548,7 @@ def prediction_of(code: str, options: Sequence[LayerOption], run: SimulatedStep)
         host_bytes=run.host_bytes,
         forward_window_bytes=run.forward_window_bytes,
         prefetch_window_bytes=run.prefetch_window_bytes,
+        tail_bytes=run.tail_bytes,
     )
 
 

@@ -1105,6 +1105,29 @@ def test_a_budget_at_the_measured_safe_peak_is_met_with_the_tail_it_measured(mon
     assert plan.predicted.peak_bytes > peak  # the model, with its tail bound and margin, would not have fitted it
 
 
+def test_a_predicted_plan_caps_the_engines_tail_at_what_it_counted(monkeypatch):
+    """The model counts at the head the copies it has unfinished as the forward ends (the engine's tail, at most its
+    bound): the engine may keep no more while the plan is in force, or the head would hold more than predicted. With
+    copies as fast as the meter's (the CPU's) the plan counts its last layer's input only; with a link a million
+    times slower, every offloaded byte the head does not reload, under the bound."""
+    model = tiny_llama()
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=parameters + 2**30)
+    controller = context.budget_controller
+    monkeypatch.setattr(controller._meter, "peak", lambda: parameters + 3 * 2**20)  # the head is measured: a bound
+    monkeypatch.setattr(controller._meter, "allocated", lambda: parameters)
+    train(model, context, steps=3)
+    profile = controller._profile
+    assert profile.tail_bytes == context.options.forward_window_bytes
+    slow = dataclasses.replace(profile, d2h_bytes_per_s=profile.d2h_bytes_per_s / 1e6)
+    for measured_at, code in ((profile, "CCCC"), (slow, "OOOO")):
+        plan = plan_of(measured_at, code, parameters + 2**30)
+        controller._put_in_force(plan, measured_at)
+        assert 0 < plan.predicted.tail_bytes < profile.tail_bytes
+        assert context._planner.max_tail_bytes == plan.predicted.tail_bytes
+    assert plan_of(profile, "CCCC", parameters + 2**30).predicted.tail_bytes == profile.layers[-1].input_bytes
+
+
 def test_the_heads_bytes_count_what_the_forward_leaves_besides_the_layers(monkeypatch):
     """The head's peak is measured over the memory held between steps (and the engine's tail), not over what was
     allocated as the head began: on every zoo shape the forward left about two layer inputs more (its last hidden

@@ -178,6 +178,22 @@ def test_the_refusal_counts_at_a_layers_backward_only_the_gradients_that_exist_t
     assert " -" not in message  # every part of the peak is a size
 
 
+def test_the_refusal_names_the_embeddings_output_gradient_where_the_late_gradients_peak() -> None:
+    """A large vocabulary's embedding gradient, made after every layer, can set the peak of the lowest plan (a
+    26-layer model with a 256K vocabulary, 2K tokens): the message names the gradient of the embeddings' output
+    alive then, a layer's input, and counts every gradient as static."""
+    base = s1_profile(layers=4)
+    profile = dataclasses.replace(base, gradient_bytes=40 * GIB, late_gradient_bytes=8 * GIB, head_bytes=MIB)
+    lowest = simulate(profile, "CCCC")
+    assert lowest.peak_at == "the input embeddings' gradient"
+    assert lowest.peak_bytes == profile.static_bytes + 40 * GIB + base.layers[0].input_bytes
+    message = str(pytest.raises(ValueError, choose_plan, profile, lowest.peak_bytes // 2).value)
+    static = profile.static_bytes + 40 * GIB
+    assert f"static memory (parameters, gradients, optimizer state) {static / GIB:.2f} GiB" in message
+    assert f"the gradient of the embeddings' output {format_bytes(base.layers[0].input_bytes)}" in message
+    assert " -" not in message
+
+
 def test_the_refusal_names_the_peaks_correction_as_a_part_of_its_own() -> None:
     """A correction learned from measured plans is its own part of the refused peak, not hidden in another."""
     profile = s1_profile(layers=4, peak_correction_bytes=3 * MIB)

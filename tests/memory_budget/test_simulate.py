@@ -182,14 +182,15 @@ def test_a_forwards_peak_raises_its_forward_and_a_recomputations_backward():
     assert (alone.peak_bytes, alone.peak_at) == (1140, "forward layer 0")
 
 
-def test_the_layers_call_arguments_raise_every_point_but_the_optimizers_and_an_eager_mask_grows_with_the_square():
+def test_the_layers_call_arguments_raise_every_point_after_the_layers_backward_and_an_eager_mask_grows_with_the_square():
     # Keep everything: the head's 1250 peaks (test_keep_everything); 35 bytes of mask and tables raise it to 1285. After
-    # backward they are gone: 1000 + 300 of gradients + 0 at the optimizer's point, where 1335 would be the peak.
+    # the layers' backward they are gone: 1000 + 300 of gradients + the embeddings' output gradient 10 as the late
+    # ones are made, then + 0 at the optimizer's point, where 1345 and 1335 would be the peak.
     profile = tiny_profile(call_argument_bytes=35, quadratic_call_argument_bytes=20)
     assert (simulate(profile, "KK").peak_bytes, simulate(profile, "KK").peak_at) == (1285, "head")
     with_gradients = dataclasses.replace(profile, gradient_bytes=300, late_gradient_bytes=300)
     assert (simulate(with_gradients, "KK").peak_bytes, simulate(with_gradients, "KK").peak_at) == (
-        1300, "the optimizer step")  # fmt: skip
+        1310, "the input embeddings' gradient")  # fmt: skip
     # Twice the tokens: the mask's 20 bytes four times, the tables' 15 twice.
     doubled = profile.scaled(2 * profile.tokens)
     assert (doubled.call_argument_bytes, doubled.quadratic_call_argument_bytes) == (80 + 30, 80)
@@ -199,12 +200,14 @@ def test_the_layers_call_arguments_raise_every_point_but_the_optimizers_and_an_e
 
 def test_late_gradients_exist_only_after_every_layer_and_the_optimizer_step_is_a_point():
     # 1000 of gradients are the input embeddings': backward creates them after layer 0's backward. At every layer's
-    # backward they do not exist yet; after backward, every gradient does (1000 + 1020), and the optimizer's
-    # temporaries on top of them.
+    # backward they do not exist yet; as they are made, every gradient does (1000 + 1020), with the gradient of the
+    # embeddings' output (a layer's input, 10 bytes); at the optimizer's step every gradient and its temporaries.
     profile = tiny_profile(gradient_bytes=1020, late_gradient_bytes=1000)
     predicted = simulate(profile, "KK")
-    assert (predicted.peak_bytes, predicted.peak_at) == (2020, "the optimizer step")
-    assert simulate(dataclasses.replace(profile, optimizer_bytes=7), "KK").peak_bytes == 2027
+    assert (predicted.peak_bytes, predicted.peak_at) == (2030, "the input embeddings' gradient")
+    assert simulate(dataclasses.replace(profile, optimizer_bytes=7), "KK").peak_bytes == 2030
+    predicted = simulate(dataclasses.replace(profile, optimizer_bytes=11), "CC")
+    assert (predicted.peak_bytes, predicted.peak_at) == (2031, "the optimizer step")
     # Without the late ones, layer 1's backward holds them all: 1000 + 200 + 30 + 1020.
     assert simulate(tiny_profile(gradient_bytes=1020), "KK").peak_bytes == 2250
     with pytest.raises(ValueError, match="late_gradient_bytes is part of gradient_bytes"):
@@ -219,6 +222,20 @@ def test_the_engines_tail_is_held_through_the_head_only_where_something_is_offlo
     assert simulate(profile, "OO").peak_bytes == 1000 + 50 + 100 + 64
     assert simulate(tiny_profile(tail_bytes=500, backward_working_bytes=0), "OO").peak_bytes == 1000 + 50 + 200
     assert simulate(profile, "OK").peak_bytes == simulate(tiny_profile(backward_working_bytes=0), "OK").peak_bytes
+
+
+def test_the_engines_tail_holds_only_the_copies_unfinished_as_the_forward_ends():
+    # The engine learns its tail as the copies still in flight when the forward ends; a layer's copy is queued as its
+    # forward ends. "OOK" at 100 bytes/s: layer 0's copy runs from t=1 to 2, layer 1's from 2 to 3, and the forward
+    # ends at t=3: nothing in flight, no tail, although 100 bytes were not reloaded at the head. "OO": the forward
+    # ends at t=2 with layer 1's copy queued: its 100 bytes, under the bound of 500.
+    profile = tiny_profile(tail_bytes=500, backward_working_bytes=0)
+    three = dataclasses.replace(profile, layers=profile.layers[:1] * 3)
+    assert simulate(profile, "OO").tail_bytes == 100
+    assert simulate(three, "OOK").tail_bytes == 0
+    assert simulate(three, "OOK").peak_bytes == simulate(dataclasses.replace(three, tail_bytes=0), "OOK").peak_bytes
+    slow = dataclasses.replace(three, d2h_bytes_per_s=50.0)  # layer 1's copy runs from t=3 to 5
+    assert simulate(slow, "OOK").tail_bytes == 100
 
 
 def test_what_the_head_hides_of_its_reloads_lowers_the_head_only_and_by_its_reloads_at_most():
