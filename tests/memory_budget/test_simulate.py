@@ -182,7 +182,7 @@ def test_a_forwards_peak_raises_its_forward_and_a_recomputations_backward():
     assert (alone.peak_bytes, alone.peak_at) == (1140, "forward layer 0")
 
 
-def test_the_layers_call_arguments_raise_every_point_after_the_layers_backward_and_an_eager_mask_grows_with_the_square():
+def test_the_layers_call_arguments_raise_every_point_but_the_last_two_and_an_eager_mask_grows_with_the_square():
     # Keep everything: the head's 1250 peaks (test_keep_everything); 35 bytes of mask and tables raise it to 1285. After
     # the layers' backward they are gone: 1000 + 300 of gradients + the embeddings' output gradient 10 as the late
     # ones are made, then + 0 at the optimizer's point, where 1345 and 1335 would be the peak.
