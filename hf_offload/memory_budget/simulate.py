@@ -247,22 +247,26 @@ def gradients_at_backward(profile: StepProfile) -> list[int]:
     return existing
 
 
+def _after_the_layers_backward(profile: StepProfile) -> int:
+    """What is held once every layer's backward is done, whatever the plan: the memory held (the layers' arguments
+    gone with their backward) and the model's correction of it, and every gradient."""
+    return profile.static_bytes + profile.peak_correction_bytes + profile.gradient_bytes
+
+
 def optimizer_step_bytes(profile: StepProfile) -> int:
-    """The step's point after backward, whatever the plan: the memory held (the layers' arguments gone with their
-    backward) and the model's correction of it, every gradient, and the optimizer's temporaries."""
-    return profile.static_bytes + profile.peak_correction_bytes + profile.gradient_bytes + profile.optimizer_bytes
+    """The step's point after backward, whatever the plan: every gradient, and the optimizer's temporaries."""
+    return _after_the_layers_backward(profile) + profile.optimizer_bytes
 
 
 def late_gradients_bytes(profile: StepProfile) -> int:
     """The step's point where the late gradients (the input embeddings') are made, after every layer's backward,
-    whatever the plan: the memory held and its correction, every gradient, and the gradient of the embeddings'
-    output, as large as a layer's input (the largest, for a model of several stacks), which exists until they are
-    made. 0 without late gradients. On a 26-layer model with a 256K vocabulary (H200) it was the peak of every plan
-    that offloads each layer's input, to 17 KB: 1.1 GiB of embedding gradient on 6 GiB of others."""
+    whatever the plan: every gradient, and the gradient of the embeddings' output, as large as a layer's input (the
+    largest, for a model of several stacks), which exists until they are made. 0 without late gradients. On a
+    26-layer model with a 256K vocabulary (H200) it was the peak of every plan that offloads each layer's input, to
+    17 KB: 1.1 GiB of embedding gradient on 6 GiB of others."""
     if not profile.late_gradient_bytes:
         return 0
-    largest_input = max(layer.input_bytes for layer in profile.layers)
-    return profile.static_bytes + profile.peak_correction_bytes + profile.gradient_bytes + largest_input
+    return _after_the_layers_backward(profile) + max(layer.input_bytes for layer in profile.layers)
 
 
 class SimulatedStep(NamedTuple):
