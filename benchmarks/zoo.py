@@ -35,7 +35,8 @@ Outputs, in --out (default /tmp/hfo-zoo): per shape ``<date>-<device>-zoo-<shape
 after every mode; the zoo's checks in ``meta.zoo``), ``.md`` (run.py's report plus the checks) and ``-pareto.png``
 (``pareto.py``); ``<date>-<device>-zoo.md`` (the summary: one row per shape, then each shape's checks) and ``.log``.
 With $OUT set (the GPU machine), ``$OUT/<stem>.tar.gz`` (all of them, rewritten after every mode), ``<stem>.md`` and
-``<stem>.log``: three files, within what $OUT hands back.
+``<stem>.log``: three files, within what $OUT hands back. The archive holds the run's progress too: extracted into a
+folder that a later call carries, ``--resume --out <stem>`` goes on where the last call stopped.
 
 Usage:
   python benchmarks/zoo.py                                    # the default 8 shapes, ~12 minutes on an H100 (two runs)
@@ -43,7 +44,8 @@ Usage:
   python benchmarks/zoo.py --device cpu --out /tmp/zoo        # CPU smoke run: tiny shapes, hf-offload's CPU test mode
   python benchmarks/zoo.py --recheck-pairs 0                  # no re-check of (a)'s or (c)'s failures
   python benchmarks/zoo.py --gpus 2 --shapes all              # two sweeps at once, one a GPU; one summary
-  python benchmarks/zoo.py --report-only --out DIR            # the summary and charts again, from DIR's JSON files
+  python benchmarks/zoo.py --report-only --out DIR            # the reports and charts again, from DIR's JSON files
+  python benchmarks/zoo.py --resume --out DIR                 # go on in DIR (a run's --out, or its extracted archive)
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `harness` sits next to this file
-from harness import GIB, REPO, child, zoo  # noqa: E402
+from harness import GIB, REPO, child, library_source_hash, zoo  # noqa: E402
 from harness.modes import budget_share, parse_mode  # noqa: E402
 from harness.report import ReportFiles, Result, fmt, write_report  # noqa: E402
 from harness.runner import slug  # noqa: E402
@@ -73,6 +75,9 @@ if TYPE_CHECKING:  # the parent process imports no torch
 
 PROGRESS = "zoo-progress.json"  # in --out: the child's state (environment, stem, the mode it runs), for the parent
 LIVE_LOG = "zoo.log"  # in --out: every line of the run, as it comes; bundled as <stem>.log
+# PROGRESS's name in the archive: an extracted archive holds no PROGRESS, so a run that is not a --resume never takes
+# it for its own working folder and clears it (`main`).
+BUNDLED_PROGRESS = "zoo-resume.json"
 # Kept from --max-minutes for the parent's end (the summary, the charts, the bundle): this, or a tenth of a shorter run.
 FINAL_RESERVE_S = 25.0
 # A shape's first mode, before anything of it is measured (build, first steps), on the GPU and on CPU's tiny shapes.
@@ -148,8 +153,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--bw-bytes", type=int, default=256 * 2**20, help="size of the bandwidth probe's copies (0: none)")
-    ap.add_argument("--resume", action="store_true", help="go on with the results already in --out")
-    ap.add_argument("--report-only", action="store_true", help="only the summary, charts and bundle from --out")
+    resume_help = "go on with the results in --out (a run's folder, or its extracted archive)"
+    ap.add_argument("--resume", action="store_true", help=resume_help)
+    ap.add_argument("--report-only", action="store_true", help="only the reports, charts and bundle, from --out's JSON")
     ap.add_argument("--no-charts", action="store_true", help="no Pareto charts (they need matplotlib)")
     ap.add_argument(
         "--gpus",
@@ -195,13 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        return finish(out, args.shapes, charts=not args.no_charts)
+        return finish(out, args.shapes, charts=not args.no_charts, shape_reports=True)
     if not args.resume:
         if not (out / PROGRESS).exists() and any(out.glob("*-zoo-*.json")):
             print(f"{out} holds zoo results that no run of this script is working on (committed results?): give "
                   "another --out, or --resume to go on with them", file=sys.stderr)  # fmt: skip
             return 2
         _clear(out)
+    if args.resume:
+        resume_in_archive(out)
+        swept_with = _progress(out).get("env", {}).get("versions", {}).get("hf_offload-src")
+        if swept_with and swept_with != library_source_hash():
+            print(f"{out}'s sweep ran hf_offload-src {swept_with}, this working tree holds {library_source_hash()}: "
+                  "a sweep measures one library throughout; give another --out to sweep this one",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     (out / LIVE_LOG).touch()
     if args.gpus > 1:
         return sweep_on_gpus(args, argv if argv is not None else sys.argv[1:], out, started)
@@ -297,6 +311,20 @@ def _clear(out: Path) -> None:
     for path in out.iterdir():
         if path.is_file() and ("-zoo" in path.name or path.name in (PROGRESS, LIVE_LOG)):
             path.unlink()
+
+
+def resume_in_archive(out: Path) -> None:
+    """Makes an extracted archive (``<stem>/`` of ``<stem>.tar.gz``, brought to the GPU machine of a later call or
+    session) a folder a run can go on in: its progress, bundled as BUNDLED_PROGRESS, and its log, bundled as
+    ``<stem>.log``, are the live ones again. The progress keeps the stem (the first run's date), the environment and
+    the shapes done, so the sweep goes on in the same files rather than starting the shapes again under another day's
+    name."""
+    if (out / BUNDLED_PROGRESS).exists() and not (out / PROGRESS).exists():
+        (out / BUNDLED_PROGRESS).rename(out / PROGRESS)
+    stem = _progress(out).get("stem")
+    bundled_log = out / f"{stem}.log" if stem else None
+    if bundled_log is not None and bundled_log.exists() and not (out / LIVE_LOG).exists():
+        bundled_log.rename(out / LIVE_LOG)
 
 
 def _progress(out: Path) -> dict[str, Any]:
@@ -401,12 +429,18 @@ def _shape_files(out: Path) -> dict[str, Path]:
     return found
 
 
-def finish(out: Path, shapes: list[str], charts: bool) -> int:
-    """The summary, a chart per shape, and the bundle in $OUT; returns 0 when every shape that ran passed."""
+def finish(out: Path, shapes: list[str], charts: bool, shape_reports: bool = False) -> int:
+    """The summary, a chart per shape, and the bundle in $OUT; with ``shape_reports`` (--report-only) each shape's
+    report and checks again first, from its JSON file. Returns 0 when every shape that ran passed."""
     files = _shape_files(out)
     if not files:
         log(f"no results in {out}")
         return 1
+    if shape_reports:
+        for path in files.values():
+            data = json.loads(path.read_text())
+            write_shape(ReportFiles.at(out, path.stem), data["meta"], data["bandwidth"], data["results"],
+                        data.get("rechecks", []), final=data["meta"].get("zoo_complete", False))  # fmt: skip
     stem = _progress(out).get("stem") or next(iter(files.values())).name.rsplit("-zoo-", 1)[0] + "-zoo"
     if charts:
         for path in files.values():
@@ -481,6 +515,8 @@ def bundle(out: Path, stem: str) -> None:
                 tar.add(path, arcname=f"{stem}/{path.name}")
         if (out / LIVE_LOG).exists():
             tar.add(out / LIVE_LOG, arcname=f"{stem}/{stem}.log")
+        if (out / PROGRESS).exists():  # what a --resume in the extracted archive goes on from (`resume_in_archive`)
+            tar.add(out / PROGRESS, arcname=f"{stem}/{BUNDLED_PROGRESS}")
     os.replace(part, dest_dir / f"{stem}.tar.gz")
     for source, name in ((out / f"{stem}.md", f"{stem}.md"), (out / LIVE_LOG, f"{stem}.log")):
         if source.exists() and source.resolve() != (dest_dir / name).resolve():

@@ -5,6 +5,7 @@ GPU runs."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import sys
@@ -440,6 +441,45 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
     assert zoo_script.main([*FAST, "--out", str(out)]) == 2 and summary_md.exists()
 
 
+def test_a_later_call_goes_on_in_the_extracted_archive_of_the_last(tmp_path, monkeypatch, capsys):
+    """On one GPU the whole zoo takes several 10-minute calls, over more than one day: the archive a call brings back,
+    extracted and carried to the next call, is where that call goes on. The shapes done stay as they are, the others
+    are swept into the same files (the first call's stem, whatever the date), and the log goes on."""
+    bundle_dir = tmp_path / "OUT"
+    monkeypatch.setenv("OUT", str(bundle_dir))
+    assert zoo_script.main([*FAST, "--shapes", "tiny", "--out", str(tmp_path / "first"), "--no-charts"]) == 0
+    (archive,) = bundle_dir.glob("*.tar.gz")
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "carried", filter="data")
+    (folder,) = (tmp_path / "carried").iterdir()
+    stem = folder.name
+    assert not (folder / zoo_script.PROGRESS).exists()  # no run's working folder: a run without --resume keeps off it
+    tiny = _shape_json(folder, "tiny")
+
+    class NextYear(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2031, 1, 1, tzinfo=tz)
+
+    monkeypatch.setattr(zoo_script.datetime, "datetime", NextYear)
+    both = ["--shapes", "tiny,tiny-lora-plain", "--out", str(folder), "--resume", "--no-charts"]
+    assert zoo_script.main([*FAST, *both]) == 0
+    assert sorted(p.name for p in folder.glob("*-zoo-*.json")) == [f"{stem}-tiny-lora-plain.json", f"{stem}-tiny.json"]
+    assert _shape_json(folder, "tiny")["results"] == tiny["results"]  # not swept again
+    assert _shape_json(folder, "tiny-lora-plain")["meta"]["zoo_complete"]
+    log = (folder / zoo_script.LIVE_LOG).read_text()
+    assert "] tiny none: " in log and "] tiny-lora-plain none: " in log  # the first call's lines, then the second's
+    with tarfile.open(bundle_dir / f"{stem}.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {f"{stem}-tiny.json", f"{stem}-tiny-lora-plain.json", zoo_script.BUNDLED_PROGRESS} <= names
+    # a sweep measures one library: going on with another (a commit to hf_offload in between) is refused
+    progress = json.loads((folder / zoo_script.PROGRESS).read_text())
+    progress["env"]["versions"]["hf_offload-src"] = "0" * 12
+    (folder / zoo_script.PROGRESS).write_text(json.dumps(progress))
+    assert zoo_script.main([*FAST, *both]) == 2
+    assert "ran hf_offload-src 000000000000, this working tree holds " in capsys.readouterr().err
+
+
 def test_sweeps_on_two_gpus_at_once_make_one_summary(tmp_path, monkeypatch):
     """--gpus 2: each shape swept in a run of its own on its own GPU, at the same time, in <out>/gpu<i>; their shape
     files gathered in --out, one summary naming every sweep's command, and one bundle."""
@@ -514,11 +554,24 @@ def test_report_only_draws_a_chart_and_checks_made_up_gpu_results(tmp_path, monk
         _plan(50, 0.345, [20.1, 19.9, 19.0, 19.0]),
         _plan(55, 0.30, [20, 20, 21, 21.9]),
     ]
+    # what plan@55's closed loop measured and learned, as the worker records it from the library's controller
+    results[-1]["plan"] |= {
+        "measured_s": {"CCCC": [None, 0.331], "cccc": [0.3, 0.305], "CCKK": [0.302, 0.3, 0.301]},
+        "learned": "the model's times x0.800, 1.19 ms per layer that offloads its input, 0.21 ms per layer that "
+        "offloads its saved tensors (from 'cccc', 'CCCC', 'CCKK')",
+        "profile": {"peak_correction_bytes": 2_129_920, "head_reload_hidden_bytes": 0},
+    }
     meta = zoo_script.shape_meta(spec, env, "M36")
     meta["modes"] = [r["mode"] for r in results]
     files = zoo_script.ReportFiles.at(tmp_path, "2026-01-01-nvidia-h100-80gb-hbm3-zoo-M36")
     zoo_script.write_shape(files, meta, env, results, [], final=True)
+    files.md.unlink()  # --report-only writes each shape's report again, from its JSON
     assert zoo_script.main(["--report-only", "--out", str(tmp_path), "--shapes", "M36,llama3.2-1b"]) == 1  # a FAIL
+    assert (
+        "the closed loop measured `CCCC` 0.331 s (1 step), `cccc` 0.300 s (2 steps), `CCKK` 0.300 s (3 steps); it "
+        "learned the model's times x0.800, 1.19 ms per layer that offloads its input" in files.md.read_text()
+    )
+    assert "of the step model's peaks: every point raised by 2,129,920 bytes" in files.md.read_text()
     assert (tmp_path / "2026-01-01-nvidia-h100-80gb-hbm3-zoo-M36-pareto.png").stat().st_size > 10_000
     text = (tmp_path / "2026-01-01-nvidia-h100-80gb-hbm3-zoo.md").read_text()
     assert (

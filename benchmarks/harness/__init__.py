@@ -21,6 +21,7 @@ Child processes (``run.py --_worker SPEC`` and ``run.py --_bandwidth SPEC``; zoo
   environment.py  versions, the device and its host<->device copy bandwidth
 """
 
+import hashlib
 import statistics
 from pathlib import Path
 
@@ -35,3 +36,13 @@ def lower_quartile(times: list[float]) -> float:
     stalls only ever add time, to some steps and not others, so a low quantile measures the plan and a median the
     host as well (benchmarks/results/2026-11-24-*-M36-short-steps-2.md)."""
     return statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]
+
+
+def library_source_hash() -> str:
+    """hf-offload's source by content, as the results name it (``hf_offload-src``): the benchmarks run the library
+    from the working tree, not installed, so its version says nothing of the code that ran. The first 12 hex digits of
+    the SHA-256 of every ``hf_offload/**/*.py``, path and bytes, sub-packages included."""
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "hf_offload").rglob("*.py")):
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]

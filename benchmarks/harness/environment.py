@@ -3,7 +3,6 @@ pageable) host<->device copy bandwidth that the transfer floor is computed from.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import GIB, REPO
+from . import GIB, library_source_hash
 
 
 def versions() -> dict[str, str | None]:
@@ -27,13 +26,9 @@ def versions() -> dict[str, str | None]:
         except Exception:
             out[name] = None
     out["cuda"] = torch.version.cuda
-    # the library is run from the working tree (not installed): identify its source by content
     try:
-        h = hashlib.sha256()
-        for f in sorted((REPO / "hf_offload").rglob("*.py")):  # its sub-packages too
-            h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes())
-        out["hf_offload-src"] = h.hexdigest()[:12]
-    except Exception:
+        out["hf_offload-src"] = library_source_hash()
+    except OSError:
         pass
     return out
 

@@ -270,7 +270,36 @@ def mode_details(r: Result) -> str | None:
         codes = [step["plan"] for step in r["per_step"] if step.get("plan")]
         if len(set(codes)) > 1:
             bits.append("re-planned during the run: " + " -> ".join(dict.fromkeys(codes)))
+        bits += closed_loop_details(r.get("plan") or {})
     return f"- `{r['mode']}`: " + "; ".join(bits) if bits else None
+
+
+def closed_loop_details(plan: dict[str, Any]) -> list[str]:
+    """What a memory budget's closed loop measured (each plan's fastest timed step, in the order they ran: the
+    profiled safe plan, the trial of plain checkpointing, the plans it checked) and the corrections it made of the
+    step model: its times (`learned`, the library's `Calibration.describe()`) and its peak."""
+    bits = []
+    timed = {code: [s for s in seconds if s is not None] for code, seconds in (plan.get("measured_s") or {}).items()}
+    if any(timed.values()):
+        bits.append("the closed loop measured " + ", ".join(
+            f"`{code}` {min(seconds):.3f} s ({len(seconds)} step{'s' * (len(seconds) > 1)})"
+            for code, seconds in timed.items()
+            if seconds
+        ))  # fmt: skip
+    if plan.get("learned"):
+        bits.append(f"it learned {plan['learned']}")
+    profile = plan.get("profile") or {}
+    corrections = [
+        what.format(profile[key])
+        for key, what in (
+            ("peak_correction_bytes", "every point raised by {:,} bytes (the most a plan peaked above its prediction)"),
+            ("head_reload_hidden_bytes", "the head's point lowered by {:,} bytes (reloads that stay under its peak)"),
+        )
+        if profile.get(key)
+    ]
+    if corrections:
+        bits.append("of the step model's peaks: " + ", ".join(corrections))
+    return bits
 
 
 def write_report(
