@@ -202,20 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         return finish(out, args.shapes, charts=not args.no_charts, shape_reports=True)
-    if not args.resume:
+    if args.resume:
+        resume_in_archive(out)
+        swept_with = _progress(out).get("env", {}).get("versions", {}).get("hf_offload-src")
+        if swept_with and swept_with != (here := library_source_hash()):
+            print(f"{out}'s sweep ran hf_offload-src {swept_with}, this working tree holds {here}: a sweep measures "
+                  "one library throughout; give another --out to sweep this one", file=sys.stderr)  # fmt: skip
+            return 2
+    else:
         if not (out / PROGRESS).exists() and any(out.glob("*-zoo-*.json")):
             print(f"{out} holds zoo results that no run of this script is working on (committed results?): give "
                   "another --out, or --resume to go on with them", file=sys.stderr)  # fmt: skip
             return 2
         _clear(out)
-    if args.resume:
-        resume_in_archive(out)
-        swept_with = _progress(out).get("env", {}).get("versions", {}).get("hf_offload-src")
-        if swept_with and swept_with != library_source_hash():
-            print(f"{out}'s sweep ran hf_offload-src {swept_with}, this working tree holds {library_source_hash()}: "
-                  "a sweep measures one library throughout; give another --out to sweep this one",
-                  file=sys.stderr)  # fmt: skip
-            return 2
     (out / LIVE_LOG).touch()
     if args.gpus > 1:
         return sweep_on_gpus(args, argv if argv is not None else sys.argv[1:], out, started)
