@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 import zoo as zoo_script  # noqa: E402
-from harness import zoo  # noqa: E402
+from harness import report, zoo  # noqa: E402
 
 GIB = 2**30
 REFERENCE = 40 * GIB  # none's peak in the made-up shape
@@ -166,6 +166,27 @@ def test_the_simple_plans_the_library_measured_are_reported():
     results[-1]["plan"]["measured_s"] = {"CCCC": [None], "cccc": [None, 0.29, 0.28]}
     (row,) = zoo.budget_checks(results)
     assert row["library_measured"] == "C (peak only), c 0.280 s"
+
+
+def test_a_budget_whose_timed_steps_ran_more_than_one_plan_is_named():
+    """The closed loop may still be checking its plans when the warm-up ends (it changes plans as late as step 18):
+    the timed steps then time a mix of plans. A change at the first timed step is not one (they all ran one plan);
+    a change after it is, in the budget's line and in the shape's summary."""
+    first = _plan(60, 0.3, [20] * 6, code="ccKK")  # warm-up 2 steps: steps 3-6 are timed
+    first["per_step"][2]["plan"] = "cccc"  # changed at step 4, after the first timed step
+    at_start = _plan(65, 0.3, [20] * 6, code="ccKK")
+    at_start["per_step"][1]["plan"] = "cccc"  # warm-up's last step ran another: the timed steps ran one plan
+    results = [*_simple(), first, at_start]
+    rows = {row["mode"]: row for row in zoo.budget_checks(results)}
+    assert rows["plan@60"]["timed_plan_change"] == 4
+    assert rows["plan@65"]["timed_plan_change"] is None
+    text = "\n".join(zoo.shape_markdown(zoo.shape_summary(results, REFERENCE)))
+    assert (
+        "budgets whose timed steps ran more than one plan (the closed loop still checking its plans): plan@60 "
+        "(changed at step 4)" in text
+    )
+    assert "changed it at step 4, after the 2 warm-up steps" in report.mode_details(first)
+    assert "more than one plan" not in (report.mode_details(at_start) or "")
 
 
 def test_an_a_failure_that_ran_its_references_own_plan_says_so():

@@ -270,8 +270,25 @@ def mode_details(r: Result) -> str | None:
         codes = [step["plan"] for step in r["per_step"] if step.get("plan")]
         if len(set(codes)) > 1:
             bits.append("re-planned during the run: " + " -> ".join(dict.fromkeys(codes)))
+        late = timed_plan_change(r)
+        if late is not None:
+            bits.append(
+                f"**the timed steps ran more than one plan**: the closed loop, still checking its plans, changed it "
+                f"at step {late}, after the {r['warmup_steps']} warm-up steps"
+            )
         bits += closed_loop_details(r.get("plan") or {})
     return f"- `{r['mode']}`: " + "; ".join(bits) if bits else None
+
+
+def timed_plan_change(r: Result) -> int | None:
+    """The last step (1-based) at which the plan in force changed within the timed steps (after their first), or None.
+    A memory budget's closed loop may still be checking its plans when the warm-up ends: after two profiled steps and
+    three of its trial it plans at step 6, and checks each plan four steps after its first, changing plans at most
+    three times, so as late as step 18."""
+    steps = r.get("per_step") or []
+    warmup = r.get("warmup_steps") or 0
+    changes = [i + 1 for i in range(warmup + 1, len(steps)) if steps[i].get("plan") != steps[i - 1].get("plan")]
+    return changes[-1] if changes else None
 
 
 def closed_loop_details(plan: dict[str, Any]) -> list[str]:

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from . import GIB, lower_quartile
 from .modes import PLAN_PREFIX, parse_mode
-from .report import Result, budget_bytes, fmt
+from .report import Result, budget_bytes, fmt, timed_plan_change
 
 SIMPLE_MODES = ("none", "ckpt", "ckpt+hfo")
 # The plan each simple mode is, every layer alike: keep, checkpoint keeping the input, checkpoint offloading it.
@@ -169,6 +169,7 @@ def budget_checks(results: list[Result], rechecks: Sequence[Result] = (), pairs:
             "plan": r.get("plan", {}).get("code"),
             "codes": list(dict.fromkeys(s["plan"] for s in r.get("per_step", []) if s.get("plan"))),
             "library_measured": library_measured(r),
+            "timed_plan_change": timed_plan_change(r),
             "step_s": r.get(STEP_TIME) if status == "ok" else None,
             "median_s": r.get("median_s") if status == "ok" else None,
             "peak_all_bytes": peak_all(r),
@@ -535,6 +536,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         else f"smallest budget the library named: none ({PROBE_MODE} did not end in a refusal)"
     )
     below = summary["simple_peaks_below_named_minimum"]
+    mixed = [row for row in summary["rows"] if row.get("timed_plan_change")]
     return [
         *recheck_lines(summary),
         line("a", f"step <= {TIME_TOLERANCE:.2f}x the fastest simple plan that fits"),
@@ -543,6 +545,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         named
         + (f"; simple plans whose peak is below it: {', '.join(below)}" if below else "")
         + f"; lowest feasible budget run: {fmt(summary['lowest_feasible_percent'], '{:g}%')}",
+        "budgets whose timed steps ran more than one plan (the closed loop still checking its plans): "
+        + (", ".join(f"{row['mode']} (changed at step {row['timed_plan_change']})" for row in mixed) or "none"),
         f"did not finish: {', '.join(summary['did_not_finish']) or 'none'}; verdict: "
         + ("**pass**" if summary["passed"] else "**FAIL**"),
     ]
