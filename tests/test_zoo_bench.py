@@ -317,6 +317,7 @@ def test_recheck_judges_a_again_on_the_pooled_steps_of_each_side():
     assert r50["x_fastest"] == pytest.approx(0.40 / 0.34)
     assert r50["recheck"]["plan_s"] == pytest.approx(lower_quartile([0.335] * 6 + [0.40] * 6)) == pytest.approx(0.335)
     assert r50["recheck"]["ref_s"] == pytest.approx(0.33) and r50["recheck"]["x"] == pytest.approx(0.335 / 0.33)
+    assert r50["recheck"]["ref_spread"] == pytest.approx(0.34 / 0.33 - 1)  # the reference's runs: 0.34 and 0.33 s
     assert [run["mode"] for run in r50["recheck"]["runs"]] == ["ckpt+hfo", "plan@50"] * 2
     # plan@55: fails both; its re-check's run 4 went over the budget at its 2nd step: (b) fails too
     assert (r55["a_first"], r55["a"], r55["recheck"]["x"]) == (False, False, pytest.approx(0.36 / 0.33))
@@ -342,20 +343,23 @@ def test_the_report_shows_the_first_ratio_and_the_rechecks():
     summary = zoo.shape_summary(results, REFERENCE, rechecks, 2)
     text = "\n".join(zoo.shape_markdown(summary))
     assert "| x it | (a) re-check, ABAB: plan / ref (p25 of the runs' steps) | (a) <= 1.02x |" in text
-    assert "| 1.176 | 0.335 / 0.330 s = 1.015x | yes (re-check) | 19.00 GiB | none |" in text  # plan@50
-    assert "| 1.212 | 0.360 / 0.330 s = 1.091x | **NO** (re-check) | 22.50 GiB | none; re-check run 4: [2] |" in text
+    plan50 = "| 1.176 | 0.335 / 0.330 s = 1.015x (the reference's runs 3% apart) | yes (re-check) | 19.00 GiB | none |"
+    plan55 = (
+        "| 1.212 | 0.360 / 0.330 s = 1.091x (the reference's runs 0% apart) | **NO** (re-check) | 22.50 GiB | none; "
+    )
+    assert plan50 in text and plan55 + "re-check run 4: [2] |" in text
     assert "| 1.091 | not re-checked (time) | **NO** |" in text  # plan@60
     assert "| 1.091 | not judged (plan@70 run 2: crashed) | **NO** |" in text
     assert "| 0.909 |  | yes |" in text  # plan@65
     assert "- (a) re-check, ABAB: after the shape's sweep, each budget whose (a) failed runs again" in text
     assert (
         "- plan@50: first 1.176x ckpt+hfo; re-check runs (s/step, p25 of each): ckpt+hfo 0.340, plan@50 0.335, "
-        "ckpt+hfo 0.330, plan@50 0.400; 0.335 / 0.330 s = 1.015x: (a) yes" in text
+        "ckpt+hfo 0.330, plan@50 0.400; 0.335 / 0.330 s = 1.015x (the reference's runs 3% apart): (a) yes" in text
     )
     assert (
         "(a) step <= 1.02x the fastest simple plan that fits: 2 passed (1 first time, 1 on re-check), 3 failed "
-        "(plan@55: 0.360 / 0.330 s = 1.091x; plan@60: not re-checked (time); plan@70: not judged (plan@70 run 2: "
-        "crashed)), 0 n/a" in text
+        "(plan@55: 0.360 / 0.330 s = 1.091x (the reference's runs 0% apart); plan@60: not re-checked (time); "
+        "plan@70: not judged (plan@70 run 2: crashed)), 0 n/a" in text
     )
     # without a re-check, the table is the one from before it
     assert "re-check" not in "\n".join(zoo.shape_markdown(zoo.shape_summary(results, REFERENCE)))
@@ -726,8 +730,8 @@ def test_the_child_rechecks_within_its_time_and_goes_on_with_resume(tmp_path, mo
     shape_md = next(out.glob("*-zoo-tiny.md")).read_text()
     summary_text = summary_md.read_text()
     for text in (shape_md, summary_text):
-        assert "| 1.231 | 0.013 / 0.013 s = 1.000x | yes (re-check) |" in text
-        assert "| 1.250 | 0.015 / 0.012 s = 1.250x | **NO** (re-check) |" in text
+        assert "| 1.231 | 0.013 / 0.013 s = 1.000x (the reference's runs 0% apart) | yes (re-check) |" in text
+        assert "| 1.250 | 0.015 / 0.012 s = 1.250x (the reference's runs 0% apart) | **NO** (re-check) |" in text
     assert "| 2/3 (1 first time) **FAIL** |" in summary_text
     assert summary_text.count("- (a) re-check, ABAB: after the shape's sweep") == 1  # in the summary's head
     # --report-only makes the same summary from the JSON files
