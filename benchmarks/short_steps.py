@@ -47,6 +47,17 @@ import hf_offload  # noqa: E402
 from hf_offload.engine import OffloadActivations  # noqa: E402
 
 DEFAULT_VARIANTS = "ckpt,ckpt+hfo,ckpt+hfo:min_offload_size=1099511627776,ckpt+hfo:use_streams=False"
+# The caching allocator's counters read around each block's timed steps, per step (issue 21's allocator lead: does a
+# variant make the allocator map memory, release it, retry or synchronise every step?). With expandable segments
+# `num_device_alloc` counts the pages mapped; `num_sync_all_streams` counts the full synchronisations that
+# `empty_cache` and an out-of-memory retry make; `allocation.all.allocated` every block handed out.
+ALLOCATOR_COUNTERS = (
+    "allocation.all.allocated",
+    "num_device_alloc",
+    "num_device_free",
+    "num_alloc_retries",
+    "num_sync_all_streams",
+)
 
 
 class HookClock:
@@ -210,7 +221,14 @@ def main() -> int:
         return (time.perf_counter() - t0) / steps
 
     results: dict[str, dict[str, Any]] = {
-        v: {"steps": [], "pipelined_s": [], "hooks": defaultdict(float), "calls": defaultdict(int)} for v in variants
+        v: {
+            "steps": [],
+            "pipelined_s": [],
+            "hooks": defaultdict(float),
+            "calls": defaultdict(int),
+            "allocator": defaultdict(float),
+        }
+        for v in variants
     }
     for round_index in range(args.rounds):
         # Each round starts one variant later: no variant always follows the same one (the allocator's and the host's
@@ -222,8 +240,13 @@ def main() -> int:
             for _ in range(args.warmup):
                 step(context)
             clock.reset()
+            counters_before = torch.cuda.memory_stats()
             for _ in range(args.steps):
                 results[variant]["steps"].append(step(context))
+            counters_after = torch.cuda.memory_stats()
+            for name in ALLOCATOR_COUNTERS:
+                added = counters_after.get(name, 0) - counters_before.get(name, 0)
+                results[variant]["allocator"][name] += added / args.steps / args.rounds
             for name, seconds in clock.seconds.items():
                 results[variant]["hooks"][name] += seconds / args.steps / args.rounds
                 results[variant]["calls"][name] += clock.calls[name] // args.steps // args.rounds
@@ -259,7 +282,8 @@ def main() -> int:
     pipelined_baseline = statistics.median(results[variants[0]]["pipelined_s"])
     print(f"\n{args.scenario}: {scenario.describe()}; {args.rounds} rounds x {args.steps} steps, interleaved"
           + (", decoder layers compiled" if args.regional else "")
-          + (", gc.freeze()" if args.gc_freeze else ""))  # fmt: skip
+          + (", gc.freeze()" if args.gc_freeze else "")
+          + f"; PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")  # fmt: skip
     print(f"{'variant':52s} {'median ms':>9s} {'ratio':>6s} {'p25 ms':>7s} {'ratio':>6s} {'pipelined ms':>12s} "
           f"{'ratio':>6s} {'host ahead ms':>13s} {'hooks ms':>8s}")  # fmt: skip
     for variant in variants:
@@ -275,6 +299,10 @@ def main() -> int:
         print(f"{variant:52s} {median * 1e3:9.1f} {median / baseline:6.3f} {quartile * 1e3:7.1f} "
               f"{quartile / quartile_baseline:6.3f} {flowing * 1e3:12.1f} "
               f"{flowing / pipelined_baseline:6.3f} {ahead * 1e3:13.1f} {hooks * 1e3:8.1f}")  # fmt: skip
+    print("\nthe allocator's counters per timed step: " + ", ".join(ALLOCATOR_COUNTERS))
+    for variant in variants:
+        counts = results[variant]["allocator"]
+        print(f"{variant:52s} " + " ".join(f"{counts[name]:10.1f}" for name in ALLOCATOR_COUNTERS))
     for variant in variants:
         trace = results[variant].get("trace")
         if trace:
@@ -297,6 +325,7 @@ def main() -> int:
                 "command": " ".join(sys.argv),
                 "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__,
+                "allocator_config": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                 "results": results,
             },
             indent=1,
