@@ -26,6 +26,18 @@ _CONTEXT_METHOD = "compute_loss_context_manager"
 _CONSOLE_CALLBACKS = frozenset({"ProgressCallback", "PrinterCallback", "NotebookProgressCallback"})
 
 
+def _longest_step_of(args: Any) -> tuple[int, str] | None:
+    """The longest step a TRL trainer's configuration allows, per device and micro-step, with where it comes from:
+    its `max_length` (SFT, DPO, KTO, Reward, ...: what sequences are truncated or packed to) times
+    `per_device_train_batch_size`; None where the configuration has no such length."""
+    max_length = getattr(args, "max_length", None)
+    batch = getattr(args, "per_device_train_batch_size", None)
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1 or not isinstance(batch, int):
+        return None
+    return batch * max_length, (f"per_device_train_batch_size {batch} x max_length {max_length} of "
+                                f"{type(args).__name__}")  # fmt: skip
+
+
 class _ConsoleHeadlines(TrainerCallback):
     """Placed right before the console callbacks: leaves them only the headline `offload/` entries.
 
@@ -116,6 +128,9 @@ class ActivationOffloadingCallback(TrainerCallback):
             context.remove_hooks()
             return
         self._context = context
+        longest = _longest_step_of(args)
+        if context.budget_controller is not None and longest is not None:
+            context.budget_controller.expect_longest_step(*longest)
         self._place_console_headlines(trainer)
         self._replaced_method = vars(trainer).get(_CONTEXT_METHOD)
         original = getattr(trainer, _CONTEXT_METHOD)

@@ -366,6 +366,15 @@ class OffloadOptions:
         "predicted peak fits. `'auto'`: the device's memory less a safety margin; a size such as `'24GiB'`, "
         "`'20000MiB'` or a number of bytes; or a share of the device such as `'60%'`. It then decides checkpointing "
         "itself, whatever `activation_checkpointing` says. `None`: no planning.", argument="memory_budget")  # fmt: skip
+    memory_budget_max_tokens: int | None = _option(
+        None, Rule(_COUNT, minimum=1, optional=True), "The most tokens a training step of the run will hold, per "
+        "device and micro-step (sequences x their padded length, e.g. per_device_train_batch_size x max_length), "
+        "where the run knows it ahead: the memory budget's first plan then checks that a step that long fits, and "
+        "raises its InfeasibleBudgetError there, before the run trains on, if no plan does. `None` (`none` on the "
+        "command line): the plans follow the longest step seen, and a longer step that no plan fits runs over the "
+        "budget with a warning; under the Trainer, a TRL config's `max_length` times the batch size is checked the "
+        "same way, with a warning instead of the error. Only with a memory_budget.",
+        argument="memory_budget_max_tokens")  # fmt: skip
     tile_mlp: str | bool = _option(
         AUTO, Rule(_AUTO_FLAG), "Run each decoder layer's MLP over chunks of as many tokens as the hidden size, so "
         "that its intermediates exist for one chunk at a time: what long sequences need. Not bitwise: weight "
@@ -392,6 +401,10 @@ class OffloadOptions:
             raise ValueError(f"min_peak_reduction={self.min_peak_reduction:g} and memory_budget={self.memory_budget!r} "
                              "cannot be combined: under a memory budget the plan decides what moves (a plan that "
                              "keeps every layer moves nothing). Set one of them to None.")  # fmt: skip
+        if self.memory_budget_max_tokens is not None and self.memory_budget is None:
+            raise ValueError(f"memory_budget_max_tokens={self.memory_budget_max_tokens} needs a memory_budget: it is "
+                             "the longest step the budget's plans must fit. Set memory_budget too, or leave "
+                             "memory_budget_max_tokens None.")  # fmt: skip
         if self.tile_layer is True and self.memory_budget is not None:
             raise ValueError(f"tile_layer=True and memory_budget={self.memory_budget!r} cannot be combined: a layer "
                              "tiled whole is its own checkpoint, so the plan's actions would not apply to it. Use "

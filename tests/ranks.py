@@ -42,9 +42,10 @@ def plan_on_rank(rank: int, port: int, results) -> None:
 
 
 def train_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...], ...], budget: int,
-                  available_gib: tuple[float, ...]) -> None:  # fmt: skip
+                  available_gib: tuple[float, ...], max_tokens: int | None = None) -> None:  # fmt: skip
     """One of two gloo ranks training the controller tests' tiny Llama under `budget` in CPU test mode, each on its
-    own sequence lengths and with its own host memory available (`available_gib`, of 128 GiB, two local ranks).
+    own sequence lengths and with its own host memory available (`available_gib`, of 128 GiB, two local ranks), and
+    the run's longest step put at `max_tokens` (`memory_budget_max_tokens`).
 
     Puts, per step, the plan in force (code and tokens) and the pool's cap; whether the losses and gradients equal
     those of the same steps without offloading, bitwise; and the most host memory this rank's pool could take."""
@@ -60,7 +61,8 @@ def train_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...],
         mine = lengths[rank]
         baseline = train(tiny_llama(), Unchanged(), steps=len(mine), lengths=mine)
         model = tiny_llama()
-        context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+        context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget,
+                                                 memory_budget_max_tokens=max_tokens)  # fmt: skip
         steps = []
 
         def record() -> None:

@@ -7,6 +7,7 @@ only because the run without offloading repeats itself bitwise, which each test 
 import contextlib
 import dataclasses
 import importlib
+import logging
 import pickle
 import pkgutil
 import re
@@ -232,6 +233,30 @@ def test_sft_trainer_lora_uses_our_offloader_only_and_is_exact(tmp_path, tokeniz
     trl_args = trl.SFTConfig(str(tmp_path / "trl"), activation_offloading=True, bf16=False, use_cpu=True)
     trl.SFTTrainer(model=tiny_model(tokenizer), args=trl_args, train_dataset=text_dataset, processing_class=tokenizer)
     assert trl_offloader_spy.built == 1
+
+
+def test_sft_trainer_under_a_memory_budget_checks_the_longest_step_its_max_length_allows(
+    tmp_path, tokenizer, text_dataset, caplog
+):
+    """The callback tells the memory budget the longest step SFTConfig allows (per_device_train_batch_size x
+    max_length): a budget that no plan of that step fits is warned of at the first plan, naming where the length comes
+    from (here the budget fits no step at all, which the first plan then refuses)."""
+    args = SFTConfig(
+        **config_args(tmp_path, True, activation_offloading_memory_budget="1", eval_strategy="no"),
+        max_length=4 * MAX_LENGTH,
+    )
+    trainer = trl.SFTTrainer(model=tiny_model(tokenizer), args=args, train_dataset=text_dataset,
+                             processing_class=tokenizer)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="hf_offload"), pytest.raises(hf_offload.InfeasibleBudgetError):
+        trainer.train()
+    warned = [
+        record.getMessage() for record in caplog.records if "the longest step this run may see" in record.getMessage()
+    ]
+    assert len(warned) == 1
+    assert (
+        f"{2 * 4 * MAX_LENGTH} tokens (per_device_train_batch_size 2 x max_length {4 * MAX_LENGTH} of SFTConfig)"
+        in (warned[0])
+    )
 
 
 def test_dpo_trainer_uses_our_offloader_only_and_is_exact(tmp_path, tokenizer, preferences, trl_offloader_spy):

@@ -139,6 +139,23 @@ _LENGTH_STEP = 2**0.25
 _SHORTEST_PLANNED_SHARE = 0.25
 
 
+@dataclasses.dataclass(frozen=True)
+class _LongestStep:
+    """The most tokens a step of the run will hold, known before it trains, which the first plan checks
+    (`_check_longest_step`).
+
+    Args:
+        tokens: per device and micro-step, as the last stack the first step called sees them (a decoder-only model's
+            layers, a VLM's language model, an encoder-decoder's decoder): sequences x their padded length.
+        source: where it was learned, for the messages.
+        strict: the user set it (`memory_budget_max_tokens`): no plan fitting it is an error; else a warning.
+    """
+
+    tokens: int
+    source: str
+    strict: bool
+
+
 @dataclasses.dataclass
 class _StepMeasurements:
     """What the controller measured of the first steps, to build the profile from."""
@@ -259,6 +276,8 @@ class MemoryBudgetController:
         self._step_tokens = 0  # this step's tokens, in the profile's terms, from the stacks that have started
         self._previous_step_tokens = 0
         self._warned_over_budget = False
+        max_tokens = engine.options.memory_budget_max_tokens
+        self._longest = None if max_tokens is None else _LongestStep(max_tokens, "memory_budget_max_tokens", True)
         # The plans made so far, by the tokens each was made for (`_plan_for`), and the generation of what they were
         # made with: it grows when that changes (the memory held between steps grew, the closed loop corrected a plan
         # or ended its trial, a step peaked above its plan's prediction), and a plan of an earlier one is not reused.
@@ -334,6 +353,18 @@ class MemoryBudgetController:
         `peak_bytes`, `profiled`, `tail_bytes`): the profiled step, the trial's and the plans' checked steps."""
         return {code: [dataclasses.asdict(sample) for sample in samples] for code, samples in self._samples.items()}
 
+    def expect_longest_step(self, tokens: int, source: str) -> None:
+        """Tells the first plan the longest step the run may see, learned from a trainer's configuration (`source`,
+        e.g. TRL's `max_length` times the batch size): it checks that a step that long fits the budget, and warns
+        once where none does. `memory_budget_max_tokens`, which the user set, stands instead (and raises).
+
+        Args:
+            tokens: sequences x their padded length, per device and micro-step (see `_LongestStep`).
+            source: where the length comes from, for the warning.
+        """
+        if self._longest is None:
+            self._longest = _LongestStep(tokens, source, strict=False)
+
     def _budget_bytes(self) -> int:
         """The user's budget in bytes, on this device."""
         return self.memory_budget.resolve(self._meter.total())
@@ -405,8 +436,53 @@ class MemoryBudgetController:
         ranks = self._agreement()
         if ranks is not None:
             tokens = ranks.largest([max(tokens, self._estimated_step_tokens())])[0]
+        self._check_longest_step(tokens)
         self._plan_and_apply(tokens)
         self._start_timing()
+
+    def _check_longest_step(self, tokens: int) -> None:
+        """Where the run's longest step is known (`_longest`) and longer than the `tokens` the first plan is for:
+        whether a plan fits it. If none does, an `InfeasibleBudgetError` where the user set the length, a warning
+        where a trainer's configuration gave it; otherwise nothing (its plan is made when such a step comes, as for
+        every longer step). Without this, a budget that fits the profiled steps but not the run's longest is found
+        out at the first step that long, perhaps hours in, which then runs over the budget."""
+        longest = self._longest
+        if longest is None:
+            return
+        measured = self._measured
+        last_stack = self._stacks[self._called[-1]] if self._called else None
+        step_tokens = longest.tokens
+        if last_stack in measured.stack_tokens:  # in the profile's terms (the first stack's tokens)
+            step_tokens = in_proportion(measured.step_tokens, measured.stack_tokens[last_stack], longest.tokens)
+        ranks = self._agreement()
+        if ranks is not None:  # each rank's stacks scale from its own first step: every rank must decide alike
+            step_tokens = ranks.largest([step_tokens])[0]
+        if step_tokens <= tokens:
+            return
+        self._agree_on_host_caps()
+        profile = self._profile_now(step_tokens)
+        budget_bytes = self._budget_bytes()
+        margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
+
+        def make_plan() -> Plan:
+            plans_measured = self._measured_plans(profile)
+            return self._choose(calibrate(profile, plans_measured)[0], budget_bytes, margin_bytes, plans_measured)
+
+        try:
+            self._on_every_rank(make_plan)
+        except InfeasibleBudgetError as error:
+            text = (f"hf_offload: memory_budget: the longest step this run may see, {longest.tokens} tokens "
+                    f"({longest.source}), fits no plan: {error}")  # fmt: skip
+            if longest.strict:
+                raise InfeasibleBudgetError(
+                    text + " Or lower memory_budget_max_tokens to the longest step that must fit (a longer one then "
+                    "runs over the budget, with a warning).", error.budget_bytes, error.minimum_bytes,
+                    error.lowest_plan) from None  # fmt: skip
+            engine = self._engine()
+            if engine is not None:
+                engine.warn_once("longest_step", text + " Training goes on; such a step, if it comes, runs over the "
+                                 "budget (with a warning). memory_budget_max_tokens makes this an error before "
+                                 "training, for the length given.")  # fmt: skip
 
     def _first_plan_waits(self) -> bool:
         """Whether the first plan waits: gradients are held as this forward starts (micro-steps accumulate) and no

@@ -436,6 +436,39 @@ def test_a_budget_the_refusal_names_is_met_on_every_step(record):
     dispose(ctx)
 
 
+def test_a_known_longest_step_is_checked_at_the_first_plan(record):
+    """Issue 20 item 4: a budget at the named minimum of the profiled steps, in a run whose longest step is put at
+    twice their tokens (`memory_budget_max_tokens`), is refused at the first plan, before the run trains on, naming
+    that length. A budget that fits the longest step passes the check, and the run's steps, half as long first and
+    then that long, each peak within it."""
+    tokens = MEDIUM["batch"] * MEDIUM["seq"]
+    long_batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"])
+    short_batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"] // 2)
+    budget, _ = budget_at_the_named_minimum(lambda model, ctx: step_peaks(model, long_batch, ctx, 3))
+    model = medium_model()
+    ctx = make_ctx(model, memory_budget=budget, memory_budget_max_tokens=2 * tokens)
+    with pytest.raises(ValueError, match="the longest step this run may see") as refused:
+        step_peaks(model, long_batch, ctx, 3)
+    assert f"{2 * tokens} tokens (memory_budget_max_tokens), fits no plan" in str(refused.value)
+    refused_minimum = refused.value.minimum_bytes
+    assert refused_minimum > budget
+    dispose(ctx)
+    del model, ctx, refused
+    gc.collect()
+    torch.cuda.empty_cache()
+    # 3% above it: profiled on the short steps, the check predicts the long step's peak where the refusal above had
+    # measured it, and the plans keep a margin of 0.5% for the prediction's error.
+    budget = int(budget * 1.03)
+    model = medium_model()
+    ctx = make_ctx(model, memory_budget=budget, memory_budget_max_tokens=tokens)
+    seen: list = []
+    peaks, _ = step_peaks(model, lambda step: short_batch if step < 5 else long_batch, ctx, 8, seen=seen)
+    record("longest_step", {"budget": budget, "refused_minimum_at_twice": refused_minimum, "step_peaks": peaks,
+                            "plans": seen}, show=True)  # fmt: skip
+    assert max(peaks) <= budget, f"step peaks {peaks} over the budget {budget}"
+    dispose(ctx)
+
+
 def test_the_probe_times_attention_apart_and_its_share_grows_with_the_tokens(record):
     """Attention is the part of a layer's time that grows with the square of the tokens (issue 23: a profile scaled in
     proportion predicted 380 s for a 512K-token step that took 945 s). The probe times sdpa's fused operators with the

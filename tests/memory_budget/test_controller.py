@@ -155,6 +155,85 @@ def test_a_later_longer_step_that_no_plan_fits_runs_on_the_lowest_plan_with_one_
     assert plan.predicted.peak_bytes > budget
 
 
+# The longest step known ahead (`memory_budget_max_tokens`, or a trainer's `max_length`)
+
+
+def test_a_known_longest_step_that_no_plan_fits_is_an_error_at_the_first_plan():
+    """A budget just above the smallest that fits 16 tokens a sequence, in a run whose longest step the user put at
+    2 x 32 tokens: no plan fits that, so the first plan refuses it (the two profiled steps ran; no planned one), naming
+    the length and where it came from, and the smallest budget that fits it; without the option the same run trains
+    on until a step that long comes (`test_a_later_longer_step_...`)."""
+    budget = int(planned_minimum() * 1.006)  # the plans' margin (0.5% of the budget) included
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget,
+                                             memory_budget_max_tokens=2 * 32)  # fmt: skip
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        train(model, context, steps=4, lengths=(16,))
+    message = str(refused.value)
+    assert message.startswith("hf_offload: memory_budget: the longest step this run may see, 64 tokens "
+                              "(memory_budget_max_tokens), fits no plan: ")  # fmt: skip
+    assert "lower memory_budget_max_tokens" in message
+    # The two profiled forwards ran; the third was refused as it started (the controller's hook runs before ours).
+    assert refused.value.minimum_bytes > budget and len(forwards) == 2
+    assert refused.value.lowest_plan.tokens == 2 * 32
+    # A budget that fits that step: nothing refused, and the plans are those of the run without the option
+    roomy = int(refused.value.minimum_bytes * 1.01)
+
+    def run(max_tokens: int | None) -> tuple[list, list[torch.Tensor]]:
+        model = tiny_llama()
+        context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=roomy,
+                                                 memory_budget_max_tokens=max_tokens)  # fmt: skip
+        in_force = []
+
+        def record() -> None:
+            in_force.append(context.memory_plan and context.memory_plan.code)
+
+        return in_force, train(model, context, steps=6, lengths=(16, 16, 16, 16, 32, 16), after_step=record)
+
+    without, known = run(None), run(2 * 32)
+    assert without[0] == known[0] and without[0][-1] is not None
+    assert_bitwise_equal(without[1], known[1])
+
+
+def test_a_longest_step_from_a_trainers_config_that_no_plan_fits_is_a_warning_and_training_goes_on(caplog):
+    """The Trainer's callback passes a TRL config's `per_device_train_batch_size x max_length`
+    (`expect_longest_step`): where no plan fits it, one warning at the first plan names it and where it came from,
+    and the run trains on, exactly; a length shorter than the profiled steps' is no check at all."""
+    lengths = (16, 16, 16, 16, 16)
+    baseline = train(tiny_llama(), Unchanged(), steps=len(lengths), lengths=lengths)
+    budget = int(planned_minimum() * 1.006)
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+    context.budget_controller.expect_longest_step(2 * 32, "per_device_train_batch_size 2 x max_length 32 of SFTConfig")
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        results = train(model, context, steps=len(lengths), lengths=lengths)
+    assert_bitwise_equal(results, baseline)
+    warned = [record for record in caplog.records if "the longest step this run may see" in record.getMessage()]
+    assert [record.levelno for record in warned] == [logging.WARNING]
+    assert "64 tokens (per_device_train_batch_size 2 x max_length 32 of SFTConfig), fits no plan" in (
+        warned[0].getMessage()
+    )
+    assert context.memory_plan.tokens == 2 * 16  # the plan is the profiled steps' as ever
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+    context.budget_controller.expect_longest_step(2 * 8, "shorter than the profiled steps")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        assert_bitwise_equal(train(model, context, steps=len(lengths), lengths=lengths), baseline)
+    assert not any("the longest step this run may see" in record.getMessage() for record in caplog.records)
+
+
+def test_the_longest_step_of_a_trl_config_is_its_max_length_times_the_batch():
+    from hf_offload.callbacks.callback import _longest_step_of
+
+    assert _longest_step_of(SimpleNamespace(max_length=1024, per_device_train_batch_size=4)) == (
+        4096, "per_device_train_batch_size 4 x max_length 1024 of SimpleNamespace")  # fmt: skip
+    for max_length in ({}, {"max_length": None}, {"max_length": True}):  # no length, None, a flag
+        assert _longest_step_of(SimpleNamespace(per_device_train_batch_size=4, **max_length)) is None
+
+
 def near_the_minimum(lengths: tuple[int, ...], caplog) -> SimpleNamespace:
     """Dynamic padding: training on `lengths` (a sequence length a step) under a budget just above the smallest that
     fits 16 tokens a sequence, the plans' margin (0.5% of the budget) included; exactly as without the library. The

@@ -75,6 +75,15 @@ def test_after_a_step_that_no_plan_fits_on_one_rank_both_ranks_run_the_plan_that
     assert [None if step is None else step[1] for step in steps] == [None, None, 32, 32, 64, 64, 32, 32]
 
 
+def test_a_known_longest_step_that_no_plan_fits_is_refused_on_both_ranks():
+    """`memory_budget_max_tokens` checked at the first plan under torch.distributed: rank 0's refusal is every
+    rank's (raised on one rank alone, it would leave the other waiting in the next collective)."""
+    lengths = ((16, 16, 16, 16), (16, 16, 16, 16))
+    outcomes = on_two_ranks(train_on_rank, lengths, int(planned_minimum() * 1.006), (100.0, 100.0), 2 * 32)
+    for rank in (0, 1):
+        assert outcomes[rank][0] == "error" and "the longest step this run may see, 64 tokens" in outcomes[rank][1]
+
+
 def test_fsdp2_sharded_layers_are_probed_and_planned_on_both_ranks_and_stay_exact():
     """FSDP2 gathers a layer's parameters in its forward pre-hook and frees them in its forward hook: the probes, which
     run the layer from inside the step's call, once freed them under it (on the CPU with transformers 5.24: "got mixed

@@ -108,3 +108,14 @@ def test_resolve() -> None:
         parse_memory_budget("auto").resolve(AUTO_MARGIN_MIN_BYTES)
     with pytest.raises(ValueError, match="either a size or a percentage"):
         MemoryBudget(nbytes=1, percent=50.0)
+
+
+def test_memory_budget_max_tokens_is_checked_at_construction() -> None:
+    from hf_offload import OffloadOptions
+
+    with pytest.raises(ValueError, match=r"memory_budget_max_tokens=4096 needs a memory_budget"):
+        OffloadOptions(memory_budget_max_tokens=4096)
+    with pytest.raises(ValueError, match=r"memory_budget_max_tokens must be None or an int >= 1, got 0"):
+        OffloadOptions(memory_budget_max_tokens=0, memory_budget="2GiB", device_type="cpu")
+    options = OffloadOptions(memory_budget_max_tokens="4096", memory_budget="2GiB", device_type="cpu")  # command line
+    assert options.memory_budget_max_tokens == 4096
