@@ -432,7 +432,7 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
         if fits(lowest_run):
             break
         measured_here = [candidate for candidate in measured_fitting if _tiling_kind(candidate[0]) == kind]
-        if not available(profile):
+        if not available(profile) or (measured_only and measured_here):
             if measured_here:
                 return fastest(measured_here)
             continue

@@ -434,6 +434,8 @@ def test_a_measured_plan_that_tiles_does_not_shut_out_the_models_faster_plan_of_
     # `L` x 32 ran as predicted: the model's plan is expected faster than it measured, and wins.
     as_predicted = MeasuredStep("L" * 32, step_s=everything_tiled.step_s, peak_bytes=everything_tiled.peak_bytes)
     assert choose_plan(profile, budget, measured=[as_predicted]).code == model.code
+    # A closed loop's last correction keeps to what was measured.
+    assert choose_plan(profile, budget, measured=[as_predicted], measured_only=True).measured == as_predicted
     # The model's plan measured over the budget is no candidate.
     over = MeasuredStep(model.code, step_s=model.predicted.step_s, peak_bytes=budget + 1)
     assert choose_plan(profile, budget, measured=[as_predicted, over]).measured == as_predicted
