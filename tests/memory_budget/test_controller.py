@@ -427,7 +427,7 @@ def test_tiling_is_planned_when_no_exact_plan_fits_and_is_close():
     budget = (tiled + untiled) // 2
     results, context, seen, model = long_run(budget)
     plan = context.memory_plan
-    assert "T" in plan.code and plan.tile_tokens == 64 and plan.predicted.peak_bytes <= budget
+    assert set(plan.code) & set("Tt") and plan.tile_tokens == 64 and plan.predicted.peak_bytes <= budget
     # The profiled steps are predicted not to fit untiled either: they tile too (the probe runs before the layers).
     # The planned ones tile the layers the plan says, no more.
     assert seen == [[True] * LAYERS] * 2 + [[letter in "Tt" for letter in plan.code]] * 2
@@ -488,10 +488,11 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
     """A budget between the lowest plan with tiled MLPs and the lowest with whole layers tiled: the profiled steps
-    and the plan tile every layer whole (no layer can do without here), the first layer of the first step too,
-    from whose pre-hook the profiled steps' plan was applied; the predicted peak keeps under the budget, and the
-    losses stay within the tiled layer's tolerance of the untiled run (fp32: 1e-5 of each tensor's largest value),
-    not bitwise. Without the action, the same budget is refused."""
+    tile every layer whole, the first layer of the first step too, from whose pre-hook the profiled steps' plan was
+    applied; the plan then tiles whole the layers that cannot do without (the first ones, whose backward comes last)
+    and polishes the others back to faster actions, although the profiled steps measured every layer tiled whole.
+    The predicted peak keeps under the budget, and the losses stay within the tiled layer's tolerance of the untiled
+    run (fp32: 1e-5 of each tensor's largest value), not bitwise. Without the action, the same budget is refused."""
     from hf_offload.memory_budget.simulate import simulate
     from hf_offload.memory_budget.tiled_layer import _TiledLayerFunction
 
@@ -506,12 +507,13 @@ def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
     monkeypatch.setattr(_TiledLayerFunction, "apply", lambda *args, apply=_TiledLayerFunction.apply: calls.append(1)
                         or apply(*args))  # fmt: skip
     results, context, seen, model = long_run(budget, record=tiled_whole)
-    # Each step's every layer ran tiled, the first step's first layer too; and the probe, in chunks of a half and a
-    # quarter of the tokens, `_PROBE_RUNS` times each.
-    assert len(calls) == 4 * LAYERS + 2 * probes._PROBE_RUNS
     plan = context.memory_plan
-    assert plan.code == "L" * LAYERS and plan.layer_tile_tokens == 64 and plan.tile_tokens == 0
-    assert plan.predicted.peak_bytes <= budget
+    whole_layers = [letter in "Ll" for letter in plan.code]
+    assert plan.code.startswith("L") and not all(whole_layers), plan.code
+    assert plan.layer_tile_tokens == 64 and plan.predicted.peak_bytes <= budget
+    # The profiled steps' every layer ran tiled, the first step's first layer too, then the plan's tiled ones; and the
+    # probe, in chunks of a half and a quarter of the tokens, `_PROBE_RUNS` times each.
+    assert len(calls) == 2 * LAYERS + 2 * sum(whole_layers) + 2 * probes._PROBE_RUNS
     # The rest of the step is what the profiled step's time leaves beyond the model of the plan it ran, tiled here:
     # against `C`'s model the tiling's own time counted as the rest of every plan's step.
     controller = context.budget_controller
@@ -520,9 +522,9 @@ def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
     untimed = dataclasses.replace(profile, other_s=0.0)
     assert simulate(untimed, "L" * LAYERS).step_s != simulate(untimed, "C" * LAYERS).step_s
     assert profile.other_s == pytest.approx(10.0 - simulate(untimed, "L" * LAYERS).step_s)
-    assert "4 layers run whole in chunks of 64 tokens" in plan.format_table()
+    assert f"{sum(whole_layers)} layers run whole in chunks of 64 tokens" in plan.format_table()
     # The profiled steps are predicted not to fit with tiled MLPs either: they tile every layer whole.
-    assert seen == [[True] * LAYERS] * 4
+    assert seen == [[True] * LAYERS] * 2 + [whole_layers] * 2
     losses, steps = results[:4], len(results[:4])
     assert all(relative_difference(a, b) <= 1e-5 for a, b in zip(losses, baseline[:steps]))
     # The last step's gradients, after three AdamW steps whose normalised updates carry the earlier steps' rounding
@@ -561,7 +563,8 @@ def checkpoint_whole_calls(monkeypatch, layer_class: type) -> None:
 
     def whole_call(self, *args, **kwargs):
         if self.gradient_checkpointing and self.training:
-            kwargs.update(use_cache=False, past_key_values=None)  # a recomputation would fill a cache again
+            # A recomputation would fill a cache again (5.17 names it `past_key_values`, later releases `cache`).
+            kwargs.update(use_cache=False, **{name: None for name in ("past_key_values", "cache") if name in kwargs})
             return self._gradient_checkpointing_func(functools.partial(super(layer_class, self).__call__, **kwargs),
                                                      *args)  # fmt: skip
         return super(layer_class, self).__call__(*args, **kwargs)
@@ -587,9 +590,12 @@ def test_layers_whose_whole_call_is_checkpointed_start_before_it_and_are_tiled_w
     monkeypatch.setattr(_TiledLayerFunction, "apply", lambda *args, apply=_TiledLayerFunction.apply: calls.append(1)
                         or apply(*args))  # fmt: skip
     results, context, seen, model = long_run(budget, record=tiled_whole)
-    assert context.memory_plan.code == "L" * LAYERS
-    assert seen == [[True] * LAYERS] * 4
-    assert len(calls) == 4 * LAYERS + 2 * probes._PROBE_RUNS  # once per tiled call: no checkpoint around it
+    # The plan tiles the first layers whole and checkpoints the others (transformers' checkpoint of their whole call).
+    whole_layers = [letter in "Ll" for letter in context.memory_plan.code]
+    assert whole_layers[0] and not all(whole_layers), context.memory_plan.code
+    assert seen == [[True] * LAYERS] * 2 + [whole_layers] * 2
+    # Once per tiled call: no checkpoint around it.
+    assert len(calls) == 2 * LAYERS + 2 * sum(whole_layers) + 2 * probes._PROBE_RUNS
     losses, steps = results[:4], len(results[:4])
     assert all(relative_difference(a, b) <= 1e-5 for a, b in zip(losses, baseline[:steps]))
     # As in test_layers_are_tiled_whole_when_nothing_else_fits: 1.7e-4 measured on an AMD EPYC.

@@ -394,13 +394,14 @@ def test_layers_are_tiled_whole_only_when_no_exact_plan_and_no_tiled_mlps_fit() 
         assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
         assert plan_of(profile, plan.code, budget_gib * GIB).layer_tile_tokens == 4096
     # A measured plan of layers tiled whole, however fast, does not replace a plan with tiled MLPs that fits, nor an
-    # exact one; where only it fits, it is chosen by its measurement.
-    fast = MeasuredStep("L" * 32, step_s=0.001, peak_bytes=28 * GIB)
+    # exact one; where only it fits (the model predicts every plan over 28 GiB), it is chosen by its measurement.
+    fast = MeasuredStep("L" * 32, step_s=0.001, peak_bytes=27 * GIB)
     assert choose_plan(profile, 40 * GIB, measured=[fast]).code == choose_plan(profile, 40 * GIB).code
     assert (
         choose_plan(profile, 80 * GIB, measured=[fast], measured_only=True).code == choose_plan(profile, 80 * GIB).code
     )
-    assert choose_plan(profile, 30 * GIB, measured=[fast]).measured == fast
+    assert simulate(profile, "L" * 32).peak_bytes > 28 * GIB
+    assert choose_plan(profile, 28 * GIB, measured=[fast]).measured == fast
     # Switched off (not measured): the same budget is refused.
     with pytest.raises(InfeasibleBudgetError):
         choose_plan(tiled_layer_profile(layer_tile_tokens=0), 35 * GIB)
@@ -418,6 +419,31 @@ def test_polishing_moves_layers_tiled_whole_to_tiled_mlps_where_the_peak_allows(
     assert plan.tile_tokens == plan.layer_tile_tokens == 4096
     assert plan.predicted.peak_bytes <= 45 * GIB
     assert plan.predicted.step_s < simulate(profile, "L" * 32).step_s
+
+
+def test_a_measured_plan_that_tiles_does_not_shut_out_the_models_faster_plan_of_its_kind() -> None:
+    """Dynamic padding on an H200, 1% above the named minimum: once every layer tiled whole had run at a length, the
+    plan for it stayed `L` x 16 (0.98 s a step), where the model's plan tiling two layers whole (0.19-0.5 s) fitted."""
+    layers = [dataclasses.replace(tiled_layer_profile().layers[0], parameter_gradient_bytes=GIB // 2)] * 32
+    profile = tiled_layer_profile(layers=layers, gradient_bytes=16 * GIB, static_bytes=10 * GIB)
+    budget = 45 * GIB
+    model = choose_plan(profile, budget)
+    assert "T" in model.code and "L" in model.code, model.code
+    everything_tiled = simulate(profile, "L" * 32)
+    assert model.predicted.step_s < everything_tiled.step_s
+    # `L` x 32 ran as predicted: the model's plan is expected faster than it measured, and wins.
+    as_predicted = MeasuredStep("L" * 32, step_s=everything_tiled.step_s, peak_bytes=everything_tiled.peak_bytes)
+    assert choose_plan(profile, budget, measured=[as_predicted]).code == model.code
+    # A closed loop's last correction keeps to what was measured.
+    assert choose_plan(profile, budget, measured=[as_predicted], measured_only=True).measured == as_predicted
+    # The model's plan measured over the budget is no candidate.
+    over = MeasuredStep(model.code, step_s=model.predicted.step_s, peak_bytes=budget + 1)
+    assert choose_plan(profile, budget, measured=[as_predicted, over]).measured == as_predicted
+    # The same holds for tiled MLPs.
+    tiled = choose_plan(long_profile(), 60 * GIB)
+    slow_tiled = MeasuredStep(tiled.code, step_s=tiled.predicted.step_s * 3, peak_bytes=59 * GIB)
+    others = [MeasuredStep("t" + "T" * 31, step_s=tiled.predicted.step_s, peak_bytes=59 * GIB)]
+    assert choose_plan(long_profile(), 60 * GIB, measured=[slow_tiled, *others]).code == "t" + "T" * 31
 
 
 def test_the_refusal_names_the_lowest_plan_layers_tiled_whole_included() -> None:
