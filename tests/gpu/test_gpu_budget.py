@@ -232,7 +232,9 @@ def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, reco
         "loss_relative_difference": run.difference, "tile_chunk_bytes": run.profile.tile_chunk_bytes,
         "profiled_steps_said": said,
     }, show=True)  # fmt: skip
-    assert tiled < untiled and "T" in plan.code and plan.tile_tokens == LONG["hidden"]
+    # Tiled MLPs, their layers' inputs offloaded (`T`) or kept (`t`): the model's polished plan competes with the
+    # measured one by expected time (session 50), and under this budget it kept the inputs (`tttt`, H200, session 51).
+    assert tiled < untiled and set(plan.code) & set("Tt") and plan.tile_tokens == LONG["hidden"]
     over = f"plan {plan.code}: step peaks {run.peaks} over the budget {run.budget}; the controller said {said}"
     assert max(run.peaks) <= run.budget, over
     assert run.difference < 2e-2  # bf16, chunked weight-gradient sums: close, not bitwise
