@@ -13,6 +13,7 @@ import transformers
 
 from .arguments import ActivationOffloadingArguments
 from .callback import ActivationOffloadingCallback
+from .compile_layers import compile_layers_instead_of_model
 from .trl_takeover import claim_trl_offloader
 
 __all__ = ["install", "register"]
@@ -42,7 +43,8 @@ def register(trainer: transformers.Trainer) -> None:
     """Add an `ActivationOffloadingCallback` to `trainer` if its arguments ask for offloading and it has none.
 
     The callback goes first, so that the log entries it adds reach every other callback; TRL's own offloader is
-    then kept from being built (`trl_takeover.claim_trl_offloader`).
+    then kept from being built (`trl_takeover.claim_trl_offloader`), and `torch_compile=True` compiles the decoder
+    layers instead of the whole model (`compile_layers.compile_layers_instead_of_model`).
 
     Args:
         trainer: a trainer at the end of its `__init__`.
@@ -57,3 +59,4 @@ def register(trainer: transformers.Trainer) -> None:
     # the reporting integrations (all registered earlier) receive them.
     callbacks.insert(0, ActivationOffloadingCallback(trainer))
     claim_trl_offloader(trainer)
+    compile_layers_instead_of_model(trainer)

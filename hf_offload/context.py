@@ -24,6 +24,7 @@ from .memory_budget.tiled_layer import apply_tiled_layer
 from .memory_budget.tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 from .model import (
     HEAD_PATHS,
+    compiled_as_a_whole,
     find_attention_modules,
     find_decoder_layers,
     find_head,
@@ -185,6 +186,8 @@ def get_act_offloading_ctx_manager(
         engine.budget_controller = MemoryBudgetController(
             unwrapped, engine, parse_memory_budget(engine.options.memory_budget)
         )
+    if compiled_as_a_whole(model):
+        engine.stand_aside_compiled_as_a_whole()
     unwrapped.__dict__[_INSTALLATION_ATTR] = _Installation(weakref.ref(engine), weakref.ref(unwrapped))
     logger.info(
         "hf_offload: tail of the forward kept from %s; Liger modules exempt: %s",

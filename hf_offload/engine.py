@@ -1004,22 +1004,28 @@ class OffloadActivations(saved_tensors_hooks):
             self._prefetch(step)
 
     def _note_whole_model_compile(self, step: _Step) -> None:
-        """Stands aside from the next step on if this one saved tensors while no model hook of ours ran.
+        """Stands aside from the next step on if this one saved tensors while no model hook of ours ran: the model
+        was compiled as a whole after the context was built (see `stand_aside_compiled_as_a_whole`)."""
+        if self._module_hooks and step.copies and not self.model_hooks_ran and self._standing_aside is None:
+            self.stand_aside_compiled_as_a_whole()
+        self.model_hooks_ran = False
+
+    def stand_aside_compiled_as_a_whole(self) -> None:
+        """Stands aside for good, with one warning: the model's forward is compiled as a whole.
 
         `torch.compile(model)` (or the Trainer's `torch_compile=True`) traces the model's hooks away, and the compiled
         forward hands every tensor it saves to the pack hook at once, after its last kernel: the step's peak, at the
         loss, is behind it, so moving them could only cost (and the head's and the loss's, which backward needs first,
         would move too). Compiling the decoder layers instead (regional compilation) keeps the hooks and the overlap.
+        Called when the context is built around such a model, or at the first backward of a model compiled later.
         """
-        if self._module_hooks and step.copies and not self.model_hooks_ran and self._standing_aside is None:
-            self.stand_aside("compiled")
-            self.warn_once("compiled", "the model's forward is compiled as a whole (torch.compile(model) or "
-                            "torch_compile=True): its saved tensors reach hf-offload only after the compiled forward "
-                            "has ended, when moving them cannot lower the step's peak, so activation offloading "
-                            "stands aside from now on. Compile the decoder layers instead (regional compilation, e.g. "
-                            "`for layer in model.model.layers: layer.compile()`): hf-offload then moves their inputs "
-                            "as it does without compilation.")  # fmt: skip
-        self.model_hooks_ran = False
+        self.stand_aside("compiled")
+        self.warn_once("compiled", "the model's forward is compiled as a whole (torch.compile(model) or "
+                        "torch_compile=True): its saved tensors reach hf-offload only after the compiled forward "
+                        "has ended, when moving them cannot lower the step's peak, so activation offloading "
+                        "stands aside. Compile the decoder layers instead (regional compilation, e.g. "
+                        "`for layer in model.model.layers: layer.compile()`): hf-offload then moves their inputs "
+                        "as it does without compilation.")  # fmt: skip
 
     def note_step_tokens(self, tokens: int) -> None:
         """Told by the model's hook at each forward: the tokens of the step that runs.

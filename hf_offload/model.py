@@ -4,7 +4,8 @@ Pure lookups over a module tree: this module imports only torch, and the engine,
 budget and the tiled MLP read models through it. It answers:
 
 1. *Which module is the model?*  Trainers hand us models wrapped by DDP, FSDP, DeepSpeed, `torch.compile` and
-   PEFT; the head lives on the innermost one (`unwrap_model`).
+   PEFT; the head lives on the innermost one (`unwrap_model`). Is its forward compiled as a whole
+   (`compiled_as_a_whole`)?
 2. *What is the tail of the forward?*  The output head and the final norm run last in the forward, so their saved
    tensors are the first ones backward needs: moving them to the host and straight back only costs bandwidth, and
    the head's input/logits are often the largest tensors of the step (`find_output_head`).
@@ -31,6 +32,7 @@ __all__ = [
     "find_liger_modules",
     "find_attention_modules",
     "find_decoder_layers",
+    "compiled_as_a_whole",
     "first_tensor",
     "checkpointing_on",
     "outermost",
@@ -114,6 +116,26 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             break
         model = inner
     return model
+
+
+def compiled_as_a_whole(model: nn.Module) -> bool:
+    """Whether calling `model` runs a forward compiled as a whole: `torch.compile(model)` (an `OptimizedModule`
+    anywhere among the wrappers `unwrap_model` peels) or `model.compile()` in place on one of them or on the model.
+
+    Args:
+        model: the model, bare or wrapped.
+
+    Returns:
+        True when the forward that calls reach is compiled; False for eager models and compiled layers alone.
+    """
+    seen: set[int] = set()
+    while model is not None and id(model) not in seen:
+        seen.add(id(model))
+        compiled_in_place = getattr(model, "_compiled_call_impl", None) is not None
+        if compiled_in_place or "OptimizedModule" in _class_names(model, "torch."):
+            return True
+        model = _unwrap_once(model)
+    return False
 
 
 # --------------------------------------------------------------------------------------------------------------------

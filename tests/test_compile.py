@@ -17,6 +17,7 @@ import torch
 import torch._dynamo
 import transformers
 from compile_runs import bitwise_equal, build, train
+from torch._dynamo.utils import counters
 
 import hf_offload
 
@@ -51,6 +52,8 @@ def test_whole_model_compilation_stands_aside_with_one_warning(context_first, ca
     assert (offloaded["graphs"], offloaded["breaks"]) == (baseline["graphs"], baseline["breaks"])
     warnings = [record.message for record in caplog.records if "compiled as a whole" in record.message]
     assert len(warnings) == 1 and "layer.compile()" in warnings[0]
+    if not context_first:  # seen as the context is built: no step offloads
+        assert offloaded["stats"][0]["tensors_offloaded"] == 0 and offloaded["stats"][0]["steps_stood_aside_compiled"]
     later = offloaded["stats"][1:]  # the first step shows the compile; every later one stands aside
     # Each later step's region is entered standing aside: no saved-tensor hook is pushed, none of its tensors reaches
     # the engine, and the step is counted as one stood aside.
@@ -71,31 +74,52 @@ def test_an_eager_forward_of_part_of_the_model_is_not_taken_for_a_compiled_one()
     assert context.get_stats()["tensors_offloaded"] > 0 and context.get_stats()["tensors_kept_compiled"] == 0
 
 
-def test_the_trainers_torch_compile_runs_exactly_and_offloading_stands_aside(tmp_path, tokenizer, lm_dataset, caplog):
+def test_the_trainers_torch_compile_with_offloading_compiles_the_layers_and_offloads_exactly(
+    tmp_path, tokenizer, lm_dataset, caplog
+):
+    # A model compiled whole would leave offloading nothing to do (see above), so the Trainer's torch_compile=True
+    # compiles the decoder layers under offloading. The comparison is the same regional compilation without it.
     from helpers import COMMON_ARGS, CPU_TEST_MODE, assert_same_weights, tiny_model
 
-    def run(offloading: bool) -> transformers.Trainer:
+    def run(name: str, torch_compile: bool, offloading: bool, compile_layers: bool = False) -> tuple:
         torch._dynamo.reset()
-        args = hf_offload.TrainingArguments(output_dir=str(tmp_path / str(offloading)), torch_compile=True,
+        counters.clear()
+        model = tiny_model(tokenizer)
+        if compile_layers:
+            for layer in model.model.layers:
+                layer.compile()
+        args = hf_offload.TrainingArguments(output_dir=str(tmp_path / name), torch_compile=torch_compile,
                                             activation_offloading=offloading, **CPU_TEST_MODE,
                                             **{**COMMON_ARGS, "eval_strategy": "no"})  # fmt: skip
         trainer = transformers.Trainer(
-            model=tiny_model(tokenizer),
+            model=model,
             args=args,
             train_dataset=lm_dataset,
             data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False),
         )
         trainer.train()
-        return trainer
+        losses = [record["loss"] for record in trainer.state.log_history if "loss" in record]
+        graphs = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+        return trainer, losses, graphs
 
-    without = run(offloading=False)
-    with caplog.at_level(logging.WARNING, logger="hf_offload.engine"):
-        offloaded = run(offloading=True)
-    assert_same_weights(offloaded.model, without.model)
-    assert [r["loss"] for r in offloaded.state.log_history if "loss" in r] == [
-        r["loss"] for r in without.state.log_history if "loss" in r
-    ]
-    assert sum("compiled as a whole" in record.message for record in caplog.records) == 1
+    regional, regional_losses, regional_graphs = run("regional", torch_compile=False, offloading=False,
+                                                     compile_layers=True)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        offloaded, offloaded_losses, offloaded_graphs = run("offloaded", torch_compile=True, offloading=True)
+    assert offloaded_losses == regional_losses
+    assert_same_weights(offloaded.model, regional.model)
+    assert offloaded_graphs == regional_graphs and regional_graphs[0] >= 1  # compiled, and no graph or break added
+    assert all(layer._compiled_call_impl is not None for layer in offloaded.model.model.layers)
+    assert not isinstance(offloaded.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    stats = offloaded.callback_handler.callbacks[0].stats
+    assert stats["tensors_offloaded"] > 0 and not stats.get("steps_stood_aside_compiled")
+    warnings = [record.getMessage() for record in caplog.records if "decoder layers" in record.getMessage()]
+    assert len(warnings) == 1 and "LlamaDecoderLayer" in warnings[0]
+
+    # Without offloading, torch_compile=True is left to the Trainer: the model compiled as a whole.
+    whole, _, _ = run("whole", torch_compile=True, offloading=False)
+    assert isinstance(whole.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    assert all(layer._compiled_call_impl is None for layer in whole.model.model.layers)
 
 
 def test_a_memory_budget_under_compilation_trains_and_says_what_it_costs(caplog):

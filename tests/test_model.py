@@ -187,6 +187,22 @@ def test_unwrap_torch_compile_without_compiling():
     assert names(find_output_head(compiled)) == ["lm_head", "model.norm"]
 
 
+def test_a_forward_compiled_as_a_whole_is_told_from_compiled_layers(process_group):
+    assert not hf_model.compiled_as_a_whole(tiny_llama())
+    assert hf_model.compiled_as_a_whole(torch.compile(tiny_llama()))
+    assert hf_model.compiled_as_a_whole(nn.parallel.DistributedDataParallel(torch.compile(lora(tiny_llama()))))
+    in_place = tiny_llama()
+    in_place.compile()
+    assert hf_model.compiled_as_a_whole(in_place)
+    peft_in_place = lora(tiny_llama())
+    peft_in_place.compile()
+    assert hf_model.compiled_as_a_whole(peft_in_place)
+    regional = tiny_llama()
+    for layer in regional.model.layers:
+        layer.compile()
+    assert not hf_model.compiled_as_a_whole(regional)
+
+
 def test_unwrap_peft_lora_to_base_model_and_find_its_head():
     model = tiny_llama()
     peft_model = lora(model)

@@ -1,0 +1,66 @@
+"""The Trainer's `torch_compile=True` under activation offloading: the decoder layers compiled, not the whole model.
+
+A model compiled as a whole hands every tensor its compiled forward saves for backward to the saved-tensor hooks at
+once, after that forward's last kernel: the step's peak is behind it by then, so moving them cannot lower it, and
+hf-offload stands aside (the engine's `_note_whole_model_compile`). Compiled layer by layer (regional compilation,
+accelerate's `use_regional_compilation`, torchtitan's per-block compile), each layer's graph saves its tensors as
+the layer ends, and hf-offload moves them while the next layers run, as it does without compilation; the head and
+the loss run eagerly, in hf-offload's exempt region. On the GPU it was also the faster of the two with
+checkpointing (M36, 36 layers at 4,096 tokens, H100: 0.230 s a step against 0.259 s compiled whole).
+
+So a Trainer whose arguments ask for both `torch_compile` and activation offloading gets each decoder layer compiled
+in place with the Trainer's own compile options (backend, mode, ...), and accelerate's `prepare` compiles nothing
+more. One warning says so.
+"""
+
+import logging
+
+import transformers
+from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+
+from hf_offload.model import find_decoder_layers, unwrap_model
+
+__all__ = ["compile_layers_instead_of_model"]
+
+logger = logging.getLogger(__name__)
+
+
+def compile_layers_instead_of_model(trainer: transformers.Trainer) -> int:
+    """Compile the trainer's decoder layers in place instead of letting accelerate compile the whole model.
+
+    Called at the end of `Trainer.__init__`, before `train()` has accelerate prepare (and compile) the model. Leaves
+    the trainer as it is when it compiles nothing, under FSDP or DeepSpeed (accelerate compiles those models its own
+    way, around their sharding), and when the model has no decoder layers (`find_decoder_layers`): hf-offload then
+    stands aside at the first step, with its own warning.
+
+    Args:
+        trainer: a trainer at the end of its `__init__`, whose arguments ask for activation offloading.
+
+    Returns:
+        How many layers were compiled (0 when the trainer was left as it is).
+    """
+    if not trainer.args.torch_compile:
+        return 0
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        return 0
+    layers = [layer for _, layer in find_decoder_layers(unwrap_model(trainer.model))]
+    if not layers:
+        return 0
+    # The options the Trainer gives accelerate's plugin, read from the arguments: the plugin in accelerate's shared
+    # state may be an earlier trainer's, already turned off below.
+    compile_options = TorchDynamoPlugin(backend=trainer.args.torch_compile_backend or "inductor",
+                                        mode=trainer.args.torch_compile_mode).to_kwargs()  # fmt: skip
+    for layer in layers:
+        layer.compile(**compile_options)
+    # accelerate's prepare compiles the model only while its plugin names a backend.
+    plugin = getattr(trainer.accelerator.state, "dynamo_plugin", None)
+    if plugin is not None:
+        plugin.backend = DynamoBackend.NO
+    logger.warning(
+        "hf_offload: torch_compile=True with activation offloading compiles each of the model's %d decoder layers "
+        "(%s) instead of the whole model: a model compiled as a whole hands its saved tensors over only after its "
+        "forward, when moving them can no longer lower the step's peak. The head and the loss run uncompiled.",
+        len(layers),
+        type(layers[0]).__name__,
+    )
+    return len(layers)
