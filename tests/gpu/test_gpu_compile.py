@@ -61,7 +61,7 @@ def _train_with_trainer(output_dir: str, torch_compile: bool, offloading: bool, 
     features = [{"input_ids": row.tolist(), "labels": row.tolist()} for row in tokens]
     args = hf_offload.TrainingArguments(
         output_dir, torch_compile=torch_compile, activation_offloading=offloading, max_steps=8,
-        per_device_train_batch_size=4, learning_rate=1e-4, gradient_checkpointing=True,
+        per_device_train_batch_size=4, learning_rate=1e-4, gradient_checkpointing=True, bf16=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=0, dataloader_num_workers=0,
     )  # fmt: skip
@@ -83,9 +83,19 @@ def _train_with_trainer(output_dir: str, torch_compile: bool, offloading: bool, 
     }
 
 
+@pytest.fixture
+def tf32_restored():
+    """accelerate turns TF32 matmuls on for the process when a compile backend is set without mixed precision."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.usefixtures("tf32_restored")
 def test_the_trainers_torch_compile_with_offloading_compiles_the_layers_exactly_at_lower_memory(tmp_path, record):
     # Under offloading the Trainer compiles each decoder layer (callbacks/compile_layers.py): compared with the same
-    # regional compilation without offloading, and with the Trainer's own whole-model compile for the peak.
+    # regional compilation without offloading, and with the Trainer's own whole-model compile for the peak. In bf16:
+    # in fp32, torch_compile=True would also switch TF32 on (accelerate), which the baseline without it would not.
     regional = _train_with_trainer(str(tmp_path / "a"), torch_compile=False, offloading=False, compile_layers=True)
     again = _train_with_trainer(str(tmp_path / "b"), torch_compile=False, offloading=False, compile_layers=True)
     offloaded = _train_with_trainer(str(tmp_path / "c"), torch_compile=True, offloading=True)
