@@ -16,6 +16,7 @@ from hf_offload.stats import format_summary
 from hf_offload.units import GIB
 
 from .arguments import ActivationOffloadingArguments
+from .compile_layers import compile_decoder_layers
 from .stats_logs import LOG_PREFIX, accumulate, keep_headlines, log_entries
 from .trl_takeover import disable_trl_offloader
 
@@ -65,11 +66,13 @@ class ActivationOffloadingCallback(TrainerCallback):
     ... with `activation_offloading=True`) get this callback automatically, as the first of their callbacks; build
     one yourself only for a trainer that has none.
 
-    - `on_train_begin` builds the context for the trainer's model (after transformers has applied checkpointing,
-      Liger kernels and the distributed wrappers, so the model's exemptions see the final modules) and wraps the
-      trainer instance's `compute_loss_context_manager`, which `training_step` enters around `compute_loss`: only
-      the training forward passes run under it, and backward brings the tensors back whenever it runs. A TRL
-      trainer's own offloader (`maybe_activation_offload_context`) is replaced by a no-op.
+    - `on_train_begin` compiles the model's decoder layers where the registration took the Trainer's `torch_compile`
+      over (`layer_compile_options`; see `compile_layers`), then builds the context for the trainer's model (after
+      transformers has applied checkpointing, Liger kernels and the distributed wrappers, so the model's exemptions
+      see the final modules) and wraps the trainer instance's `compute_loss_context_manager`, which `training_step`
+      enters around `compute_loss`: only the training forward passes run under it, and backward brings the tensors
+      back whenever it runs. A TRL trainer's own offloader (`maybe_activation_offload_context`) is replaced by a
+      no-op.
     - `on_step_end` prints the memory plan (with `activation_offloading_memory_budget`) when a new one is in force.
     - `on_log` adds `offload/...` entries (counters summed since the previous log) to each training log: all of them
       for the log history and the reporting integrations, the headline ones (`stats_logs.HEADLINE_KEYS`) for the
@@ -82,9 +85,12 @@ class ActivationOffloadingCallback(TrainerCallback):
     Args:
         trainer: the trainer whose `compute_loss` runs under the context; held weakly. Its arguments must be
             [`ActivationOffloadingArguments`] (the callback reads `activation_offloading` and `offload_options()`).
+        layer_compile_options: `torch.compile`'s keyword arguments for each decoder layer, compiled as training
+            begins, when the trainer's `torch_compile` was taken over (`compile_layers.claim_torch_compile`); None
+            compiles nothing.
     """
 
-    def __init__(self, trainer: transformers.Trainer) -> None:
+    def __init__(self, trainer: transformers.Trainer, layer_compile_options: dict[str, Any] | None = None) -> None:
         # Events receive the model but not the trainer, which owns the method to wrap. A weak reference: the trainer
         # owns this callback, and a cycle would keep the model's memory alive until the garbage collector runs.
         self._trainer = weakref.ref(trainer)
@@ -92,6 +98,7 @@ class ActivationOffloadingCallback(TrainerCallback):
         self._replaced_method: Callable[[], Any] | None = None  # an instance attribute that our wrapper shadows
         self._stats: dict[str, float] = {}
         self._shown_plan: Any = None  # the memory plan last printed, so that each new one is printed once
+        self._layer_compile_options = layer_compile_options
 
     @property
     def context(self) -> OffloadActivations | None:
@@ -122,6 +129,8 @@ class ActivationOffloadingCallback(TrainerCallback):
         if not args.activation_offloading:
             return
         trainer = self._get_trainer()
+        if self._layer_compile_options is not None:  # before the context: accelerate compiles nothing in its place
+            compile_decoder_layers(trainer.model, self._layer_compile_options)
         disable_trl_offloader(trainer)
         context = get_act_offloading_ctx_manager(trainer.model_wrapped, options=args.offload_options())
         if not context.active:

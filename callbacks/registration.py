@@ -13,7 +13,7 @@ import transformers
 
 from .arguments import ActivationOffloadingArguments
 from .callback import ActivationOffloadingCallback
-from .compile_layers import compile_layers_instead_of_model
+from .compile_layers import claim_torch_compile
 from .trl_takeover import claim_trl_offloader
 
 __all__ = ["install", "register"]
@@ -43,8 +43,8 @@ def register(trainer: transformers.Trainer) -> None:
     """Add an `ActivationOffloadingCallback` to `trainer` if its arguments ask for offloading and it has none.
 
     The callback goes first, so that the log entries it adds reach every other callback; TRL's own offloader is
-    then kept from being built (`trl_takeover.claim_trl_offloader`), and `torch_compile=True` compiles the decoder
-    layers instead of the whole model (`compile_layers.compile_layers_instead_of_model`).
+    then kept from being built (`trl_takeover.claim_trl_offloader`). With `torch_compile=True`, accelerate is kept
+    from compiling the model as a whole, and the callback compiles its decoder layers (`compile_layers`).
 
     Args:
         trainer: a trainer at the end of its `__init__`.
@@ -57,6 +57,5 @@ def register(trainer: transformers.Trainer) -> None:
         return
     # First in line: the entries it adds to the logs in on_log must be there when the progress bar, the printer and
     # the reporting integrations (all registered earlier) receive them.
-    callbacks.insert(0, ActivationOffloadingCallback(trainer))
+    callbacks.insert(0, ActivationOffloadingCallback(trainer, layer_compile_options=claim_torch_compile(trainer)))
     claim_trl_offloader(trainer)
-    compile_layers_instead_of_model(trainer)

@@ -116,6 +116,23 @@ def test_the_trainers_torch_compile_with_offloading_compiles_the_layers_and_offl
     warnings = [record.getMessage() for record in caplog.records if "decoder layers" in record.getMessage()]
     assert len(warnings) == 1 and "LlamaDecoderLayer" in warnings[0]
 
+    # A model that model_init builds anew in train() gets its layers compiled too (as training begins).
+    torch._dynamo.reset()
+    args = hf_offload.TrainingArguments(output_dir=str(tmp_path / "model_init"), torch_compile=True,
+                                        activation_offloading=True, **CPU_TEST_MODE,
+                                        **{**COMMON_ARGS, "eval_strategy": "no", "max_steps": 1})  # fmt: skip
+    built = []
+
+    def model_init() -> transformers.PreTrainedModel:
+        built.append(tiny_model(tokenizer))
+        return built[-1]
+
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    trainer = transformers.Trainer(model_init=model_init, args=args, train_dataset=lm_dataset, data_collator=collator)
+    trainer.train()
+    assert len(built) == 2 and trainer.model is built[-1]
+    assert all(layer._compiled_call_impl is not None for layer in trainer.model.model.layers)
+
     # Without offloading, torch_compile=True is left to the Trainer: the model compiled as a whole.
     whole, _, _ = run("whole", torch_compile=True, offloading=False)
     assert isinstance(whole.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
