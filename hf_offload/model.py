@@ -87,6 +87,14 @@ def _unwrap_once(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def _wrapper_chain(model: nn.Module) -> list[nn.Module]:
+    """`model`, then each module `_unwrap_once` peels it down to, until nothing changes: the innermost is last."""
+    chain = [model]
+    while (inner := _unwrap_once(chain[-1])) is not None and all(inner is not module for module in chain):
+        chain.append(inner)
+    return chain
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Return the innermost model: the one whose attributes name the head and the final norm.
 
@@ -108,14 +116,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     model = unwrap_model(trainer.model_wrapped)  # the transformers model under DDP, torch.compile and PEFT
     ```
     """
-    seen: set[int] = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        inner = _unwrap_once(model)
-        if inner is None:
-            break
-        model = inner
-    return model
+    return _wrapper_chain(model)[-1]
 
 
 def compiled_as_a_whole(model: nn.Module) -> bool:
@@ -128,14 +129,10 @@ def compiled_as_a_whole(model: nn.Module) -> bool:
     Returns:
         True when the forward that calls reach is compiled; False for eager models and compiled layers alone.
     """
-    seen: set[int] = set()
-    while model is not None and id(model) not in seen:
-        seen.add(id(model))
-        compiled_in_place = getattr(model, "_compiled_call_impl", None) is not None
-        if compiled_in_place or "OptimizedModule" in _class_names(model, "torch."):
-            return True
-        model = _unwrap_once(model)
-    return False
+    return any(
+        getattr(module, "_compiled_call_impl", None) is not None or "OptimizedModule" in _class_names(module, "torch.")
+        for module in _wrapper_chain(model)
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
