@@ -459,10 +459,7 @@ class MemoryBudgetController:
             step_tokens = ranks.largest([step_tokens])[0]
         if step_tokens <= tokens:
             return
-        self._agree_on_host_caps()
-        profile = self._profile_now(step_tokens)
-        budget_bytes = self._budget_bytes()
-        margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
+        profile, budget_bytes, margin_bytes = self._planning_inputs(step_tokens)
 
         def make_plan() -> Plan:
             plans_measured = self._measured_plans(profile)
@@ -1047,10 +1044,7 @@ class MemoryBudgetController:
                 smallest peak any plan reaches (naming it and what dominates it).
         """
         self._parameter_refs = None
-        self._agree_on_host_caps()
-        profile = self._profile_now(tokens)
-        budget_bytes = self._budget_bytes()
-        margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
+        profile, budget_bytes, margin_bytes = self._planning_inputs(tokens)
         first = self.plan is None
 
         def make_plan() -> Plan:
@@ -1132,6 +1126,14 @@ class MemoryBudgetController:
         ranks = self._agreement()
         return make_plan() if ranks is None else ranks.rank_zeros_plan(make_plan)
 
+    def _planning_inputs(self, tokens: int) -> tuple[StepProfile, int, int]:
+        """What every plan starts from: the host caps agreed across ranks, then the profile scaled to `tokens`, the
+        budget in bytes and the prediction's margin within it."""
+        self._agree_on_host_caps()
+        profile = self._profile_now(tokens)
+        budget_bytes = self._budget_bytes()
+        return profile, budget_bytes, int(budget_bytes * _PREDICTION_MARGIN)
+
     def _agree_on_host_caps(self) -> None:
         """Under torch.distributed, before each plan: the host caps that every rank's pool can count on."""
         ranks, engine = self._agreement(), self._engine()
@@ -1172,10 +1174,7 @@ class MemoryBudgetController:
         budget in one of its steps (whatever its speed: on two H200s, FSDP2 with ranks of different lengths, the plan
         made for the longest step peaked 1.3% over the budget there, 2.7% above its prediction, and was kept for
         being faster than the plan that fitted). Rank 0 decides."""
-        self._agree_on_host_caps()
-        profile = self._profile_now(self.plan.tokens)
-        budget_bytes = self._budget_bytes()
-        margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
+        profile, budget_bytes, margin_bytes = self._planning_inputs(self.plan.tokens)
         in_force = self.plan
 
         def make_plan() -> Plan:
@@ -1220,10 +1219,7 @@ class MemoryBudgetController:
         was measured and learned."""
         trial = self.plan
         self._trialled.add(trial.code)
-        self._agree_on_host_caps()
-        profile = self._profile_now(trial.tokens)
-        budget_bytes = self._budget_bytes()
-        margin_bytes = int(budget_bytes * _PREDICTION_MARGIN)
+        profile, budget_bytes, margin_bytes = self._planning_inputs(trial.tokens)
 
         def make_plan() -> Plan:
             measured = self._measured_plans(profile)
