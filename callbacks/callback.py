@@ -16,7 +16,7 @@ from hf_offload.stats import format_summary
 from hf_offload.units import GIB
 
 from .arguments import ActivationOffloadingArguments
-from .compile_layers import compile_decoder_layers
+from .compile_layers import compile_trainers_decoder_layers
 from .stats_logs import LOG_PREFIX, accumulate, keep_headlines, log_entries
 from .trl_takeover import disable_trl_offloader
 
@@ -130,7 +130,7 @@ class ActivationOffloadingCallback(TrainerCallback):
             return
         trainer = self._get_trainer()
         if self._layer_compile_options is not None:  # before the context: accelerate compiles nothing in its place
-            compile_decoder_layers(trainer.model, self._layer_compile_options)
+            compile_trainers_decoder_layers(trainer.model, self._layer_compile_options)
         disable_trl_offloader(trainer)
         context = get_act_offloading_ctx_manager(trainer.model_wrapped, options=args.offload_options())
         if not context.active:

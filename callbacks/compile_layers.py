@@ -11,8 +11,9 @@ against 0.255 s on an H200).
 
 So a Trainer whose arguments ask for both `torch_compile` and activation offloading has accelerate compile nothing
 (`claim_torch_compile`, as `Trainer.__init__` ends, before `prepare`), and its callback compiles each decoder layer in
-place with the Trainer's own compile options as training begins (`compile_decoder_layers`): the model trained then is
-the one whose layers are compiled, also when `model_init` builds a new one in `train()`. One warning says so.
+place with the Trainer's own compile options as training begins (`compile_trainers_decoder_layers`): the model
+trained then is the one whose layers are compiled, also when `model_init` builds a new one in `train()`. One warning
+says so.
 """
 
 import logging
@@ -23,8 +24,9 @@ from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 from torch import nn
 
 from hf_offload.model import find_decoder_layers, unwrap_model
+from hf_offload.regional_compilation import compile_decoder_layers
 
-__all__ = ["claim_torch_compile", "compile_decoder_layers"]
+__all__ = ["claim_torch_compile", "compile_trainers_decoder_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +63,9 @@ def claim_torch_compile(trainer: transformers.Trainer) -> dict[str, Any] | None:
     return compile_options
 
 
-def compile_decoder_layers(model: nn.Module, compile_options: dict[str, Any]) -> int:
-    """Compile each decoder layer of `model` in place (`nn.Module.compile`) that is not compiled yet.
+def compile_trainers_decoder_layers(model: nn.Module, compile_options: dict[str, Any]) -> int:
+    """Compile each decoder layer of the model about to be trained (`hf_offload.compile_decoder_layers`), with one
+    warning that says so.
 
     Args:
         model: the model about to be trained, bare or wrapped.
@@ -71,9 +74,7 @@ def compile_decoder_layers(model: nn.Module, compile_options: dict[str, Any]) ->
     Returns:
         How many layers were compiled now.
     """
-    layers = [layer for _, layer in find_decoder_layers(unwrap_model(model)) if layer._compiled_call_impl is None]
-    for layer in layers:
-        layer.compile(**compile_options)
+    layers = compile_decoder_layers(model, **compile_options)
     if layers:
         logger.warning(
             "hf_offload: torch_compile=True with activation offloading compiles each of the model's %d decoder "

@@ -1023,9 +1023,9 @@ class OffloadActivations(saved_tensors_hooks):
         self.warn_once("compiled", "the model's forward is compiled as a whole (torch.compile(model) or "
                         "torch_compile=True): its saved tensors reach hf-offload only after the compiled forward "
                         "has ended, when moving them cannot lower the step's peak, so activation offloading "
-                        "stands aside. Compile the decoder layers instead (regional compilation, e.g. "
-                        "`for layer in model.model.layers: layer.compile()`): hf-offload then moves their inputs "
-                        "as it does without compilation.")  # fmt: skip
+                        "stands aside. Compile the decoder layers instead (regional compilation: "
+                        "`hf_offload.compile_decoder_layers(model)`): hf-offload then moves their inputs as it "
+                        "does without compilation.")  # fmt: skip
 
     def note_step_tokens(self, tokens: int) -> None:
         """Told by the model's hook at each forward: the tokens of the step that runs.

@@ -11,6 +11,7 @@ import transformers
 from torch._dynamo.utils import counters
 
 import hf_offload
+from hf_offload.regional_compilation import checkpointed_side_effects_not_replayed
 
 STEPS = 3
 
@@ -29,8 +30,9 @@ def build(checkpointing: bool, device: str, hidden: int = 64, layers: int = 2, v
 
 def train(compile_how: str, checkpointing: bool, offloading: bool, device: str = "cpu", context_first: bool = False,
           **model_shape: int) -> dict:  # fmt: skip
-    """Trains ``STEPS`` SGD steps of `build(...)` compiled `compile_how` ("regional": each decoder layer; "whole":
-    `torch.compile(model)`), the offloading context built before or after compiling (``context_first``).
+    """Trains ``STEPS`` SGD steps of `build(...)` compiled `compile_how` ("regional": each decoder layer, by
+    `hf_offload.compile_decoder_layers`; "whole": `torch.compile(model)`), the offloading context built before or
+    after compiling (``context_first``).
 
     Returns:
         The losses, the weights, the engine's statistics per step, and Dynamo's counts of graphs and graph breaks.
@@ -43,10 +45,11 @@ def train(compile_how: str, checkpointing: bool, offloading: bool, device: str =
     if offloading and context_first:
         context = hf_offload.get_act_offloading_ctx_manager(model, **options)
     if compile_how == "regional":
-        for layer in model.model.layers:
-            layer.compile()
+        hf_offload.compile_decoder_layers(model)
         runs = model
     else:
+        # Compiled as one graph: transformers >= 5.25 checkpoints a layer whose attention sets a context variable,
+        # which Dynamo traces inside a checkpoint only with this switch (see `hf_offload.regional_compilation`).
         runs = torch.compile(model)
     if offloading and not context_first:
         context = hf_offload.get_act_offloading_ctx_manager(runs, **options)
@@ -55,7 +58,7 @@ def train(compile_how: str, checkpointing: bool, offloading: bool, device: str =
     input_ids = input_ids.to(device)
     losses, stats = [], []
     for _ in range(STEPS):
-        with context if context is not None else torch.enable_grad():
+        with context if context is not None else torch.enable_grad(), checkpointed_side_effects_not_replayed():
             loss = runs(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         optimizer.step()

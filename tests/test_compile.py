@@ -51,7 +51,7 @@ def test_whole_model_compilation_stands_aside_with_one_warning(context_first, ca
     assert bitwise_equal(baseline, offloaded)
     assert (offloaded["graphs"], offloaded["breaks"]) == (baseline["graphs"], baseline["breaks"])
     warnings = [record.message for record in caplog.records if "compiled as a whole" in record.message]
-    assert len(warnings) == 1 and "layer.compile()" in warnings[0]
+    assert len(warnings) == 1 and "compile_decoder_layers(model)" in warnings[0]
     if not context_first:  # seen as the context is built: no step offloads
         assert offloaded["stats"][0]["tensors_offloaded"] == 0 and offloaded["stats"][0]["steps_stood_aside_compiled"]
     later = offloaded["stats"][1:]  # the first step shows the compile; every later one stands aside
@@ -86,8 +86,7 @@ def test_the_trainers_torch_compile_with_offloading_compiles_the_layers_and_offl
         counters.clear()
         model = tiny_model(tokenizer)
         if compile_layers:
-            for layer in model.model.layers:
-                layer.compile()
+            hf_offload.compile_decoder_layers(model)
         args = hf_offload.TrainingArguments(output_dir=str(tmp_path / name), torch_compile=torch_compile,
                                             activation_offloading=offloading, **CPU_TEST_MODE,
                                             **{**COMMON_ARGS, "eval_strategy": "no"})  # fmt: skip
@@ -142,8 +141,7 @@ def test_the_trainers_torch_compile_with_offloading_compiles_the_layers_and_offl
 def test_a_memory_budget_under_compilation_trains_and_says_what_it_costs(caplog):
     # The planner's hooks must run, so Dynamo traces them and breaks the compiled graphs: one warning says so.
     model = build(checkpointing=True, device="cpu")
-    for layer in model.model.layers:
-        layer.compile()
+    hf_offload.compile_decoder_layers(model)
     context = hf_offload.get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1GiB")
     input_ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with caplog.at_level(logging.WARNING, logger="hf_offload"):

@@ -1,7 +1,7 @@
 """Mode names: an offloader, with or without activation checkpointing ("ckpt+hfo" is checkpointing plus ours),
 checkpointing on every K-th layer only ("ckpt-every-2+hfo"), or ours under a memory budget ("plan@50", "plan@auto");
 any of them compiled: "/compile" compiles the whole model (`torch.compile(model)`), "/regional" each decoder layer
-(`layer.compile()`), e.g. "ckpt+hfo/regional"."""
+(`hf_offload.compile_decoder_layers`), e.g. "ckpt+hfo/regional"."""
 
 from __future__ import annotations
 

@@ -159,10 +159,9 @@ def compile_model(model: torch.nn.Module, how: str | None) -> torch.nn.Module:
     if how == "model":
         return torch.compile(model)
     if how == "layers":
-        from transformers.modeling_layers import GradientCheckpointingLayer
+        from hf_offload import compile_decoder_layers
 
-        for layer in (m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)):
-            layer.compile()
+        compile_decoder_layers(model)
     return model
 
 

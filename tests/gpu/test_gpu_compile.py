@@ -55,8 +55,7 @@ def _train_with_trainer(output_dir: str, torch_compile: bool, offloading: bool, 
     counters.clear()
     model = build(checkpointing=False, device="cuda", **TRAINER_SHAPE)
     if compile_layers:
-        for layer in model.model.layers:
-            layer.compile()
+        hf_offload.compile_decoder_layers(model)
     tokens = torch.randint(0, TRAINER_SHAPE["vocab"], (32, 1024), generator=torch.Generator().manual_seed(2))
     features = [{"input_ids": row.tolist(), "labels": row.tolist()} for row in tokens]
     args = hf_offload.TrainingArguments(
