@@ -52,8 +52,29 @@ def command_line_help(text: str) -> str:
     return text.replace("%", "%%")
 
 
+# transformers 5.23 renamed `gradient_checkpointing(_kwargs)` to `activation_checkpointing(_kwargs)`. On an older
+# release the mixin adds the new names, which set the old fields, so that one script runs on every supported release.
+_CHECKPOINTING_RENAMES = {
+    "activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+}
+
+
+def _renamed_checkpointing_fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    """The new checkpointing names as fields, where this transformers' `TrainingArguments` has only the old ones."""
+    if "activation_checkpointing" in {option.name for option in dataclasses.fields(transformers.TrainingArguments)}:
+        return []
+    return [
+        ("activation_checkpointing", bool | None,
+         field(default=None, metadata={"help": "The newer name of `gradient_checkpointing`, which it sets."})),
+        ("activation_checkpointing_kwargs", dict | str | None,
+         field(default=None, metadata={"help": "The newer name of `gradient_checkpointing_kwargs`, which it sets."})),
+    ]  # fmt: skip
+
+
 def _argument_fields() -> list[tuple[str, Any, dataclasses.Field]]:
-    """The mixin's dataclass fields: the flag, then one per engine option, made from `OffloadOptions`.
+    """The mixin's dataclass fields: the flag, then one per engine option, made from `OffloadOptions`, then the newer
+    checkpointing names where transformers lacks them.
 
     Their `help` metadata is what `HfArgumentParser` hands to argparse, so it is escaped for argparse; the option's
     own help, as written, is in `OffloadOptions`.
@@ -63,7 +84,7 @@ def _argument_fields() -> list[tuple[str, Any, dataclasses.Field]]:
         annotation = option.metadata["rule"].annotation(option.metadata["argument_unit"])
         help_text = command_line_help(option.metadata["help"])
         fields.append((argument, annotation, field(default=_in_argument_unit(option), metadata={"help": help_text})))
-    return fields
+    return fields + _renamed_checkpointing_fields()
 
 
 def _parameters_doc() -> str:
@@ -94,6 +115,10 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
     """
 
     def __post_init__(self) -> None:
+        for new_name, old_name in _CHECKPOINTING_RENAMES.items():
+            # Only where the mixin added the new name: transformers resolves its own.
+            if new_name in _ActivationOffloadingFields.__dataclass_fields__ and getattr(self, new_name) is not None:
+                setattr(self, old_name, getattr(self, new_name))
         # Mixed into a TrainingArguments subclass, the other bases' __post_init__ runs first: it resolves the
         # deprecated checkpointing aliases that the native-offload check reads.
         parent_post_init = getattr(super(), "__post_init__", None)

@@ -14,8 +14,11 @@ from .engine import NoOpManager, OffloadActivations
 from .memory_budget.search import InfeasibleBudgetError
 from .options import OffloadOptions
 from .stats import format_summary
+from .versions import check_dependency_versions
 
 __version__ = "0.1.0"
+
+check_dependency_versions()  # one clear ImportError below the supported range, before anything fails far from it
 
 # Names served lazily from submodules that import transformers.
 _LAZY = {

@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
-# The README's snippets (tests/test_readme.py) at the lowest torch and transformers that pyproject.toml declares, in a
-# virtual environment of their own, so that a lower bound is only declared where it works. Not part of CI (it installs
-# a second torch): run it when a lower bound or the README's snippets change.
+# The CPU test suite at the lowest transformers, accelerate and peft that pyproject.toml declares, in a virtual
+# environment of its own, so that a lower bound is only declared where the tests pass. Not part of CI (a second
+# environment and a second suite): run it when a lower bound changes, or code that differs between releases.
 #   VENV=...            where to build it (default /tmp/hf-offload-lowest; reused if it exists)
-#   TORCH_INDEX_URL=... the index torch comes from, as for setup.sh (https://download.pytorch.org/whl/cpu: CPU-only)
+#   TORCH_VERSION=...   the torch to test with (default: pyproject's lower bound; the GPU tests cover that one, and
+#                       TORCH_VERSION=2.13.0 keeps the CPU build that scripts/setup.sh installs)
+#   TORCH_INDEX_URL=... the index torch comes from, as for setup.sh
+# Arguments are passed to pytest (default: the whole suite, tests/gpu/ skipping without a GPU).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv="${VENV:-/tmp/hf-offload-lowest}"
-# The bounds as pyproject.toml writes them ("torch>=2.6"), so that they are written once.
+# The bounds as pyproject.toml writes them ("transformers>=5.17"), so that they are written once.
 lowest() { sed -n "s/^ *\"$1>=\([0-9.]*\)\".*/\1/p" pyproject.toml; }
-torch_version="$(lowest torch)"
-transformers_version="$(lowest transformers)"
-if [ -z "$torch_version" ] || [ -z "$transformers_version" ]; then
-  echo "lowest_versions.sh: no torch>= or transformers>= bound found in pyproject.toml" >&2
-  exit 1
-fi
+torch_version="${TORCH_VERSION:-$(lowest torch)}"
+pins=()
+for package in transformers accelerate peft; do
+  version="$(lowest "$package")"
+  if [ -z "$version" ]; then
+    echo "lowest_versions.sh: no $package>= bound found in pyproject.toml" >&2
+    exit 1
+  fi
+  pins+=("$package==$version")
+done
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
 "$venv/bin/python" -m pip install -q "torch==$torch_version" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-"$venv/bin/python" -m pip install -q -e ".[trl]" pytest "torch==$torch_version" "transformers==$transformers_version"
-"$venv/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_readme.py "$@"
+"$venv/bin/python" -m pip install -q -e ".[dev,qlora]" "torch==$torch_version" "${pins[@]}"
+"$venv/bin/python" -c 'import accelerate, peft, torch, transformers
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, "
+      f"peft {peft.__version__}")'
+"$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -325,3 +325,18 @@ def test_tiling_from_the_command_line(option, text, value):
     args = parse("--activation_offloading", f"--activation_offloading_{option}", text)
     assert getattr(args.offload_options(), option) == value
     assert getattr(OffloadOptions(**{option: text}), option) == value
+
+
+def test_the_checkpointing_fields_take_either_name_on_every_supported_transformers(tmp_path):
+    """transformers 5.23 renamed `gradient_checkpointing(_kwargs)` to `activation_checkpointing(_kwargs)`; on an older
+    release the mixin adds the new names, so that the README's snippets run as written on both."""
+    args = TrainingArguments(str(tmp_path), activation_checkpointing=True,
+                             activation_checkpointing_kwargs={"use_reentrant": False})  # fmt: skip
+    assert args.gradient_checkpointing and args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert args.activation_checkpointing
+    parsed = parse(
+        "--activation_checkpointing", "true", "--activation_checkpointing_kwargs", '{"use_reentrant": false}'
+    )
+    assert parsed.gradient_checkpointing and parsed.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    old = TrainingArguments(str(tmp_path), gradient_checkpointing=True)
+    assert old.gradient_checkpointing and not ActivationOffloadingArguments().activation_offloading
