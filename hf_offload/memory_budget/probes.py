@@ -9,7 +9,7 @@ returns the bytes it saves (and, where memory is counted, the most its forward h
 checkpoint would keep, and the times of its forward, backward, attention and selective recompute (a `LayerProbe`,
 whose `LayerProfile` the step's profile is made of).
 `measure_link_bandwidth` times the copies between the device and the host. A `Meter` reads time and memory on the
-engine's device, or the host clock in the CPU test mode, which has no memory counters.
+engine's device, or the process's CPU time in the CPU test mode, which has no memory counters.
 
 Probes leave no trace in the step: their saved tensors stay out of the engine (the controller sets it aside), the
 random streams are restored, the cache is not passed, and transformers' output recorders (router logits, for the
@@ -73,14 +73,20 @@ _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", 
 
 
 class Meter:
-    """Time and memory on the engine's device, or on the host clock in the CPU test mode (no memory counters)."""
+    """Time and memory on the engine's device, or, in the CPU test mode (no memory counters), the process's CPU time.
+
+    The CPU test mode times the work the step does, not the wall clock: the wall clock of a host busy with other
+    processes stretches every interval by how often the step was descheduled, and plans chosen from such times
+    changed with the host's load. CPU time counts only this process's work (every thread's, so also operators that
+    run on several threads).
+    """
 
     def __init__(self, device_type: str) -> None:
         self.device = None if device_type == "cpu" else torch.get_device_module(device_type)
 
     def mark(self) -> Any:
         if self.device is None:
-            return time.perf_counter()
+            return time.process_time()
         event = self.device.Event(enable_timing=True)
         event.record()
         return event
@@ -139,7 +145,7 @@ class _TimeAttention(TorchDispatchMode):
     A layer's time grows with its tokens except attention's, which grows with their square: a profile taken at 8K
     tokens and scaled in proportion predicted 380 s for a 512K-token step that took 945 s (issue 23). The probe's
     whole-layer times cannot separate the two, so this mode brackets each attention operator with the meter's marks
-    (timing events on the device's current stream, where the operator's kernels run; the host clock on CPU).
+    (timing events on the device's current stream, where the operator's kernels run; the process's CPU time on CPU).
     Dispatch modes are thread-local state that autograd carries into its device threads, so backward's operators are
     seen too.
     """
@@ -479,7 +485,7 @@ def measure_link_bandwidth(meter: Meter, device: torch.device, pin_memory: bool,
     step 0.6% over the budget on two H200s.
 
     Args:
-        meter: the clock: timing events on the engine's device, or the host clock in the CPU test mode.
+        meter: the clock: timing events on the engine's device, or the process's CPU time in the CPU test mode.
         device: the device to copy from and to.
         pin_memory: whether the host buffer is pinned, as the engine's pool is.
         room_bytes: the device bytes the probe may allocate; None (no memory counter): 64 MiB.
