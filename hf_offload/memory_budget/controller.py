@@ -729,6 +729,10 @@ class MemoryBudgetController:
         finally:
             self._probing = False
         self._measured.probes[self._kinds[index]] = probe
+        if probe.mlp_tiling_error is not None:
+            logger.info("hf_offload: the planner cannot tile the MLPs: %s: %s", self._names[index],
+                        probe.mlp_tiling_error)  # fmt: skip
+            self._tile_tokens = 0
         if probe.layer_tiling_error is not None:
             self._no_layer_tiling(f"{self._names[index]}: {probe.layer_tiling_error}")
         if probe.quadratic_error is not None:

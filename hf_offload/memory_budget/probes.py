@@ -203,9 +203,11 @@ class LayerProbe:
     working_bytes: int  # its backward's transient bytes on top of its saved tensors
     tokens: int
     step_tokens: int
-    # With its MLP tiled (None when not measured): the same less one chunk's share, and that share per chunk token.
+    # With its MLP tiled (None when not measured): the same less one chunk's share, and that share per chunk token;
+    # or why its MLP cannot be tiled (the error it raised).
     tiled_working_bytes: int | None = None
     chunk_bytes_per_token: float = 0.0
+    mlp_tiling_error: str | None = None
     # Tiled whole (None when not measured): its backward's working bytes over `profile.layer_tiled_saved_bytes`, less
     # one chunk's share, and that share per chunk token; or why it cannot be tiled (the error it raised).
     layer_tiled_working_bytes: int | None = None
@@ -419,21 +421,40 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
     def less_a_chunk(run: _Kept, per_token: float) -> int:
         return max(0, round(run.working_bytes - per_token * (tokens // 4)))
 
+    # A layer's code that fails on a chunk of its tokens (one that reads a full-length mask, one whose output is not
+    # its hidden states) cannot be tiled: that is the probe's finding, said once in the log, never an error out of the
+    # step. The untiled run above has shown that the layer itself works on these arguments.
     if tile is not None:
-        _, quarter, per_token, probe.tiled_sequence_bytes = run_tiled(tile)
-        probe.profile = dataclasses.replace(probe.profile, tiled_saved_bytes=quarter.saved_bytes,
-                                            tiled_extra_s=max(0.0, quarter.backward_s - kept.backward_s))  # fmt: skip
-        probe.tiled_working_bytes, probe.chunk_bytes_per_token = less_a_chunk(quarter, per_token), per_token
+        try:
+            _, quarter, per_token, probe.tiled_sequence_bytes = run_tiled(tile)
+        except Exception as error:  # noqa: BLE001 - whatever the model's code raises on a chunk
+            probe.mlp_tiling_error = _tiling_error(error)
+        else:
+            extra_s = max(0.0, quarter.backward_s - kept.backward_s)
+            probe.profile = dataclasses.replace(
+                probe.profile, tiled_saved_bytes=quarter.saved_bytes, tiled_extra_s=extra_s
+            )
+            probe.tiled_working_bytes, probe.chunk_bytes_per_token = less_a_chunk(quarter, per_token), per_token
     if tile_layer is not None and hidden.dim() != 3:  # packed sequences (a vision tower's): run untiled, not tiled
         probe.layer_tiling_error = f"its calls' hidden states are {hidden.dim()}-d, not (batch, sequence, hidden)"
     elif tile_layer is not None:
         try:
             half, quarter, per_token, probe.layer_tiled_sequence_bytes = run_tiled(tile_layer)
-        except ValueError as error:
-            probe.layer_tiling_error = str(error)
+        except Exception as error:  # noqa: BLE001 - whatever the model's code raises on a chunk
+            probe.layer_tiling_error = _tiling_error(error)
             return probe
         _tiled_whole(probe, kept, half, quarter, per_token, less_a_chunk(quarter, per_token), layer, hidden)
     return probe
+
+
+def _tiling_error(error: Exception) -> str:
+    """What a tiled probe's failure says in the log: the library's own refusals as they are, the model's errors with
+    their type."""
+    return (
+        str(error)
+        if isinstance(error, ValueError)
+        else f"it fails on a chunk of its tokens ({type(error).__name__}: {error})"
+    )
 
 
 def _tiled_whole(probe: LayerProbe, kept: _Kept, half: _Kept, quarter: _Kept, per_token: float, working: int,

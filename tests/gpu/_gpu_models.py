@@ -27,8 +27,8 @@ CLASSIFIERS = ("bert", "vit")
 # layers and a language model's, each stack with its own arguments and tokens), mixtures of experts with the
 # router's auxiliary loss on (`output_router_logits=True`), and hybrids of attention with Mamba or linear attention.
 VLMS = ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "idefics3")
-MOES = ("mixtral", "qwen3_moe", "gpt_oss")
-HYBRIDS = ("jamba", "qwen3_next", "bamba")
+MOES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v32")
+HYBRIDS = ("jamba", "qwen3_next", "bamba", "falcon_h1")
 CKPT_MODES = ("off", "nonreentrant", "reentrant")
 
 VOCAB = 1000
@@ -181,6 +181,37 @@ def _family_config(tf, arch: str, decoder: dict, sliding: dict, hidden: int, hea
             shared_expert_intermediate_size=hidden,
             **moe,
         )
+    if arch == "deepseek_v32":  # multi-head latent attention with the DSA indexer; experts after the first layer
+        return tf.DeepseekV32Config(
+            **{**decoder, "num_key_value_heads": heads},
+            kv_lora_rank=hidden // 2,
+            q_lora_rank=hidden // 2,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=hidden,
+            first_k_dense_replace=1,
+            index_topk=8,
+            index_head_dim=16,
+            index_n_heads=2,
+            num_experts_per_tok=2,
+        )
+    if arch == "falcon_h1":  # attention and Mamba-2 side by side in every layer
+        return tf.FalconH1Config(
+            **decoder,
+            mamba_d_ssm=2 * hidden,
+            mamba_n_heads=heads * 2,
+            mamba_d_head=hidden // heads,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=8,
+        )
     if arch == "bamba":  # Mamba-2, then attention
         return tf.BambaConfig(
             **decoder,
@@ -287,6 +318,8 @@ def model_class(arch: str):
         "jamba": tf.JambaForCausalLM,
         "qwen3_next": tf.Qwen3NextForCausalLM,
         "bamba": tf.BambaForCausalLM,
+        "deepseek_v32": tf.DeepseekV32ForCausalLM,
+        "falcon_h1": tf.FalconH1ForCausalLM,
     }[arch]
 
 
@@ -328,7 +361,10 @@ def apply_lora(model, seed: int = 1):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    # PEFT refuses LoRA on Falcon-H1's Mamba output projection (a ValueError of its own for Mamba-based models).
+    excluded = r".*\.mamba\.out_proj" if model.config.model_type == "falcon_h1" else None
+    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False,
+                     exclude_modules=excluded)  # fmt: skip
     return get_peft_model(model, cfg)
 
 
