@@ -86,7 +86,7 @@ from .probes import (
 )
 from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
 from .ranks import RankAgreement
-from .search import InfeasibleBudgetError, choose_plan, plan_of
+from .search import InfeasibleBudgetError, choose_plan, plan_of, prediction_margin_bytes, smallest_budget
 from .sharding import gradient_shard_nbytes, local_nbytes
 from .simulate import (
     ACTION_CODES,
@@ -111,9 +111,6 @@ logger = logging.getLogger(__name__)
 # Re-plan when the memory held between steps grows by more than this (optimizer state appearing); smaller changes
 # are the allocator's noise and within the planner's margin.
 _STATIC_GROWTH_TOLERANCE = 0.02
-# Plans are made for this much less than the budget: on S1 and S2 (H100) the predicted peaks were within 0.1% of
-# the measured ones once the tail was counted, and the budget must hold on every step, not on average.
-_PREDICTION_MARGIN = 0.005
 # The closed loop. A plan's steps are measured from the second one on (the first pays one-off costs: allocator
 # growth, new kernels); after this many, the fastest of them is compared with the other plans measured so far.
 _MEASURED_STEPS = 3
@@ -1136,7 +1133,7 @@ class MemoryBudgetController:
         self._agree_on_host_caps()
         profile = self._profile_now(tokens)
         budget_bytes = self._budget_bytes()
-        return profile, budget_bytes, int(budget_bytes * _PREDICTION_MARGIN)
+        return profile, budget_bytes, prediction_margin_bytes(budget_bytes)
 
     def _agree_on_host_caps(self) -> None:
         """Under torch.distributed, before each plan: the host caps that every rank's pool can count on."""
@@ -1353,11 +1350,12 @@ class MemoryBudgetController:
     def _over_budget(self, lowest: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
         """Says that this step runs on the lowest-memory plan, over the budget: a warning once, then in the log."""
         peak = lowest.predicted.peak_bytes
+        fitting = smallest_budget(peak, budget_bytes, margin_bytes)
         message = (f"hf_offload: no plan fits memory_budget={self.memory_budget} ({budget_bytes} bytes) at training "
                    f"forward {self._forwards}: {lowest.tokens} tokens (in the profiled step's terms), "
                    f"{profile.static_bytes} bytes held between steps. It runs on the lowest-memory plan "
                    f"{lowest.code!r}, predicted to peak at {peak / 2**30:.2f} GiB ({peak} bytes; a budget of "
-                   f"{peak + margin_bytes} bytes would fit it), and so do the later steps up to that length that "
+                   f"{fitting} bytes would fit it), and so do the later steps up to that length that "
                    "no plan for a shorter length fits. Raise the budget or cap the sequence length to stay within "
                    "it.")  # fmt: skip
         if self._warned_over_budget:

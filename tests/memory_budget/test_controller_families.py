@@ -269,3 +269,23 @@ def test_layers_that_fail_on_a_chunk_are_not_tiled_and_training_goes_on_exactly(
     assert "T" not in context.memory_plan.code and "t" not in context.memory_plan.code
     assert_bitwise_equal(baseline, results, f"{arch} under {context.memory_plan.code}")
 
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_smallest_budget_a_refusal_names_is_accepted(arch):
+    """A refusal names the smallest budget that works; that budget keeps its own margin for the prediction's error
+    (a share of the budget), so it must be one the planner then accepts, not the bare peak."""
+
+    def run(budget: int) -> None:
+        model = build_model(arch, device="cpu", seq=SEQ, **SIZE)
+        batch = make_batch(arch, device="cpu", seq=SEQ, vocab=SIZE["vocab"])
+        context = make_ctx(model, device_type="cpu", memory_budget=budget, tile_mlp=False, tile_layer=False)
+        try:
+            run_steps(model, batch, steps=3, ctx=context, device="cpu")
+        finally:
+            dispose(context)
+
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        run(1)
+    minimum = refused.value.minimum_bytes
+    assert minimum > refused.value.lowest_plan.predicted.peak_bytes and f"({minimum} bytes)" in str(refused.value)
+    run(minimum)
