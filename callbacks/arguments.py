@@ -131,6 +131,11 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
             rule, unit = option.metadata["rule"], option.metadata["argument_unit"]
             setattr(self, argument, rule.read(getattr(self, argument), argument, unit))
         self.offload_options()
+        budget = ARGUMENT_PREFIX + "memory_budget"
+        if getattr(self, budget) is not None and not self.activation_offloading:
+            raise ValueError(f"{budget}={getattr(self, budget)!r} is set but activation_offloading is False: the "
+                             "memory budget is a plan for activation offloading, so it would be ignored. Set "
+                             "activation_offloading=True, or leave the budget unset.")  # fmt: skip
         if self.activation_offloading and isinstance(self, transformers.TrainingArguments):
             self._turn_off_native_checkpoint_offload()
 

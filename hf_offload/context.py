@@ -40,7 +40,7 @@ from .model_hooks import (
     install_tail_hooks,
     remove_stale_hooks,
 )
-from .options import OffloadOptions
+from .options import OffloadOptions, check_option_names
 
 __all__ = ["get_act_offloading_ctx_manager"]
 
@@ -153,6 +153,7 @@ def get_act_offloading_ctx_manager(
                             f"options, not both (given: {', '.join(given)})")  # fmt: skip
         engine = OffloadActivations(options=options)
     else:
+        check_option_names(kwargs, "get_act_offloading_ctx_manager")
         engine = OffloadActivations(**trl_options, **kwargs)
     unwrapped = unwrap_model(model)
     _remove_previous_installation(unwrapped)

@@ -47,7 +47,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
 from .host_memory import HostBlock, HostCaps, PinnedHostPool, host_memory_cap, host_reserve
-from .options import DEFAULT_WINDOW_BYTES, MIB, OffloadOptions, current_accelerator_type
+from .options import DEFAULT_WINDOW_BYTES, MIB, OffloadOptions, check_option_names, current_accelerator_type
 from .peak import DevicePeakCounter, PeakReport, StepPeakWatch, queue_after_backward
 from .policy import TailPlanner, kept_reason, parameter_storages, storage_span
 from .stats import STAND_ASIDE_REASONS, StatsRecorder
@@ -325,6 +325,7 @@ class OffloadActivations(saved_tensors_hooks):
             raise TypeError(
                 "OffloadActivations takes either options=OffloadOptions(...) or individual options, not both"
             )
+        check_option_names(kwargs, "OffloadActivations")
         self.options = options if options is not None else OffloadOptions(*args, **kwargs)
         options = self.options
         self.device_type = options.device_type or current_accelerator_type()

@@ -12,6 +12,7 @@ MiB, under the argument's name, and NaN or infinity never reach an integer conve
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import textwrap
 from dataclasses import dataclass, field
@@ -435,3 +436,19 @@ OffloadOptions.__doc__ = OffloadOptions.__doc__.replace(
         for option in dataclasses.fields(OffloadOptions)
     ),
 )
+
+
+def check_option_names(names: Any, caller: str) -> None:
+    """Raise a TypeError for the first of `names` that is no option of `OffloadOptions`, naming `caller` (the function
+    the user called) and the closest option, rather than the dataclass's bare "unexpected keyword argument".
+
+    Raises:
+        TypeError: naming the function, the unknown option and the closest valid one.
+    """
+    options = [option.name for option in dataclasses.fields(OffloadOptions)]
+    for name in names:
+        if name not in options:
+            close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{caller}() got an unknown option {name!r}{hint} (hf_offload.OffloadOptions lists every "
+                            "option)")  # fmt: skip

@@ -92,6 +92,13 @@ def test_a_bad_value_names_the_option_and_what_it_accepts(option, value, allowed
 def test_unknown_options_and_mixed_forms_are_type_errors():
     with pytest.raises(TypeError, match="prefetch_window"):
         OffloadOptions(prefetch_window=0)
+    # The function the user called, and the option they probably meant.
+    model = torch.nn.Linear(2, 2)
+    unknown = r"\(\) got an unknown option '(forward_window_mib|prefetch_windows)'; did you mean '(forward|prefetch)_"
+    with pytest.raises(TypeError, match="get_act_offloading_ctx_manager" + unknown + r"window_bytes'\?"):
+        get_act_offloading_ctx_manager(model, forward_window_mib=10)
+    with pytest.raises(TypeError, match="OffloadActivations" + unknown + r"window_bytes'\?"):
+        OffloadActivations(prefetch_windows=0)
     with pytest.raises(TypeError, match="not both"):
         OffloadActivations(min_offload_size=1, options=OffloadOptions())
 
@@ -340,3 +347,13 @@ def test_the_checkpointing_fields_take_either_name_on_every_supported_transforme
     assert parsed.gradient_checkpointing and parsed.gradient_checkpointing_kwargs == {"use_reentrant": False}
     old = TrainingArguments(str(tmp_path), gradient_checkpointing=True)
     assert old.gradient_checkpointing and not ActivationOffloadingArguments().activation_offloading
+
+
+def test_a_memory_budget_without_offloading_is_refused_where_it_is_set(tmp_path):
+    """Without activation_offloading=True no callback runs, so a budget would be ignored without a word."""
+    with pytest.raises(ValueError, match="activation_offloading_memory_budget='4GiB' is set but activation_offloading"):
+        TrainingArguments(str(tmp_path), activation_offloading_memory_budget="4GiB")
+    with pytest.raises(ValueError, match="activation_offloading=True"):
+        parse("--activation_offloading_memory_budget", "auto")
+    assert TrainingArguments(str(tmp_path), activation_offloading=True,
+                             activation_offloading_memory_budget="4GiB").activation_offloading  # fmt: skip
