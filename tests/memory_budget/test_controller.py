@@ -703,15 +703,24 @@ def test_a_longer_step_scales_the_profiled_head_once():
     assert controller.profile.head_bytes == 8 * head  # scaled from the profiled step, not from the last one
 
 
-def sleep_in_kept_layers(model, context, seconds: float) -> None:
-    """Each decoder layer that the plan in force keeps sleeps in its forward: a plan slower than it is predicted
-    to be, deterministically (the profiled steps, before any plan, do not sleep; neither do recomputations)."""
+def spend_cpu_time(seconds: float) -> None:
+    """Work that the CPU test mode's clock (the process's CPU time) counts, as a slow layer's would; a sleep would not,
+    and neither does the time another process takes from this one."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def slow_down_kept_layers(model, context, seconds: float) -> None:
+    """Each decoder layer that the plan in force keeps spends `seconds` of CPU time in its forward: a plan slower than
+    it is predicted to be, deterministically (the profiled steps, before any plan, do not; neither do
+    recomputations)."""
     for index, layer in enumerate(model.model.layers):
 
         def hook(module, args, index=index):
             plan = context.memory_plan
             if plan is not None and plan.code[index] == "K" and torch.is_grad_enabled():
-                time.sleep(seconds)
+                spend_cpu_time(seconds)
 
         layer.register_forward_pre_hook(hook)
 
@@ -728,7 +737,7 @@ def test_a_plan_slower_than_the_measured_safe_plan_is_replaced_by_it_and_stays_e
     baseline = train(tiny_llama(), Unchanged(), steps=steps, lengths=lengths)
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
-    sleep_in_kept_layers(model, context, 0.1)
+    slow_down_kept_layers(model, context, 0.1)
     with caplog.at_level(logging.INFO, logger="hf_offload"):
         results = train(model, context, steps=steps, lengths=lengths)
     assert_bitwise_equal(results, baseline)
@@ -1148,7 +1157,7 @@ def test_what_the_heads_peak_hides_of_its_reloads_is_learned_from_exact_peaks():
 
 def test_what_offloading_costs_the_host_is_learned_and_the_plan_keeps_its_inputs(caplog):
     """Each layer whose input goes to the host costs the host time the model of the GPU does not see (40 ms a step
-    on the zoo's 36-layer shape, 70 ms on its 26-layer one): here each such layer sleeps 20 ms in its forward. The
+    on the zoo's 36-layer shape, 70 ms on its 26-layer one): here each such layer spends 20 ms in its forward. The
     profiled steps measure it, the trial of plain checkpointing does not: the difference is learned per layer, and
     the plan chosen after the trial sends no input to the host, no slower than the trial measured."""
     import statistics
@@ -1162,7 +1171,7 @@ def test_what_offloading_costs_the_host_is_learned_and_the_plan_keeps_its_inputs
         def slow_when_offloading(module, args, index=index):
             code = context.memory_plan.code if context.memory_plan is not None else controller._code
             if code and code[index] in "CST" and torch.is_grad_enabled() and not controller._probing:
-                time.sleep(0.02)
+                spend_cpu_time(0.02)
 
         layer.register_forward_pre_hook(slow_when_offloading)
     with caplog.at_level(logging.INFO, logger="hf_offload"):
