@@ -20,6 +20,7 @@ __all__ = [
     "ActivationOffloadingArguments",
     "TrainingArguments",
     "ARGUMENT_PREFIX",
+    "CHECKPOINTING_RENAMES",
     "command_line_help",
     "with_offloading_doc",
 ]
@@ -54,7 +55,7 @@ def command_line_help(text: str) -> str:
 
 # transformers 5.23 renamed `gradient_checkpointing(_kwargs)` to `activation_checkpointing(_kwargs)`. On an older
 # release the mixin adds the new names, which set the old fields, so that one script runs on every supported release.
-_CHECKPOINTING_RENAMES = {
+CHECKPOINTING_RENAMES = {
     "activation_checkpointing": "gradient_checkpointing",
     "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
 }
@@ -115,15 +116,23 @@ class ActivationOffloadingArguments(_ActivationOffloadingFields):
     """
 
     def __post_init__(self) -> None:
-        for new_name, old_name in _CHECKPOINTING_RENAMES.items():
-            # Only where the mixin added the new name: transformers resolves its own.
-            if new_name in _ActivationOffloadingFields.__dataclass_fields__ and getattr(self, new_name) is not None:
+        # Where the mixin added the newer checkpointing names (transformers resolves its own): the newer name sets the
+        # older field, which the Trainer reads, and then mirrors it, as the newer releases' arguments do.
+        renamed = [
+            names
+            for names in CHECKPOINTING_RENAMES.items()
+            if names[0] in _ActivationOffloadingFields.__dataclass_fields__
+        ]
+        for new_name, old_name in renamed:
+            if getattr(self, new_name) is not None:
                 setattr(self, old_name, getattr(self, new_name))
         # Mixed into a TrainingArguments subclass, the other bases' __post_init__ runs first: it resolves the
         # deprecated checkpointing aliases that the native-offload check reads.
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
             parent_post_init()
+        for new_name, old_name in renamed:
+            setattr(self, new_name, getattr(self, old_name, None))
         # Each field as its rule reads it, in the field's unit: the command line's text as what it means ('true' ->
         # True, 'none' -> None, '64' -> 64.0), so that code reading the arguments sees values, not spellings. A value
         # a rule refuses fails here, naming the argument, rather than when training starts.

@@ -120,3 +120,13 @@ def head_hooks(model: torch.nn.Module) -> int:
     """Forward hooks on the model's output head; 0 for a model without one (a sequence classifier)."""
     head = model.get_output_embeddings()
     return 0 if head is None else len(head._forward_pre_hooks) + len(head._forward_hooks)
+
+
+def checkpointing_enable(model: transformers.PreTrainedModel, kwargs: dict[str, Any]) -> None:
+    """Turn the model's activation checkpointing on by the name its transformers has: `activation_checkpointing_enable`
+    from 5.23 on, `gradient_checkpointing_enable` before."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -139,7 +139,9 @@ def test_the_trainers_torch_compile_with_offloading_compiles_the_layers_and_offl
 
 
 def test_a_memory_budget_under_compilation_trains_and_says_what_it_costs(caplog):
-    # The planner's hooks must run, so Dynamo traces them and breaks the compiled graphs: one warning says so.
+    # The planner's hooks must run, so where Dynamo traces them (transformers that checkpoint a layer inside its
+    # forward) they break the compiled graphs: one warning says so. Where the layer's whole call is checkpointed, the
+    # controller starts each layer from its checkpoint function, eagerly, and nothing is traced or said.
     model = build(checkpointing=True, device="cpu")
     hf_offload.compile_decoder_layers(model)
     context = hf_offload.get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1GiB")
@@ -151,4 +153,5 @@ def test_a_memory_budget_under_compilation_trains_and_says_what_it_costs(caplog)
             loss.backward()
             model.zero_grad(set_to_none=True)  # gradients held would be micro-steps accumulating: no plan until a step
     assert context.memory_plan is not None and torch.isfinite(loss)
-    assert sum("memory_budget with a compiled model" in r.message for r in caplog.records) == 1
+    traced = hasattr(type(model.model.layers[0]).forward, "__wrapped__")  # the checkpointing wrapper of `forward`
+    assert sum("memory_budget with a compiled model" in r.message for r in caplog.records) == (1 if traced else 0)

@@ -12,9 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import checkpointing_enable
 
 from hf_offload import OffloadActivations, OffloadOptions, TrainingArguments, get_act_offloading_ctx_manager
-from hf_offload.callbacks.arguments import ARGUMENT_PREFIX, ActivationOffloadingArguments, command_line_help
+from hf_offload.callbacks.arguments import (
+    ARGUMENT_PREFIX,
+    CHECKPOINTING_RENAMES,
+    ActivationOffloadingArguments,
+    command_line_help,
+)
 from hf_offload.host_memory import HostMemory
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -113,7 +119,9 @@ def test_a_model_that_is_not_a_module_is_a_type_error_naming_what_was_passed(mod
 
 
 def argument_fields() -> dict[str, dataclasses.Field]:
-    return {field.name: field for field in dataclasses.fields(ActivationOffloadingArguments)}
+    """The mixin's offloading fields (not the checkpointing names it adds on an older transformers)."""
+    fields = dataclasses.fields(ActivationOffloadingArguments)
+    return {field.name: field for field in fields if field.name not in CHECKPOINTING_RENAMES}
 
 
 def test_the_arguments_are_made_from_the_options():
@@ -300,7 +308,7 @@ def test_either_kind_of_checkpointing_moves_the_layer_inputs_without_a_warning(t
             TrainingArguments(str(tmp_path), activation_offloading=True, activation_checkpointing=True,
                               activation_checkpointing_kwargs=kwargs)  # fmt: skip
         model = tiny_llama().train()
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        checkpointing_enable(model, kwargs)
         context = get_act_offloading_ctx_manager(model, device_type="cpu")
         ids = torch.randint(64, (2, 8))
         with caplog.at_level(logging.WARNING, logger="hf_offload"):

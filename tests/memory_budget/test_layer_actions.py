@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from helpers import checkpointing_enable
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
@@ -402,7 +403,7 @@ def test_a_selective_offload_refuses_a_write_into_a_stashed_output():
 
 def test_removing_a_plan_restores_the_layers():
     model = tiny_llama("eager")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing_enable(model, {"use_reentrant": False})
     layers = [layer for _, layer in find_decoder_layers(model)]
     before = [(layer.gradient_checkpointing, layer._gradient_checkpointing_func) for layer in layers]
     context = get_act_offloading_ctx_manager(model, device_type="cpu")
