@@ -124,7 +124,7 @@ class ActivationOffloadingCallback(TrainerCallback):
             control: the trainer's control flags.
             **kwargs: the other objects the trainer passes to its callbacks (unused).
         """
-        self._detach()  # a previous train() that raised never reached on_train_end
+        self.release()  # a previous train() that raised never reached on_train_end
         self._stats = {}
         if not args.activation_offloading:
             return
@@ -223,10 +223,13 @@ class ActivationOffloadingCallback(TrainerCallback):
         if state.is_world_process_zero:
             # tqdm.write: print() would join the progress bar
             tqdm.write(format_summary(self._stats, self._context.device_type, self._context.peak_report))
-        self._detach()
+        self.release()
 
-    def _detach(self) -> None:
-        """Restores the trainer's method and removes the context's module hooks; idempotent."""
+    def release(self) -> None:
+        """Restores the trainer's method and takes off what the context attached to the model: its hooks (the process's
+        optimizer hook too), the memory plan's checkpointing and tiled layers; the context, and its pinned pool with
+        it, is then no longer referred to. Idempotent; called by `on_train_end`, and when `train()` ends by an
+        exception (`registration.release`), where `on_train_end` is not called."""
         if self._context is None:
             return
         trainer = self._get_trainer()

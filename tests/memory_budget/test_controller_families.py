@@ -142,6 +142,7 @@ def test_the_plan_follows_the_order_the_layers_are_called_in():
         layer for name, layer in find_decoder_layers(model) if "vision" not in name
     ]
     functions = [vars(layer).get("_gradient_checkpointing_func") for layer in in_call_order]  # none for offload (O)
+
     def innermost(function):  # through the wrappers a plan's functions may have (the layer's whole call started first)
         while hasattr(function, "function"):
             function = function.function
