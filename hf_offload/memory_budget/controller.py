@@ -306,13 +306,13 @@ class MemoryBudgetController:
         self._first_step_static = 0
         self._first_step_read = False  # whether the first step's backward will read the counter as it ends
         self._parameter_refs: list[tuple[weakref.ref, int]] | None = None  # `_sized_parameters`
-        # Every `torch.optim` optimizer's steps since the controller began (a hook for all of them, taken off with the
-        # context's hooks): whether the optimizer's state can exist yet (`_first_plan_waits`).
-        self._optimizer_steps = _StepCount()
+        # The steps of the optimizers that train this model since the controller began (taken off with the context's
+        # hooks, or with the controller): whether the optimizer's state can exist yet (`_first_plan_waits`).
+        self._optimizer_steps = _OwnOptimizerSteps(model)
         # Whether a training forward began with gradients held (gradient accumulation): plans then hold them all
         # through the step (`_profile_now`).
         self._gradients_accumulate = False
-        engine.track_hook(register_optimizer_step_post_hook(self._optimizer_steps))
+        engine.track_hook(self._optimizer_steps.handle)
         # Under torch.distributed: the ranks' agreement (made at the first plan, which every rank reaches at once),
         # the host caps they agreed on at the latest plan, and how this rank estimates its step's tokens before its
         # layers run: in proportion to its forward's input elements (`_estimated_step_tokens`), from a step whose
@@ -1405,15 +1405,41 @@ _LAYER_TILING = ("layer_tile_tokens", "layer_tiled_backward_working_bytes", "lay
                  "layer_tiled_sequence_bytes")  # fmt: skip
 
 
-class _StepCount:
-    """An optimizer step post hook (`register_optimizer_step_post_hook`: every `torch.optim` optimizer's) that counts
-    the steps."""
+class _OwnOptimizerSteps:
+    """Counts the steps of the optimizers that train the model: those holding one of its parameters.
 
-    def __init__(self) -> None:
+    PyTorch's optimizer step hooks are process-wide (`register_optimizer_step_post_hook`). Counting every optimizer's
+    steps, a second model's optimizer stepping at each of its micro-steps made this model's first plan before its
+    own optimizer had made its state (the plan then ran that state over the budget); and a hook that refers to its
+    counter strongly outlives a context dropped without `remove_hooks`. So an optimizer counts only if it holds one
+    of the model's parameters (decided at its first step, kept per optimizer), and the hook refers to this counter
+    weakly and is removed as the counter is collected. An optimizer over copies of the parameters
+    (DeepSpeed's master weights) never counts: the first plan then waits its bounded number of forwards.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
         self.count = 0
+        self._model = weakref.ref(model)
+        self._counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+        counter = weakref.ref(self)
 
-    def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
-        self.count += 1
+        def hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
+            live = counter()
+            if live is not None:
+                live.stepped(optimizer)
+
+        self.handle = register_optimizer_step_post_hook(hook)
+        weakref.finalize(self, self.handle.remove)
+
+    def stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        counts = self._counts.get(optimizer)
+        if counts is None:
+            model = self._model()
+            own = {id(parameter) for parameter in model.parameters()} if model is not None else set()
+            counts = any(id(parameter) in own for group in optimizer.param_groups for parameter in group["params"])
+            self._counts[optimizer] = counts
+        if counts:
+            self.count += 1
 
 
 def _held_growth(at_step_start: int, now: int) -> int:

@@ -1391,3 +1391,29 @@ def test_a_plan_that_peaked_over_the_budget_is_replaced_at_its_check_however_fas
     corrections = [record.getMessage() for record in caplog.records if "correction 1 of" in record.getMessage()]
     assert len(corrections) == 1 and f"over the budget of {budget}" in corrections[0]
     assert controller.profile.peak_correction_bytes > 0
+
+
+def test_only_the_models_own_optimizer_counts_and_a_dropped_context_leaves_no_optimizer_hook():
+    """PyTorch's optimizer step hooks are process-wide. Another model's optimizer stepping must not tell this model's
+    controller that its optimizer's state exists (its first plan would count none); and a context dropped without
+    `remove_hooks()` must not leave its hook behind."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    hooks_before = len(_global_optimizer_post_hooks)
+    model, other = tiny_llama(), tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1GiB")
+    steps = context.budget_controller._optimizer_steps
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    own_optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad][:1], lr=0.1)
+    for _ in range(3):
+        other_optimizer.step()
+    assert steps.count == 0
+    own_optimizer.step()
+    assert steps.count == 1
+
+    for _ in range(3):  # built and dropped, without remove_hooks()
+        get_act_offloading_ctx_manager(tiny_llama(), device_type="cpu", memory_budget="1GiB")
+    context.remove_hooks()
+    del context, steps
+    gc.collect()
+    assert len(_global_optimizer_post_hooks) == hooks_before
