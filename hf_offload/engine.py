@@ -88,6 +88,8 @@ class _OpenRegion:
     top_at_entry: Any
     hooks_pushed: bool
     stood_aside: str | None
+    training: bool  # gradients enabled at entry: a region under no_grad (evaluation) is no training step
+    step_at_entry: Any  # the step's counters at entry: other ones at exit if a step began inside
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
@@ -734,7 +736,8 @@ class OffloadActivations(saved_tensors_hooks):
                             "saved in the inner region are handled by the inner context only (its own pinned pool, "
                             "windows and statistics). Use one context, and NoOpManager() to exempt a "
                             "region.")  # fmt: skip
-        region = _OpenRegion(top, hooks_pushed=self._standing_aside is None, stood_aside=self._standing_aside)
+        region = _OpenRegion(top, hooks_pushed=self._standing_aside is None, stood_aside=self._standing_aside,
+                             training=torch.is_grad_enabled(), step_at_entry=self._stats.step)  # fmt: skip
         self._regions.append(region)
         if region.hooks_pushed:
             super().__enter__()
@@ -746,7 +749,11 @@ class OffloadActivations(saved_tensors_hooks):
             self._release_finished(lane)
         if region.hooks_pushed:
             super().__exit__(*exc_info)
-        else:  # no pack hook ran, so no step began: this region's step is counted here
+        faulted = exc_info[0] is not None
+        if faulted and self._stats.step is not region.step_at_entry:
+            self._stats.discard_step()  # a step that did not complete is no step, and its partial counts are none
+        elif not region.hooks_pushed and region.training and not faulted:
+            # Standing aside, no pack hook ran, so no step began: a training region's step is counted here.
             self._stats.begin_step(stood_aside=region.stood_aside)
 
     # ------------------------------------------------------------------ forward

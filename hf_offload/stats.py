@@ -122,6 +122,20 @@ class StatsRecorder:
             if stood_aside is not None:
                 stats.steps_stood_aside[stood_aside] += 1
 
+    def discard_step(self) -> None:
+        """The current step did not complete (an exception left it): it is no step, and what it counted leaves the
+        running total. Its copies' stalls, if any, stay in the total (their events are still pending)."""
+        step, total = self.step, self.total
+        total.steps -= step.steps
+        total.steps_stood_aside -= step.steps_stood_aside
+        total.tensors_offloaded -= step.tensors_offloaded
+        total.bytes_offloaded -= step.bytes_offloaded
+        total.kept_tensors -= step.kept_tensors
+        total.kept_bytes -= step.kept_bytes
+        for kind in ("prefetch_hits", "prefetch_misses", "inflight_hits"):
+            setattr(total, kind, getattr(total, kind) - getattr(step, kind))
+        self.step = OffloadStats()
+
     def offloaded(self, nbytes: int) -> None:
         for stats in self._both():
             stats.tensors_offloaded += 1

@@ -609,3 +609,39 @@ def test_rejoining_where_hooks_are_disabled_waits_for_the_next_region(caplog) ->
     assert sum("offloading resumes from the next step" in record.message for record in caplog.records) == 1
     probe = torch.randn(8)
     assert torch.equal(round_trip(engine, probe)[0], probe) and engine.get_stats()["tensors_offloaded"] == 1
+
+
+def test_only_completed_training_steps_are_counted() -> None:
+    """Statistics count training steps: a region under no_grad (the Trainer's evaluation) is none, also while
+    offloading stands aside, and a step that an exception left is none either, nor are its partial counts."""
+    model = tiny_mlp()
+    engine = cpu_engine()
+    x = torch.randn(8, 32)
+
+    def step(fail: bool = False) -> None:
+        with engine:
+            loss = model(x).sum()
+            if fail:
+                raise RuntimeError("a fault in the forward")
+        loss.backward()
+
+    step()
+    first = engine.get_stats()
+    with torch.no_grad(), engine:
+        model(x)
+    with pytest.raises(RuntimeError, match="a fault"):
+        step(fail=True)
+    totals = engine.consume_stats()
+    assert totals["steps"] == first["steps"] == 1 and engine.get_stats()["tensors_offloaded"] == 0
+    assert totals["tensors_offloaded"] == first["tensors_offloaded"] > 0
+    assert totals["bytes_offloaded"] == first["bytes_offloaded"]
+
+    engine.stand_aside("cannot_lower_peak")
+    step()
+    for _ in range(3):  # evaluation passes
+        with torch.no_grad(), engine:
+            model(x)
+    with pytest.raises(RuntimeError, match="a fault"):
+        step(fail=True)
+    totals = engine.consume_stats()
+    assert totals["steps"] == totals["steps_stood_aside_cannot_lower_peak"] == 1
