@@ -378,6 +378,9 @@ class OffloadActivations(saved_tensors_hooks):
         # reload of one starts the others, past the one-block-ahead rule of checkpointing (`_note_burst`).
         self._burst_mates: dict[int, tuple[int, ...]] = {}
         self._warned: set[str] = set()
+        # Whether `remove_hooks` ran: without its model's hooks the context would offload the head and the loss too,
+        # so it offloads nothing from then on, and says so (`__enter__`).
+        self._removed = False
         # pack runs on the forward's thread, unpack on autograd's device threads: one lock keeps the per-step
         # tables consistent if a user overlaps them.
         self._lock = threading.RLock()
@@ -685,7 +688,8 @@ class OffloadActivations(saved_tensors_hooks):
     def remove_hooks(self) -> None:
         """Remove every module hook installed for this context (by `get_act_offloading_ctx_manager`), and what a memory
         plan or `tile_mlp`/`tile_layer` set on the layers (each gets its own checkpointing and forward back).
-        Idempotent.
+        Idempotent. The context offloads nothing afterwards (entering it says so once): without its hooks it would
+        move the head's and the loss's tensors too.
 
         Example:
 
@@ -698,6 +702,7 @@ class OffloadActivations(saved_tensors_hooks):
         for handle in self._module_hooks:
             handle.remove()
         self._module_hooks.clear()
+        self._removed = True
 
     def get_stats(self) -> dict[str, int | float]:
         """Return the counters of the most recent step: its forward and, once run, its backward.
@@ -736,8 +741,13 @@ class OffloadActivations(saved_tensors_hooks):
                             "saved in the inner region are handled by the inner context only (its own pinned pool, "
                             "windows and statistics). Use one context, and NoOpManager() to exempt a "
                             "region.")  # fmt: skip
-        region = _OpenRegion(top, hooks_pushed=self._standing_aside is None, stood_aside=self._standing_aside,
-                             training=torch.is_grad_enabled(), step_at_entry=self._stats.step)  # fmt: skip
+        if self._removed:
+            self.warn_once("removed", "hf_offload: this offloading context's hooks were removed (remove_hooks(), or "
+                           "get_act_offloading_ctx_manager called again on its model), so it offloads nothing: use the "
+                           "context that get_act_offloading_ctx_manager returned last.")  # fmt: skip
+        region = _OpenRegion(top, hooks_pushed=self._standing_aside is None and not self._removed,
+                             stood_aside=self._standing_aside, training=torch.is_grad_enabled() and not self._removed,
+                             step_at_entry=self._stats.step)  # fmt: skip
         self._regions.append(region)
         if region.hooks_pushed:
             super().__enter__()

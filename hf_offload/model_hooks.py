@@ -42,7 +42,9 @@ class _ExemptHooks:
     """
 
     def __init__(self, engine: OffloadActivations) -> None:
-        self.engine = engine
+        # Weakly: a context dropped without `remove_hooks()` must not live on (its pinned pool with it) through the
+        # model's hooks; once it is gone, the hooks do nothing.
+        self._engine = weakref.ref(engine)
         self._local = threading.local()
 
     def _stack(self) -> list[Any]:
@@ -53,8 +55,11 @@ class _ExemptHooks:
 
     @eager_only
     def enter(self, module: nn.Module, args: Any) -> None:
-        self.engine.model_hooks_ran = True  # the module runs eagerly: the forward was not compiled as a whole
-        region = self.engine.exempt() if self.engine.is_innermost() else None
+        engine = self._engine()
+        if engine is None:
+            return
+        engine.model_hooks_ran = True  # the module runs eagerly: the forward was not compiled as a whole
+        region = engine.exempt() if engine.is_innermost() else None
         if region is not None:
             region.__enter__()
         self._stack().append(region)
@@ -94,16 +99,21 @@ class _TailHooks(_ExemptHooks):
 
     @eager_only
     def root_enter(self, module: nn.Module, args: Any) -> None:
-        self.engine.model_hooks_ran = True
+        engine = self._engine()
+        if engine is not None:
+            engine.model_hooks_ran = True
         self._local.depth = self._depth() + 1
 
     @eager_only
     def enter(self, module: nn.Module, args: Any) -> None:
-        self.engine.model_hooks_ran = True  # a head called on its own (`model.lm_head(hidden)`) runs eagerly too
+        engine = self._engine()
+        if engine is None:
+            return
+        engine.model_hooks_ran = True  # a head called on its own (`model.lm_head(hidden)`) runs eagerly too
         stack = self._stack()
         if stack and stack[-1][1] == self._depth() and self._depth() > 0:
             return  # the region opened by an earlier tail module of this forward is still open
-        region = self.engine.exempt(ends_forward=True) if self.engine.is_innermost() else None
+        region = engine.exempt(ends_forward=True) if engine.is_innermost() else None
         if region is not None:
             region.__enter__()
         stack.append((region, self._depth()))

@@ -8,6 +8,8 @@ statistics and the gradients below come from the real pack/unpack path.
 from __future__ import annotations
 
 import copy
+import gc
+import logging
 import socket
 import warnings
 import weakref
@@ -21,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import hf_offload.context as hf_context
 import hf_offload.model as hf_model
 import hf_offload.model_hooks as hf_model_hooks
+from hf_offload import OffloadActivations
 from hf_offload.context import get_act_offloading_ctx_manager
 from hf_offload.model import find_liger_modules, find_output_head, unwrap_model
 from hf_offload.options import OffloadOptions
@@ -279,7 +282,7 @@ def test_hooks_do_not_stack_and_remove_cleanly():
     assert list(head._forward_hooks_always_called.values()) == [True]  # the exit runs even if forward raises
     second = get_act_offloading_ctx_manager(model, device_type="cpu")
     assert hook_counts(head) == (1, 2) and hook_counts(norm) == (1, 1)
-    assert all(hook.__self__.engine is second for hook in head._forward_pre_hooks.values())
+    assert all(hook.__self__._engine() is second for hook in head._forward_pre_hooks.values())
 
     first.remove_hooks()  # stale engine: removing its hooks again must not touch the new ones
     assert hook_counts(head) == (1, 2)
@@ -308,12 +311,12 @@ def test_deep_copy_of_a_hooked_model_is_rehooked_without_touching_the_original()
     original = get_act_offloading_ctx_manager(model, device_type="cpu")
     clone = copy.deepcopy(model)  # e.g. a DPO reference model
     # The copy shares the hook objects (and the engine) instead of deep-copying the engine.
-    assert next(iter(clone.lm_head._forward_pre_hooks.values())).__self__.engine is original
+    assert next(iter(clone.lm_head._forward_pre_hooks.values())).__self__._engine() is original
     engine = get_act_offloading_ctx_manager(clone, device_type="cpu")
     assert hook_counts(clone.lm_head) == (1, 2)
-    assert next(iter(clone.lm_head._forward_pre_hooks.values())).__self__.engine is engine
+    assert next(iter(clone.lm_head._forward_pre_hooks.values())).__self__._engine() is engine
     assert hook_counts(model.lm_head) == (1, 2)  # the original still has its own
-    assert next(iter(model.lm_head._forward_pre_hooks.values())).__self__.engine is original
+    assert next(iter(model.lm_head._forward_pre_hooks.values())).__self__._engine() is original
 
 
 def test_invalid_engine_option_raises_before_touching_hooks():
@@ -321,7 +324,7 @@ def test_invalid_engine_option_raises_before_touching_hooks():
     engine = get_act_offloading_ctx_manager(model, device_type="cpu")
     with pytest.raises(ValueError, match="keep_tail"):
         get_act_offloading_ctx_manager(model, device_type="cpu", keep_tail="yes")
-    assert all(hook.__self__.engine is engine for hook in model.lm_head._forward_pre_hooks.values())
+    assert all(hook.__self__._engine() is engine for hook in model.lm_head._forward_pre_hooks.values())
     assert hook_counts(model.lm_head) == (1, 2)
 
 
@@ -496,8 +499,7 @@ def test_llama_head_and_norm_exempt_rest_offloaded_and_gradients_exact():
 
     # Without the exemption the same tensors are offloaded instead: the count above came from the hooks.
     engine.remove_hooks()
-    bare = get_act_offloading_ctx_manager(model, device_type="cpu", keep_tail=False)
-    bare.remove_hooks()
+    bare = OffloadActivations(device_type="cpu")  # installed on no model: no hooks
     _llama_step(model, batch, bare)
     assert bare.get_stats()["tensors_kept_exempt"] == 0
     assert bare.get_stats()["tensors_offloaded"] > stats["tensors_offloaded"]
@@ -722,3 +724,46 @@ def test_fsdp2_gathered_parameters_are_never_offloaded(process_group):
     assert torch.equal(loss, ref_loss)
     for name in ref_grads:
         assert torch.equal(grads[name].full_tensor(), ref_grads[name].full_tensor()), name
+
+
+def test_a_removed_or_replaced_context_says_so_and_offloads_nothing(caplog):
+    """Without its hooks a context would offload the head and the loss too: after `remove_hooks()`, or once another
+    context was built for its model, entering it offloads nothing, and one warning says which context to use."""
+    model = tiny_llama()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+
+    def steps(context, count: int = 1) -> dict:
+        """What `count` steps under `context` counted."""
+        context.consume_stats()
+        for _ in range(count):
+            with context:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        return context.consume_stats()
+
+    first = get_act_offloading_ctx_manager(model, device_type="cpu", min_offload_size=0)
+    assert steps(first)["tensors_offloaded"] > 0
+    second = get_act_offloading_ctx_manager(model, device_type="cpu", min_offload_size=0)
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        replaced = steps(first, 2)
+        assert steps(second)["tensors_offloaded"] > 0
+        second.remove_hooks()
+        removed = steps(second)
+    assert replaced["tensors_offloaded"] == removed["tensors_offloaded"] == replaced["steps"] == removed["steps"] == 0
+    assert sum("hooks were removed" in record.getMessage() for record in caplog.records) == 2  # once per context
+
+
+def test_a_context_dropped_without_removing_its_hooks_does_not_outlive_its_last_reference():
+    """The model's hooks refer to the context weakly: a context dropped without `remove_hooks()` is collected with
+    its host pool, and the hooks it left behind do nothing."""
+    model = tiny_llama()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", min_offload_size=0)
+    with context:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    dropped = weakref.ref(context)
+    del context, loss
+    gc.collect()
+    assert dropped() is None
+    model(input_ids=ids, labels=ids).loss.backward()  # the hooks left behind run, and do nothing
