@@ -1399,7 +1399,6 @@ def test_only_the_models_own_optimizer_counts_and_a_dropped_context_leaves_no_op
     `remove_hooks()` must not leave its hook behind."""
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
-    hooks_before = len(_global_optimizer_post_hooks)
     model, other = tiny_llama(), tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1GiB")
     steps = context.budget_controller._optimizer_steps
@@ -1411,9 +1410,14 @@ def test_only_the_models_own_optimizer_counts_and_a_dropped_context_leaves_no_op
     own_optimizer.step()
     assert steps.count == 1
 
+    hooks = [steps.handle.id]  # this context's, taken off by remove_hooks()
     for _ in range(3):  # built and dropped, without remove_hooks()
-        get_act_offloading_ctx_manager(tiny_llama(), device_type="cpu", memory_budget="1GiB")
+        dropped = get_act_offloading_ctx_manager(tiny_llama(), device_type="cpu", memory_budget="1GiB")
+        hooks.append(dropped.budget_controller._optimizer_steps.handle.id)
+        del dropped
+    assert set(hooks) <= set(_global_optimizer_post_hooks)
     context.remove_hooks()
     del context, steps
     gc.collect()
-    assert len(_global_optimizer_post_hooks) == hooks_before
+    assert not set(hooks) & set(_global_optimizer_post_hooks)
+
