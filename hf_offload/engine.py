@@ -760,9 +760,12 @@ class OffloadActivations(saved_tensors_hooks):
         if region.hooks_pushed:
             super().__exit__(*exc_info)
         faulted = exc_info[0] is not None
-        if faulted and self._stats.step is not region.step_at_entry:
-            self._stats.discard_step()  # a step that did not complete is no step, and its partial counts are none
-        elif not region.hooks_pushed and region.training and not faulted:
+        if faulted:
+            if self._stats.step is not region.step_at_entry:
+                self._stats.discard_step()  # a step that did not complete is no step, and its partial counts none
+            if self.budget_controller is not None and region.training and not self._regions:
+                self.budget_controller.step_faulted()  # nor is it a measurement
+        elif not region.hooks_pushed and region.training:
             # Standing aside, no pack hook ran, so no step began: a training region's step is counted here.
             self._stats.begin_step(stood_aside=region.stood_aside)
 

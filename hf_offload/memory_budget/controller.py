@@ -268,6 +268,7 @@ class MemoryBudgetController:
         self._actions = _PlanActions()
         self._measured = _StepMeasurements()
         self._forwards = 0
+        self._measured_step_faulted = False  # `step_faulted` in the measured profiled step
         self._probing = False
         self._probes_finished = False
         self._step_tokens = 0  # this step's tokens, in the profile's terms, from the stacks that have started
@@ -382,7 +383,11 @@ class MemoryBudgetController:
         self._input_elements = _input_elements(args, kwargs)
         self._static_at_step_start = sum(self._static_bytes())
         self._gradients_accumulate = self._gradients_accumulate or self._gradients_held()
-        if self._forwards == 1:
+        if self._measured_step_faulted:  # the measured profiled step did not complete: this one is measured instead
+            self._measured_step_faulted = False
+            self._forwards = 2
+            self._start_measured_step()
+        elif self._forwards == 1:
             self._apply(_actions("C" * len(self._layers)), "C" * len(self._layers), windows=None)
             self._first_step_static = self._static_at_step_start
             self._meter.reset_peak()
@@ -394,10 +399,7 @@ class MemoryBudgetController:
             else:  # decided in the first step, before the optimizer made its state: decided again with it
                 self._apply_safe_plan(self._measured.step_tokens)
             self._take_call_order()
-            self._measured.held_at_step_start = self._meter.allocated()
-            self._measured.static_at_step_start = self._static_at_step_start
-            self._measured.step_start = self._meter.mark()
-            self._meter.reset_peak()
+            self._start_measured_step()
         elif self._forwards == 3:
             self._measured.step_s = self._meter.seconds(self._measured.step_start, self._meter.mark())
             self._measured.safe_code = self._code
@@ -423,6 +425,23 @@ class MemoryBudgetController:
                 self._plan_and_apply(max(tokens, self.plan.tokens))
             else:
                 self._plan_for(tokens)
+
+    def _start_measured_step(self) -> None:
+        """The second profiled step, which the profile is measured from, begins."""
+        self._measured.held_at_step_start = self._meter.allocated()
+        self._measured.static_at_step_start = self._static_at_step_start
+        self._measured.step_start = self._meter.mark()
+        self._meter.reset_peak()
+
+    def step_faulted(self) -> None:
+        """The training step under way did not complete: an exception left the region it ran in (one that a caller
+        caught, or a retrying helper such as `auto_find_batch_size`). A step that did not complete is no measurement:
+        its partial time and bytes (the head's saved bytes at 0, a fraction of the step's time) would put the plan's
+        peak in the wrong place. The measured profiled step is measured again in the next step, and a step the closed
+        loop times is not recorded."""
+        if self._forwards == 2:
+            self._measured_step_faulted = True
+        self._timed_step_start = None
 
     def _first_plan(self) -> None:
         """Makes the first plan at a training forward's start, for the profiled steps' tokens (under torch.distributed,

@@ -1421,3 +1421,39 @@ def test_only_the_models_own_optimizer_counts_and_a_dropped_context_leaves_no_op
     gc.collect()
     assert not set(hooks) & set(_global_optimizer_post_hooks)
 
+
+def test_a_fault_in_the_measured_profiled_step_is_no_measurement():
+    """The second profiled step is the one the profile is measured from. An exception in its forward, caught by the
+    caller (a retrying helper such as `auto_find_batch_size`), left the head's saved bytes at 0 and a partial step's
+    time in the profile. That step is no measurement: the next one is measured instead, and the profile is the one a
+    run without the fault makes (its bytes; times differ between any two runs)."""
+
+    def profile_of(fault_in_forward: int | None):
+        model = tiny_llama()
+        context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1GiB")
+        forwards = []
+
+        def fault(module, args):
+            forwards.append(1)
+            if len(forwards) == fault_in_forward:
+                raise RuntimeError("a fault in the forward")
+
+        model.lm_head.register_forward_pre_hook(fault)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+        for _ in range(5 if fault_in_forward is None else 6):
+            try:
+                with context:
+                    loss = model(input_ids=ids, labels=ids).loss
+            except RuntimeError:
+                continue
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert context.memory_plan is not None
+        return context.budget_controller.profile
+
+    clean, faulted = profile_of(None), profile_of(2)
+    assert faulted.head_bytes == clean.head_bytes > 0
+    assert [layer.saved_bytes for layer in faulted.layers] == [layer.saved_bytes for layer in clean.layers]
+    assert faulted.static_bytes == clean.static_bytes and faulted.head_s > 0 and faulted.other_s >= 0
