@@ -222,7 +222,8 @@ class ActivationOffloadingCallback(TrainerCallback):
         accumulate(self._stats, self._context.consume_stats())
         if state.is_world_process_zero:
             # tqdm.write: print() would join the progress bar
-            tqdm.write(format_summary(self._stats, self._context.device_type, self._context.peak_report))
+            tqdm.write(format_summary(self._stats, self._context.device_type, self._context.peak_report,
+                                      accumulation_steps=args.gradient_accumulation_steps))  # fmt: skip
         self.release()
 
     def release(self) -> None:

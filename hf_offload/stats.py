@@ -161,14 +161,19 @@ class StatsRecorder:
         return out
 
 
-def format_summary(stats: dict[str, int | float], device_type: str = "cuda", peak: PeakReport | None = None) -> str:
+def format_summary(stats: dict[str, int | float], device_type: str = "cuda", peak: PeakReport | None = None,
+                   accumulation_steps: int = 1) -> str:  # fmt: skip
     """A few lines a person reads about a stats dict from `get_stats()` or `consume_stats()`.
+
+    The engine's step is one forward and backward pass: with gradient accumulation, a micro-step, and the summary says
+    so (a run of 4 optimizer steps accumulating over 4 micro-steps each is 16 of them).
 
     Args:
         stats: the counters.
         device_type: the engine's device type (`engine.device_type`): the words for where kept tensors stayed.
             `"cpu"` is the CPU test mode, where CPU tensors are copied to a separate host buffer.
         peak: the measured step's peak (`engine.peak_report`): where it is set, and what offloading took off it.
+        accumulation_steps: the forward and backward passes of one optimizer step (gradient accumulation).
 
     Returns:
         The summary, one figure per line, each explained in a few words.
@@ -182,22 +187,26 @@ def format_summary(stats: dict[str, int | float], device_type: str = "cuda", pea
     reloads = hits + misses
     ready = (f"{hits:.0f} of {reloads:.0f} ({100.0 * hits / reloads:.0f}%) were copied back ahead of need; the "
              "others when backward reached them" if reloads else "none were needed")  # fmt: skip
+    over, step = f"{steps} step(s)", "step"
+    if accumulation_steps > 1:
+        step = "micro-step"
+        over = f"{steps} micro-step(s) ({steps / accumulation_steps:g} optimizer steps of {accumulation_steps})"
     lines = [
-        f"activation offloading over {steps} step(s)"
+        f"activation offloading over {over}"
         + (" in CPU test mode (CPU tensors copied to a separate host buffer; no GPU involved):" if test_mode else ":"),
-        f"  moved to host memory per step: {format_bytes(stats.get('bytes_offloaded', 0) / steps)} "
+        f"  moved to host memory per {step}: {format_bytes(stats.get('bytes_offloaded', 0) / steps)} "
         f"({stats.get('tensors_offloaded', 0) / steps:.0f} tensors)",
-        f"  {'kept in place' if test_mode else f'kept on the {device}'} per step:"
+        f"  {'kept in place' if test_mode else f'kept on the {device}'} per {step}:"
         + ("\n" + "\n".join(kept) if kept else " nothing"),
         f"  reloads in backward: {ready}",
-        f"  compute waited for copies: {1000.0 * stats.get('compute_wait_s', 0.0) / steps:.2f} ms per step",
-        f"  {'host buffer' if test_mode else 'pinned host memory'} held (a pool reused every step): "
+        f"  compute waited for copies: {1000.0 * stats.get('compute_wait_s', 0.0) / steps:.2f} ms per {step}",
+        f"  {'host buffer' if test_mode else 'pinned host memory'} held (a pool reused every {step}): "
         f"{format_bytes(stats.get('pinned_bytes', 0))}",
     ]
     aside = [f"{stats[f'steps_stood_aside_{reason}']:.0f} ({KEPT_REASONS[reason]})" for reason in STAND_ASIDE_REASONS
              if stats.get(f"steps_stood_aside_{reason}", 0)]  # fmt: skip
     if aside:
-        lines.append(f"  steps in which offloading stood aside (moved nothing): {'; '.join(aside)}")
+        lines.append(f"  {step}s in which offloading stood aside (moved nothing): {'; '.join(aside)}")
     if peak is not None:
         lines.append(f"  peak memory, measured in step 2: {peak.describe()}")
     return "\n".join(lines)

@@ -76,3 +76,13 @@ def test_the_trainer_integration_imports_without_ipython():
     code = "import sys; sys.modules['IPython'] = None; import hf_offload.callbacks; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_with_gradient_accumulation_the_summary_counts_micro_steps():
+    """The engine's step is a forward and backward pass: 4 optimizer steps accumulating over 4 passes are 16 of
+    them, which the summary calls micro-steps, with the optimizer steps they make."""
+    stats = {"steps": 16, "tensors_offloaded": 32, "bytes_offloaded": 16 * 2**20}
+    summary = format_summary(stats, "cuda", accumulation_steps=4)
+    assert summary.startswith("activation offloading over 16 micro-step(s) (4 optimizer steps of 4):")
+    assert "moved to host memory per micro-step: 1.00 MiB (2 tensors)" in summary and "per step" not in summary
+    assert format_summary(stats, "cuda").startswith("activation offloading over 16 step(s):")
