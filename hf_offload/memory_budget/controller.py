@@ -72,6 +72,7 @@ from ..host_memory import HostCaps
 from ..model import find_decoder_layers, find_output_head, first_tensor
 from ..peak import queue_after_backward
 from ..random_state import random_state_untouched
+from ..units import format_bytes
 from .calibrate import Calibration, calibrate
 from .host import choose_plan_with_host
 from .layer_actions import AppliedActions, apply_layer_actions, whole_call_layer
@@ -336,7 +337,8 @@ class MemoryBudgetController:
             engine.track_hook(layer.register_forward_pre_hook(hook, with_kwargs=True))
         for _, module in find_output_head(model)[-1:]:  # the final norm (or the head): where the head's phase begins
             engine.track_hook(module.register_forward_pre_hook(self._head_starts))
-        engine.warn_once("budget", f"hf_offload: memory_budget={memory_budget} is set, so hf-offload decides per "
+        engine.warn_once("budget", f"hf_offload: memory_budget={memory_budget} ({format_bytes(self._budget_bytes())}) "
+                         "is set, so hf-offload decides per "
                          "decoder layer whether to checkpoint it (whatever activation_checkpointing says): the first "
                          "two steps are profiled under full checkpointing, then the plan is applied")  # fmt: skip
 

@@ -99,7 +99,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..units import GIB, format_bytes
+from ..units import byte_unit, format_bytes
 from .checks import check_bytes, check_seconds
 from .profile import LayerProfile, StepProfile, layer_tiling_available, tiling_available
 
@@ -739,10 +739,13 @@ class Plan:
             lines.append(f"{len(self.inputs_kept_for_host)} checkpointed layers keep their input on the GPU: the "
                          f"host's pinned cap of {format_bytes(self.host_cap_bytes)} is full "
                          "(max_pinned_memory_fraction, max_pinned_mib, host_memory_reserve_mib)")  # fmt: skip
-        lines.append(f"{'layer':>5}  {'action':<32}  {'kept GiB':>8}  {'offloaded GiB':>13}  {'added ms':>8}")
+        # One unit for both byte columns, the one their largest figure reads in (KiB for a tiny model, not 0.00 GiB).
+        unit, scale = byte_unit(max((max(layer.held_bytes, layer.offloaded_bytes) for layer in predicted.layers),
+                                    default=0))  # fmt: skip
+        lines.append(f"{'layer':>5}  {'action':<32}  {'kept ' + unit:>8}  {'offloaded ' + unit:>13}  {'added ms':>8}")
         for i, layer in enumerate(predicted.layers):
-            lines.append(f"{i:>5}  {_ACTION_NAMES[layer.code]:<32}  {layer.held_bytes / GIB:>8.2f}  "
-                         f"{layer.offloaded_bytes / GIB:>13.2f}  {layer.added_s * 1000:>8.2f}")  # fmt: skip
+            lines.append(f"{i:>5}  {_ACTION_NAMES[layer.code]:<32}  {layer.held_bytes / scale:>8.2f}  "
+                         f"{layer.offloaded_bytes / scale:>13.2f}  {layer.added_s * 1000:>8.2f}")  # fmt: skip
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

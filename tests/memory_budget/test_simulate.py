@@ -409,6 +409,14 @@ def test_format_table() -> None:
     assert lines[-1].split() == ["15", "keep", "1.77", "0.00", "0.00"]
 
 
+def test_the_table_writes_bytes_in_the_unit_its_largest_figure_reads_in() -> None:
+    """A tiny model's layers (the CPU test mode's) hold KiB: a GiB column would read 0.00 on every row."""
+    profile = s1_profile().scaled(16)  # 1,024 times fewer tokens: each layer holds about 1.8 MiB
+    lines = choose_plan(profile, 20 * GIB).format_table().splitlines()
+    assert lines[1].split() == ["layer", "action", "kept", "MiB", "offloaded", "MiB", "added", "ms"]
+    assert float(lines[-1].split()[-3]) > 1.0
+
+
 def test_a_measurement_scales_with_the_model() -> None:
     profile = s1_profile()
     longer = profile.scaled(2 * profile.tokens)
