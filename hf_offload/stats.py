@@ -52,6 +52,7 @@ class OffloadStats:
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.inflight_hits = 0
+        self.discarded = False  # a step that did not complete, taken out of the running total (`discard_step`)
         self._wait_seconds = 0.0
         # (start, end) timing events around each stall of the compute stream, not yet read back.
         self._pending_waits: list[tuple[Any, Any]] = []
@@ -124,8 +125,12 @@ class StatsRecorder:
 
     def discard_step(self) -> None:
         """The current step did not complete (an exception left it): it is no step, and what it counted leaves the
-        running total. Its copies' stalls, if any, stay in the total (their events are still pending)."""
+        running total (the step's own counters stay, for whoever asks what the aborted step did). Its copies'
+        stalls, if any, stay in the total (their events are still pending)."""
         step, total = self.step, self.total
+        if step.discarded:  # an enclosing region of the same step ended by the same exception
+            return
+        step.discarded = True
         total.steps -= step.steps
         total.steps_stood_aside -= step.steps_stood_aside
         total.tensors_offloaded -= step.tensors_offloaded
@@ -134,7 +139,6 @@ class StatsRecorder:
         total.kept_bytes -= step.kept_bytes
         for kind in ("prefetch_hits", "prefetch_misses", "inflight_hits"):
             setattr(total, kind, getattr(total, kind) - getattr(step, kind))
-        self.step = OffloadStats()
 
     def offloaded(self, nbytes: int) -> None:
         for stats in self._both():
