@@ -23,6 +23,8 @@ def test_the_main_job_compares_checkpointing_with_and_without_offloading_and_say
     without, with_ = runs["checkpointing alone"], runs["checkpointing + hf-offload"]
     assert without["offloaded_bytes_per_step"] == 0 < with_["offloaded_bytes_per_step"]
     assert without["loss"] == with_["loss"]  # offloading copies bytes: the same training
+    assert "Losses at every logged step and the trained weights of the two runs are bitwise equal." in report
+    assert out.index("=== run 1 of 2: checkpointing alone ===") < out.index("=== run 2 of 2: checkpointing + hf-off")
     for run in (without, with_):
         assert (run["output_dir"] / "model.safetensors").is_file() and str(run["output_dir"]) in report
     if not torch.cuda.is_available():

@@ -23,6 +23,11 @@ def test_the_summary_says_where_tensors_stayed_for_the_device():
     assert "kept on the GPU per step:" in on_gpu and "CPU test mode" not in on_gpu
     assert "GPU" not in in_test_mode.replace("no GPU involved", "") and "kept in place per step:" in in_test_mode
     assert "in CPU test mode" in in_test_mode.splitlines()[0]
+    # No side streams in the CPU test mode: "0 of 6 ahead of need" would read as a failure.
+    assert (
+        "reloads in backward: 6 (2 started ahead by the prefetch bookkeeping; the CPU test mode copies" in in_test_mode
+    )
+    assert "ahead of need" not in in_test_mode
 
 
 def test_every_figure_of_the_summary_is_explained():
