@@ -200,30 +200,12 @@ def _family_config(tf, arch: str, decoder: dict, sliding: dict, hidden: int, hea
             index_n_heads=2,
             num_experts_per_tok=2,
         )
+    mamba2 = dict(mamba_n_heads=heads * 2, mamba_d_head=hidden // heads, mamba_n_groups=1, mamba_d_state=8,
+                  mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8)  # fmt: skip
     if arch == "falcon_h1":  # attention and Mamba-2 side by side in every layer
-        return tf.FalconH1Config(
-            **decoder,
-            mamba_d_ssm=2 * hidden,
-            mamba_n_heads=heads * 2,
-            mamba_d_head=hidden // heads,
-            mamba_n_groups=1,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=8,
-        )
+        return tf.FalconH1Config(**decoder, **mamba2, mamba_d_ssm=2 * hidden)
     if arch == "bamba":  # Mamba-2, then attention
-        return tf.BambaConfig(
-            **decoder,
-            attn_layer_indices=list(range(1, decoder["num_hidden_layers"], 2)),
-            mamba_n_heads=heads * 2,
-            mamba_d_head=hidden // heads,
-            mamba_n_groups=1,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=8,
-        )
+        return tf.BambaConfig(**decoder, **mamba2, attn_layer_indices=list(range(1, decoder["num_hidden_layers"], 2)))
     vision = dict(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
