@@ -5,7 +5,8 @@
 # that file over constraints.txt is how the project moves to the new releases, on purpose.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export HF_OFFLOAD_VENV=.venv-newest HF_OFFLOAD_NEWEST=1
+# The extras CI installs (.ci/run), so that the versions written below cover every package the tests use.
+export HF_OFFLOAD_VENV=.venv-newest HF_OFFLOAD_NEWEST=1 HF_OFFLOAD_EXTRAS="${HF_OFFLOAD_EXTRAS:-dev,qlora}"
 bash scripts/test.sh "$@"
 # shellcheck disable=SC1091
 . .venv-newest/bin/activate
