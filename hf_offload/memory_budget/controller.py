@@ -965,7 +965,8 @@ class MemoryBudgetController:
         an 8-layer model with small layers it predicted `cccccccc` 0.7% low, more than the plans' margin, and the
         budget was exceeded by 4 MB. Grown with the step, because what the model misses is mostly per token: an 8B
         QLoRA model peaked 87 MB above it at 16,384 tokens and, corrected by those 87 MB, 2.2 GB above it at 524,288
-        (issue 23); never shrunk for a shorter step, where a miss that does not grow would then be under-counted."""
+        (H100, `benchmarks/long_context.py`); never shrunk for a shorter step, where a miss that does not grow would
+        then be under-counted."""
         correction, code = 0, ""
         for plan_code, sample in self._exact_predicted_samples():
             excess = sample.peak_bytes - sample.predicted_peak_bytes

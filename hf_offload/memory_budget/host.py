@@ -91,7 +91,7 @@ def choose_plan_with_host(choose: Callable[[StepProfile], Plan], profile: StepPr
 def _with_what_dominates(refusal: InfeasibleBudgetError, choose: Callable[[StepProfile], Plan],
                          profile: StepProfile) -> InfeasibleBudgetError:  # fmt: skip
     """`refusal` (made within `profile.host_cap_bytes`), saying whether host or GPU memory is what the step lacks
-    (issue 23: a length no plan fits names the least of each it needs): the same step planned with room on the host
+    (a length no plan fits names the least of each it needs): the same step planned with room on the host
     for every layer's saved tensors either fits, with that much host, or does not, and needs that much GPU memory
     whatever the host."""
     unlimited = sum(max(layer.saved_bytes, layer.input_bytes) for layer in profile.layers)

@@ -60,9 +60,9 @@ PROBE_MAX_TOKENS = 32768
 _PROBE_RUNS = 3
 # A tiled layer's backward peaks either while a chunk runs (its intermediates alive) or in the phase over the whole
 # sequence (attention's backward), whichever is higher; at long context the second. Chunks of 1/64 of the probe's
-# tokens make the chunks' share negligible, so that run measures the second (issue 23: an 8B QLoRA layer with its MLP
-# tiled peaked at 144 KB per token from 16K tokens on, where the two chunked runs at 8K, which saw only the chunk
-# phase, gave 120 KB per token and a constant; its 512K step ran out of memory).
+# tokens make the chunks' share negligible, so that run measures the second (`benchmarks/long_context.py`, H100: an
+# 8B QLoRA layer with its MLP tiled peaked at 144 KB per token from 16K tokens on, where the two chunked runs at 8K,
+# which saw only the chunk phase, gave 120 KB per token and a constant; its 512K step ran out of memory).
 SEQUENCE_PHASE_CHUNKS = 64
 # The link probe times 64 MiB each way, in copies of a buffer from 1 MiB to 64 MiB (`link_probe_bytes`).
 _BANDWIDTH_PROBE_BYTES = 64 * 2**20
@@ -143,9 +143,10 @@ class _TimeAttention(TorchDispatchMode):
     """Times the fused attention operators a layer's forward and backward run, each direction on its own.
 
     A layer's time grows with its tokens except attention's, which grows with their square: a profile taken at 8K
-    tokens and scaled in proportion predicted 380 s for a 512K-token step that took 945 s (issue 23). The probe's
-    whole-layer times cannot separate the two, so this mode brackets each attention operator with the meter's marks
-    (timing events on the device's current stream, where the operator's kernels run; the process's CPU time on CPU).
+    tokens and scaled in proportion predicted 380 s for a 512K-token step that took 945 s
+    (`benchmarks/long_context.py`, H100). The probe's whole-layer times cannot separate the two, so this mode brackets
+    each attention operator with the meter's marks (timing events on the device's current stream, where the
+    operator's kernels run; the process's CPU time on CPU).
     Dispatch modes are thread-local state that autograd carries into its device threads, so backward's operators are
     seen too.
     """

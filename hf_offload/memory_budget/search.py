@@ -48,8 +48,8 @@ PREDICTION_MARGIN = 0.005
 
 
 # The actions the planner chooses among: all but the selective offload (`X`). On S1 and S2 (H100) its layers cost
-# about 2.5 ms each more than the model predicts from their recompute and copies (benchmarks/NOTES.md, 2026-11-23,
-# session 2), which left plans with `X` slower than plans without; it stays an action for hand-written plans.
+# about 2.5 ms each more than the model predicts from their recompute and copies (`benchmarks/run.py`'s plan modes),
+# which left plans with `X` slower than plans without; it stays an action for hand-written plans.
 _PLANNED = "KOSsCc"
 
 

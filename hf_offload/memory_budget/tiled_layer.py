@@ -61,14 +61,15 @@ output: its softmax statistics (4 bytes per query head), and in its backward a w
 expanded to the group's query heads, about 4 KiB per token). An attention function that returns a copy of its
 kernel's output (eager's transpose) keeps A/G more.
 
-For an 8B layer (hidden 4096, 32 query and 8 key/value heads of 128, bf16): X = Q = A = 8 KiB, KV = 4 KiB, G = 8:
-24 + 13.5 + 2 = 39.5 KiB per token (phase 3: 32, phase 5: 36), about 43.5 with FlashAttention-2's workspace: under
-the 48 KiB of issue 23, where the same layer untiled, under full checkpointing and with the tiled MLP, took about
-127 KiB per token in its recompute and backward (434K tokens on an H100, with Liger's norms). Measured on CPU, live
-tensor storages counted under a dispatch mode (`benchmarks/tiled_layer_memory.py`): at the 8B shape in fp32 (320
-tokens; this CPU's bf16 products are too slow), 80,912 bytes per token at the backward's peak, the count in fp32
-(80,896) and one group's softmax statistics (16), against 153 KiB untiled under checkpointing with the tiled MLP;
-at a sixteenth of the shape in bf16 likewise (tests/memory_budget/test_tiled_layer.py).
+For an 8B layer (hidden 4096, 32 query and 8 key/value heads of 128, bf16): X = Q = A = 8 KiB, KV = 4 KiB, G = 8: 24 +
+13.5 + 2 = 39.5 KiB per token (phase 3: 32, phase 5: 36), about 43.5 with FlashAttention-2's workspace: under the 48 KiB
+per token that the long-context runs on the H100 needed (`benchmarks/long_context.py`), where the same layer untiled,
+under full checkpointing and with the tiled MLP, took about 127 KiB per token in its recompute and backward (434K tokens
+on an H100, with Liger's norms). Measured on CPU, live tensor storages counted under a dispatch mode
+(`benchmarks/tiled_layer_memory.py`): at the 8B shape in fp32 (320 tokens; this CPU's bf16 products are too slow),
+80,912 bytes per token at the backward's peak, the count in fp32 (80,896) and one group's softmax statistics (16),
+against 153 KiB untiled under checkpointing with the tiled MLP; at a sixteenth of the shape in bf16 likewise
+(tests/memory_budget/test_tiled_layer.py).
 
 Why phase 4 runs attention's forward again, and harvests per group: keeping attention's graph from phase 2 to
 phase 4 would keep q, k, v and the output through phase 3, where the output could then not take its gradient in its
