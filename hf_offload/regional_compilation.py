@@ -49,7 +49,7 @@ def _traced_without_replay(compiled_call: Callable[..., Any]) -> Callable[..., A
     @functools.wraps(compiled_call)
     def call(*args: Any, **kwargs: Any) -> Any:
         # Dynamo reads its config when it traces, at a layer's first call and at each recompilation.
-        with checkpointed_side_effects_not_replayed():
+        with torch._dynamo.config.patch(**{_SKIP_REPLAY: True}):
             return compiled_call(*args, **kwargs)
 
     return call
@@ -71,5 +71,6 @@ def compile_decoder_layers(model: nn.Module, **compile_options: Any) -> list[nn.
     layers = [layer for _, layer in find_decoder_layers(unwrap_model(model)) if layer._compiled_call_impl is None]
     for layer in layers:
         layer.compile(**compile_options)
-        layer._compiled_call_impl = _traced_without_replay(layer._compiled_call_impl)
+        if hasattr(torch._dynamo.config, _SKIP_REPLAY):  # decided once, not at every call of the layer
+            layer._compiled_call_impl = _traced_without_replay(layer._compiled_call_impl)
     return layers
