@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -112,25 +113,40 @@ class Meter:
 
 
 class _CountSavedBytes(saved_tensors_hooks):
-    """Keeps saved tensors in place and counts the distinct storages they occupy (parameters aside, by type or by
-    storage), and their bytes."""
+    """Keeps saved tensors in place and, when the forward ends, counts the distinct storages the ones still alive
+    occupy (parameters aside, by type or by storage), and their bytes.
+
+    Counting when the forward ends, not as tensors are saved: a layer may save tensors in a part of the graph it then
+    drops (Qwen3-Next's linear attention does), and the allocator may give a dropped storage's address to the next
+    one, so storages told apart by address as they came were counted once or twice by where the allocator put them,
+    and the same step's plan changed from one process to the next. At the end the storages alive have distinct
+    addresses, and they are what the layer holds for its backward."""
 
     def __init__(self, parameter_pointers: set[int]) -> None:
         self.nbytes = 0
         self.tensors = 0
-        seen: set[int] = set()
+        self._parameter_pointers = parameter_pointers
+        self._saved: list[weakref.ref[torch.Tensor]] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            if is_parameter_or_view(tensor):
-                return tensor
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in seen and storage.data_ptr() not in parameter_pointers:
-                seen.add(storage.data_ptr())
-                self.nbytes += storage.nbytes()
-                self.tensors += 1
+            if not is_parameter_or_view(tensor):
+                self._saved.append(weakref.ref(tensor))
             return tensor
 
         super().__init__(pack, lambda tensor: tensor)
+
+    def __exit__(self, *exc_info: object) -> None:
+        super().__exit__(*exc_info)
+        storages = {}
+        for ref in self._saved:
+            tensor = ref()
+            if tensor is not None:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        for pointer in self._parameter_pointers:
+            storages.pop(pointer, None)
+        self.nbytes, self.tensors = sum(storages.values()), len(storages)
+        self._saved.clear()
 
 
 # Substrings of the names of the fused attention operators (sdpa's kernels, FlashAttention's): the part of a layer's
