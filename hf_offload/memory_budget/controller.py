@@ -31,7 +31,7 @@ training forwards of the model (grad enabled, model in training mode) and:
    profiled steps, later an upper bound, as the counter is not reset after them). After the `_MEASURED_STEPS` steps
    that follow the first one on a new plan, the controller plans again with what every plan run so far measured
    (`choose_plan`'s `measured`: the profiled steps measured the safe plan; the first step's peak, the plan it ran),
-   and switches plans when the one in force ran `_SLOWER_TOLERANCE` slower than the answer, at most
+   and switches plans when the one in force ran `STEP_TIME_NOISE` slower than the answer, at most
    `_MAX_CORRECTIONS` times (the last among measured plans only), saying so in the log. Measurements at other
    lengths are scaled by the model (`MeasuredStep.scaled`). Once a plan has passed its check, steps are no longer
    timed (timing a device step waits for it).
@@ -87,7 +87,14 @@ from .probes import (
 )
 from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
 from .ranks import RankAgreement
-from .search import InfeasibleBudgetError, choose_plan, plan_of, prediction_margin_bytes, smallest_budget
+from .search import (
+    STEP_TIME_NOISE,
+    InfeasibleBudgetError,
+    choose_plan,
+    plan_of,
+    prediction_margin_bytes,
+    smallest_budget,
+)
 from .sharding import gradient_shard_nbytes, local_nbytes
 from .simulate import (
     ACTION_CODES,
@@ -115,8 +122,6 @@ _STATIC_GROWTH_TOLERANCE = 0.02
 # The closed loop. A plan's steps are measured from the second one on (the first pays one-off costs: allocator
 # growth, new kernels); after this many, the fastest of them is compared with the other plans measured so far.
 _MEASURED_STEPS = 3
-# A plan is replaced by a measured one only when it ran this much slower: step times vary by about 1% between steps.
-_SLOWER_TOLERANCE = 0.02
 # At most this many replacements in a run: each costs a few steps on a plan that may be worse.
 _MAX_CORRECTIONS = 3
 # The closed loop's trial: plain checkpointing with every input kept (the simple plan the profiled steps do not run),
@@ -1193,7 +1198,7 @@ class MemoryBudgetController:
     def _check_plan(self) -> None:
         """The closed loop's check of the plan in force, after its `_MEASURED_STEPS` clean steps: plans again, for
         the same tokens, with every plan's measurements, and switches (a correction, logged with its figures) when
-        the plan in force ran `_SLOWER_TOLERANCE` slower than the answer is expected to run, or peaked over the
+        the plan in force ran `STEP_TIME_NOISE` slower than the answer is expected to run, or peaked over the
         budget in one of its steps (whatever its speed: on two H200s, FSDP2 with ranks of different lengths, the plan
         made for the longest step peaked 1.3% over the budget there, 2.7% above its prediction, and was kept for
         being faster than the plan that fitted). Rank 0 decides."""
@@ -1216,7 +1221,7 @@ class MemoryBudgetController:
                     return in_force
                 better = error.lowest_plan  # `_use` warns that it runs over the budget
             expected_s = better.expected_step_s
-            if better.code == in_force.code or (not over and ran.step_s <= expected_s * (1 + _SLOWER_TOLERANCE)):
+            if better.code == in_force.code or (not over and ran.step_s <= expected_s * (1 + STEP_TIME_NOISE)):
                 return in_force
             logger.info("hf_offload: closed loop, correction %d of at most %d: plan %r ran in %.2f ms a step (the "
                         "fastest of %d steps at %d tokens, predicted %.2f ms)%s; plan %r replaces it, %s %.2f ms%s; "

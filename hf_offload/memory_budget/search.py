@@ -17,6 +17,7 @@ from ..units import format_bytes
 from .checks import is_int
 from .profile import StepProfile, layer_tiling_available, tiling_available
 from .simulate import (
+    ACTION_CODES,
     LayerOption,
     MeasuredStep,
     Plan,
@@ -35,6 +36,7 @@ from .simulate import (
 __all__ = [
     "InfeasibleBudgetError",
     "PREDICTION_MARGIN",
+    "STEP_TIME_NOISE",
     "choose_plan",
     "plan_of",
     "prediction_margin_bytes",
@@ -45,6 +47,12 @@ __all__ = [
 # peaks were within 0.1% of the measured ones once the tail was counted, and the budget must hold on every step, not on
 # average.
 PREDICTION_MARGIN = 0.005
+# Step times vary by about 1% from one step to the next. Plans the model predicts from one profile compare exactly, but
+# a measured plan's time carries that noise: where a measured plan is within this share of the fastest candidate, the
+# two are told apart by noise, not by speed, and the simplest of the plans that close is chosen (`_simplicity`), so
+# that the same run ends on the same plan (two identical runs under a roomy budget once ended one on offloading every
+# other layer, measured, the other on keeping every layer).
+STEP_TIME_NOISE = 0.02
 
 
 # The actions the planner chooses among: all but the selective offload (`X`). On S1 and S2 (H100) its layers cost
@@ -180,6 +188,12 @@ def _lowest_memory_code(profile: StepProfile, letters_of: str = "Cc") -> str:
         host_bytes += layer.input_bytes if offload else 0
         letters.append(offloaded if offload else kept)
     return "".join(letters)
+
+
+def _simplicity(code: Sequence[str]) -> tuple[int, int, int]:
+    """How much a plan changes from keeping every layer, least first: the tiling it uses (none, MLPs, whole layers),
+    then its layers that do not keep, then those whose tensors travel to the host."""
+    return _tiling_kind(code), sum(letter != "K" for letter in code), sum(ACTION_CODES[letter][1] for letter in code)
 
 
 def _tiling_kind(code: Sequence[str]) -> int:
@@ -360,8 +374,10 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
     sizes and slow links, where copies queue behind each other, it can miss the fastest plan by a few percent.
 
     Plans that ran (`measured`) are measurements, and a measurement beats the model: a measured plan fits if its
-    measured peak is within the budget (the margin is for predictions), and is as fast as it measured. So the
-    result is never slower than the fastest measured plan that fits, and a budget that a measured plan met is
+    measured peak is within the budget (the margin is for predictions), and is as fast as it measured. Where a
+    measured plan's time is within `STEP_TIME_NOISE` of the fastest candidate's, that is noise, and the simplest of
+    the plans that close wins (`_simplicity`: keeping every layer before any other). So the result is never slower
+    than the fastest measured plan that fits by more than the noise, and a budget that a measured plan met is
     never refused (a plan without tiling that fits by measurement beats tiling). The plans that never ran are
     compared with them by their predictions scaled by the model's error in time (`Plan.time_scale`).
 
@@ -436,7 +452,12 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
         )
 
     def fastest(candidates: list[tuple[list[str], SimulatedStep]]) -> Plan:
-        return min((finish(*candidate) for candidate in candidates), key=lambda plan: plan.expected_step_s)
+        """The fastest plan, or where a measured one is within `STEP_TIME_NOISE` of it, the simplest of those."""
+        plans = sorted((finish(*candidate) for candidate in candidates), key=lambda plan: plan.expected_step_s)
+        close = [plan for plan in plans if plan.expected_step_s <= plans[0].expected_step_s * (1 + STEP_TIME_NOISE)]
+        if not any(plan.time_measured for plan in close):
+            return plans[0]
+        return min(close, key=lambda plan: _simplicity(plan.code))
 
     def admissible(candidate: tuple[list[str], SimulatedStep]) -> bool:
         return finish(*candidate).fits(margin_bytes) and candidate[1].host_bytes <= profile.host_cap_bytes
