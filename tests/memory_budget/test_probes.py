@@ -17,6 +17,7 @@ from _gpu_models import build_model, make_batch, make_ctx  # noqa: E402
 
 from hf_offload.memory_budget.probes import (  # noqa: E402
     Meter,
+    _CountSavedBytes,
     call_argument_storages,
     first_tokens,
     is_cache,
@@ -300,3 +301,18 @@ def test_the_link_probe_copies_its_buffer_until_64_mib_each_way(monkeypatch):
     to_host, to_device = measure_link_bandwidth(Meter("cpu"), torch.device("cpu"), False, room_bytes=8 * 2**20)
     assert to_host > 0 and to_device > 0
     assert copies == [4 * 2**20] * (2 * (1 + 16))  # each way: a warm-up, then 16 timed copies of 4 MiB
+
+
+def test_saved_bytes_are_the_storages_alive_when_the_forward_ends() -> None:
+    # A layer may save tensors in a part of its graph it then drops, and the allocator may place the next saved
+    # tensor where a dropped one was: counted as they came, by address, that counted a dropped storage, once or
+    # twice depending on where the allocator put things.
+    x = torch.randn(1000, requires_grad=True)
+    counter = _CountSavedBytes(set())
+    with counter:
+        kept = (x * 2).exp()  # exp saves its output: 4,000 bytes
+        dropped = (x.repeat(2) * 3).sin()  # sin saves its input, 8,000 bytes, freed with its graph
+        del dropped
+        also_kept = (x * 4).exp()  # may land where the dropped output was
+    assert (counter.nbytes, counter.tensors) == (2 * x.nbytes, 2)
+    assert kept.grad_fn is not None and also_kept.grad_fn is not None
