@@ -68,10 +68,6 @@ _PREFETCH_WINDOW_COPIES = 4
 
 _IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
 
-# Without `min_peak_reduction`, a measured step whose peak offloading lowers by less than this share gets a warning
-# that says so, with the figures.
-_NOTICE_BELOW = 0.05
-
 
 def default_prefetch_window_bytes(largest_copy_bytes: int) -> int:
     """The prefetch window of a step whose window is not set (`prefetch_window_bytes=None`): four of its largest
@@ -1073,22 +1069,18 @@ class OffloadActivations(saved_tensors_hooks):
         """Says what the measured step's peak owes to offloading; stands aside if it owes less than the option asks."""
         logger.info("hf_offload: %s", report.describe())
         threshold = self.options.min_peak_reduction
-        if threshold is None:
-            if report.most_reduction < _NOTICE_BELOW:
-                self.warn_once("little_reduction", f"hf_offload: {report.describe()}. The copies cost time for "
-                                f"little here: min_peak_reduction={_NOTICE_BELOW:g} lets offloading stand aside where "
-                                "it helps less than that")  # fmt: skip
-        elif report.most_reduction < threshold:
-            if not report.tokens:
-                self.warn_once("cannot_lower_peak", f"hf_offload: {report.describe()}, less than min_peak_reduction="
-                                f"{threshold:g}, but offloading does not stand aside: the model's inputs (no input_ids "
-                                "or inputs_embeds) did not say how many tokens the step had, so a longer step, which "
-                                "offloading may help, would go unnoticed")  # fmt: skip
-                return
-            self.stand_aside("cannot_lower_peak")
+        if threshold is None or report.most_reduction >= threshold:
+            return
+        if not report.tokens:
             self.warn_once("cannot_lower_peak", f"hf_offload: {report.describe()}, less than min_peak_reduction="
-                            f"{threshold:g}: offloading stands aside (moves nothing) from now on, until a step of "
-                            f"more than {report.tokens} tokens")  # fmt: skip
+                            f"{threshold:g}, but offloading does not stand aside: the model's inputs (no input_ids "
+                            "or inputs_embeds) did not say how many tokens the step had, so a longer step, which "
+                            "offloading may help, would go unnoticed")  # fmt: skip
+            return
+        self.stand_aside("cannot_lower_peak")
+        self.warn_once("cannot_lower_peak", f"hf_offload: {report.describe()}, less than min_peak_reduction="
+                        f"{threshold:g}: offloading stands aside (moves nothing) from now on, until a step of "
+                        f"more than {report.tokens} tokens. min_peak_reduction=None keeps it on")  # fmt: skip
 
     def _mark_end_of_forward(self, step: _Step, drain: bool) -> None:
         """Records, once per step, which copies were still in flight when the forward ended.

@@ -167,7 +167,7 @@ def _train(lengths: list[int], peaks: list[int] | None, **options) -> tuple[list
 _HEAD_SET = [0, GIB // 2, GIB, GIB // 2, GIB // 4]
 
 
-def test_engine_reports_the_measured_step_and_warns_once_when_offloading_helps_little(caplog) -> None:
+def test_engine_reports_the_measured_step_and_by_default_stands_aside_where_offloading_helps_little(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="hf_offload"):
         _, _, stats, context = _train([32, 32, 32, 32], _HEAD_SET)
     report = context.peak_report
@@ -175,10 +175,18 @@ def test_engine_reports_the_measured_step_and_warns_once_when_offloading_helps_l
     away = stats[1]["bytes_offloaded"]
     assert away > 0 and report.phases[1].least_away_bytes == report.phases[1].most_away_bytes == away
     assert report.tokens == 2 * 32 and report.set_in == HEAD and report.without_most_bytes == GIB + away
-    warnings = [r.message for r in caplog.records if "min_peak_reduction=0.05 lets offloading stand aside" in r.message]
-    assert len(warnings) == 1 and report.describe() in warnings[0]
-    assert all(s["bytes_offloaded"] > 0 for s in stats)  # the option is not set: nothing stands aside
+    warnings = [r.message for r in caplog.records if "offloading stands aside (moves nothing)" in r.message]
+    assert len(warnings) == 1 and report.describe() in warnings[0] and "min_peak_reduction=0.05" in warnings[0]
+    assert context.standing_aside == "cannot_lower_peak" and stats[3]["bytes_offloaded"] == 0
     assert report.describe() in hf_offload.format_summary(context.get_stats(), "cpu", report)
+
+
+def test_min_peak_reduction_none_keeps_offloading_on_and_only_reports(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        _, _, stats, context = _train([32, 32, 32, 32], _HEAD_SET, min_peak_reduction=None)
+    assert context.standing_aside is None and all(s["bytes_offloaded"] > 0 for s in stats)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.message for r in caplog.records].count(f"hf_offload: {context.peak_report.describe()}") == 1
 
 
 def test_engine_stands_aside_below_min_peak_reduction_and_stays_exact(caplog) -> None:
@@ -216,9 +224,10 @@ def test_engine_keeps_offloading_where_it_lowers_the_peak_enough() -> None:
 def test_min_peak_reduction_is_checked_at_construction() -> None:
     with pytest.raises(ValueError, match="min_peak_reduction"):
         hf_offload.OffloadOptions(min_peak_reduction=0.9)
-    with pytest.raises(ValueError, match="cannot be combined"):
-        hf_offload.OffloadOptions(min_peak_reduction=0.05, memory_budget="2GiB", device_type="cpu")
     assert hf_offload.OffloadOptions(min_peak_reduction="none").min_peak_reduction is None
+    assert hf_offload.OffloadOptions().min_peak_reduction == 0.05
+    # Under a budget the plan decides what moves, and the option is not used: its default is no conflict.
+    assert hf_offload.OffloadOptions(memory_budget="2GiB", device_type="cpu").min_peak_reduction == 0.05
 
 
 def test_no_counter_no_report() -> None:
