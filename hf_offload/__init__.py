@@ -25,6 +25,7 @@ _LAZY = {
     "get_act_offloading_ctx_manager": "hf_offload.context",
     "apply_tiled_mlp": "hf_offload.memory_budget.tiled_mlp",
     "compile_decoder_layers": "hf_offload.regional_compilation",
+    "compile_loss": "hf_offload.regional_compilation",
     "TrainingArguments": "hf_offload.callbacks",
     "ActivationOffloadingArguments": "hf_offload.callbacks",
     "ActivationOffloadingCallback": "hf_offload.callbacks",

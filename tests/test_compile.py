@@ -87,6 +87,7 @@ def test_the_trainers_torch_compile_with_offloading_compiles_the_layers_and_offl
         model = tiny_model(tokenizer)
         if compile_layers:
             hf_offload.compile_decoder_layers(model)
+            assert hf_offload.compile_loss(model) and not hf_offload.compile_loss(model)  # once
         args = hf_offload.TrainingArguments(output_dir=str(tmp_path / name), torch_compile=torch_compile,
                                             activation_offloading=offloading, **CPU_TEST_MODE,
                                             **{**COMMON_ARGS, "eval_strategy": "no"})  # fmt: skip
@@ -109,11 +110,12 @@ def test_the_trainers_torch_compile_with_offloading_compiles_the_layers_and_offl
     assert_same_weights(offloaded.model, regional.model)
     assert offloaded_graphs == regional_graphs and regional_graphs[0] >= 1  # compiled, and no graph or break added
     assert all(layer._compiled_call_impl is not None for layer in offloaded.model.model.layers)
+    assert hasattr(offloaded.model.loss_function, "_torchdynamo_orig_callable")
     assert not isinstance(offloaded.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
     stats = offloaded.callback_handler.callbacks[0].stats
     assert stats["tensors_offloaded"] > 0 and not stats.get("steps_stood_aside_compiled")
     warnings = [record.getMessage() for record in caplog.records if "decoder layers" in record.getMessage()]
-    assert len(warnings) == 1 and "LlamaDecoderLayer" in warnings[0]
+    assert len(warnings) == 1 and "LlamaDecoderLayer) and its loss" in warnings[0]
 
     # A model that model_init builds anew in train() gets its layers compiled too (as training begins).
     torch._dynamo.reset()
