@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import logging
 import math
@@ -140,6 +141,16 @@ _FIRST_PLAN_WAIT_FORWARDS = 64
 # of shorter steps makes at most 4 more plans), and for no fewer tokens than this share of the first plan's.
 _LENGTH_STEP = 2**0.25
 _SHORTEST_PLANNED_SHARE = 0.25
+
+
+class _Phase(enum.Enum):
+    """Where the run is, as a training forward starts (see the module docstring's numbered steps)."""
+
+    BEFORE_TRAINING = "no training forward yet"
+    FIRST_STEP = "the safe plan; each kind of layer probed as it is first called"
+    MEASURED_STEP = "the safe plan, decided again with the optimizer's state; the step the profile is measured from"
+    WAITING = "profiled; the first plan waits for the optimizer's first step (`_first_plan_waits`)"
+    PLANNED = "a plan in force, re-planned as steps grow, checked by the closed loop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +284,8 @@ class MemoryBudgetController:
         self._profile: StepProfile | None = None
         self._actions = _PlanActions()
         self._measured = _StepMeasurements()
-        self._forwards = 0
+        self._phase = _Phase.BEFORE_TRAINING
+        self._forwards = 0  # training forwards so far: the steps a plan has run, and how long the first plan waited
         self._measured_step_faulted = False  # `step_faulted` in the measured profiled step
         self._probing = False
         self._probes_finished = False
@@ -394,12 +406,14 @@ class MemoryBudgetController:
             self._measured_step_faulted = False
             self._forwards = 2
             self._start_measured_step()
-        elif self._forwards == 1:
+        elif self._phase is _Phase.BEFORE_TRAINING:
+            self._phase = _Phase.FIRST_STEP
             self._apply(_actions("C" * len(self._layers)), "C" * len(self._layers), windows=None)
             self._first_step_static = self._static_at_step_start
             self._meter.reset_peak()
             self._peak_floor = 0
-        elif self._forwards == 2:
+        elif self._phase is _Phase.FIRST_STEP:
+            self._phase = _Phase.MEASURED_STEP
             self._record_first_step()
             if not self._probes_finished:
                 self._finish_probes()
@@ -407,7 +421,8 @@ class MemoryBudgetController:
                 self._apply_safe_plan(self._measured.step_tokens)
             self._take_call_order()
             self._start_measured_step()
-        elif self._forwards == 3:
+        elif self._phase is _Phase.MEASURED_STEP:
+            self._phase = _Phase.WAITING
             self._measured.step_s = self._meter.seconds(self._measured.step_start, self._meter.mark())
             self._measured.safe_code = self._code
             engine = self._engine()
@@ -415,7 +430,7 @@ class MemoryBudgetController:
                 self._measured.head_saved_bytes = int(engine.get_stats()["bytes_kept_exempt"])
             self._record_profiled_step()
             self._first_plan()
-        elif self.plan is None:
+        elif self._phase is _Phase.WAITING:
             self._first_plan()
         else:
             self._close_the_loop()
@@ -446,7 +461,7 @@ class MemoryBudgetController:
         its partial time and bytes (the head's saved bytes at 0, a fraction of the step's time) would put the plan's
         peak in the wrong place. The measured profiled step is measured again in the next step, and a step the closed
         loop times is not recorded."""
-        if self._forwards == 2:
+        if self._phase is _Phase.MEASURED_STEP:
             self._measured_step_faulted = True
         self._timed_step_start = None
 
@@ -461,6 +476,7 @@ class MemoryBudgetController:
             tokens = ranks.largest([max(tokens, self._estimated_step_tokens())])[0]
         self._check_longest_step(tokens)
         self._plan_and_apply(tokens)
+        self._phase = _Phase.PLANNED
         self._start_timing()
 
     def _check_longest_step(self, tokens: int) -> None:
@@ -693,7 +709,7 @@ class MemoryBudgetController:
             return  # the probes call the layers too
         tokens = args[0].shape[:-1].numel()
         measured, stack = self._measured, self._stacks[index]
-        if self._forwards == 1:
+        if self._phase is _Phase.FIRST_STEP:
             if not measured.step_tokens:
                 measured.step_tokens, measured.device = tokens, args[0].device
                 self._tokens_per_elements = (tokens, self._input_elements)
@@ -839,7 +855,7 @@ class MemoryBudgetController:
             self._apply(_actions(code), code, windows=None, **chunk_sizes(profile, code))
 
     def _head_starts(self, module: nn.Module, args: Any) -> None:
-        if self._forwards != 2 or not self._training_forward(module):
+        if self._phase is not _Phase.MEASURED_STEP or not self._training_forward(module):
             return
         self._measured.forward_peak = self._meter.peak()
         self._meter.reset_peak()
@@ -848,10 +864,11 @@ class MemoryBudgetController:
 
     def _last_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
         tensor = first_tensor(output)
-        measured_step = self._forwards == 2 or self._timed_step_start is not None
-        if not measured_step or not self._training_forward(layer) or tensor is None or not tensor.requires_grad:
+        profiled = self._phase is _Phase.MEASURED_STEP
+        if not (profiled or self._timed_step_start is not None) or not self._training_forward(layer):
             return
-        profiled = self._forwards == 2
+        if tensor is None or not tensor.requires_grad:
+            return
 
         def head_done(grad: torch.Tensor) -> None:  # backward reaches the last layer: the head's part is over
             if profiled:
@@ -877,7 +894,9 @@ class MemoryBudgetController:
         """In the second profiled step: when backward reaches the first layer called, the gradients that do not exist
         yet, other than the layers' own, come after every layer's backward (the input embeddings')."""
         tensor = first_tensor(output)
-        if self._forwards != 2 or not self._training_forward(layer) or tensor is None or not tensor.requires_grad:
+        if self._phase is not _Phase.MEASURED_STEP or not self._training_forward(layer):
+            return
+        if tensor is None or not tensor.requires_grad:
             return
 
         def first_layer_reached(grad: torch.Tensor) -> None:
