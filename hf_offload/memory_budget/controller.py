@@ -27,14 +27,14 @@ training forwards of the model (grad enabled, model in training mode) and:
    training. The plans made are kept by the length they were made for, and a step runs the one made for the
    shortest length at least its own; a step more than a length step (`_LENGTH_STEP`) shorter than any gets a plan
    of its own, which may keep more (`_plan_for`).
-4. The closed loop: the steps a plan runs are measurements (their time; on a device, their peak: exactly in the
-   profiled steps, later an upper bound, as the counter is not reset after them). After the `_MEASURED_STEPS` steps
-   that follow the first one on a new plan, the controller plans again with what every plan run so far measured
-   (`choose_plan`'s `measured`: the profiled steps measured the safe plan; the first step's peak, the plan it ran),
-   and switches plans when the one in force ran `STEP_TIME_NOISE` slower than the answer, at most
-   `_MAX_CORRECTIONS` times (the last among measured plans only), saying so in the log. Measurements at other
-   lengths are scaled by the model (`MeasuredStep.scaled`). Once a plan has passed its check, steps are no longer
-   timed (timing a device step waits for it).
+4. The closed loop: the steps a plan runs are measurements (`closed_loop.Sample`: their time; on a device, their
+   peak: exactly in the profiled steps, later an upper bound, as the counter is not reset after them). After the
+   `MEASURED_STEPS` steps that follow the first one on a new plan, the controller plans again with what every plan
+   run so far measured (`closed_loop.measured_plans`, `choose_plan`'s `measured`: the profiled steps measured the
+   safe plan; the first step's peak, the plan it ran), and switches plans when the one in force ran
+   `STEP_TIME_NOISE` slower than the answer, at most `MAX_CORRECTIONS` times (the last among measured plans only),
+   saying so in the log. Measurements at other lengths are scaled by the model (`MeasuredStep.scaled`). Once a plan
+   has passed its check, steps are no longer timed (timing a device step waits for it).
 
 While profiling, the device's peak-memory counter is reset at the phase boundaries it measures (the first step's
 start among them).
@@ -59,7 +59,7 @@ import functools
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -75,6 +75,16 @@ from ..peak import queue_after_backward
 from ..random_state import random_state_untouched
 from ..units import format_bytes
 from .calibrate import Calibration, calibrate
+from .closed_loop import (
+    MAX_CORRECTIONS,
+    MEASURED_STEPS,
+    STATIC_GROWTH_TOLERANCE,
+    TRIAL_MEASURED_STEPS,
+    Sample,
+    head_reload_hidden,
+    measured_plans,
+    peak_correction,
+)
 from .host import choose_plan_with_host
 from .layer_actions import AppliedActions, apply_layer_actions, whole_call_layer
 from .probes import (
@@ -104,7 +114,6 @@ from .simulate import (
     MeasuredStep,
     Plan,
     chunk_sizes,
-    optimizer_step_bytes,
     simulate,
     simulated_step,
     unavailable_tiling,
@@ -117,18 +126,6 @@ __all__ = ["MemoryBudgetController"]
 
 logger = logging.getLogger(__name__)
 
-# Re-plan when the memory held between steps grows by more than this (optimizer state appearing); smaller changes
-# are the allocator's noise and within the planner's margin.
-_STATIC_GROWTH_TOLERANCE = 0.02
-# The closed loop. A plan's steps are measured from the second one on (the first pays one-off costs: allocator
-# growth, new kernels); after this many, the fastest of them is compared with the other plans measured so far.
-_MEASURED_STEPS = 3
-# At most this many replacements in a run: each costs a few steps on a plan that may be worse.
-_MAX_CORRECTIONS = 3
-# The closed loop's trial: plain checkpointing with every input kept (the simple plan the profiled steps do not run),
-# where it is predicted to fit and the first plan is another, runs this many steps after its first before the plan is
-# chosen with what it measured. Two: on the H100 zoo a step's time varied by up to 10% from one step to the next.
-_TRIAL_MEASURED_STEPS = 2
 # What the host spends on each layer that offloads, at least, before anything is measured: the engine's hooks take
 # about 4 us more per tensor offloaded than kept (6 against 2 us, docs/DESIGN.md), a checkpoint sends one tensor and a
 # whole layer 15-25. Enough that a plan keeping an input rather than offloading it for nothing is the faster.
@@ -215,33 +212,6 @@ class _KeptPlan:
     generation: int
 
 
-@dataclasses.dataclass(frozen=True)
-class _Sample:
-    """One clean step of a plan: its tokens in the profile's terms, its time, its peak (None without a counter) and
-    the tail the engine kept in it; `profiled`: the second profiled step, which the model of the step is calibrated
-    on (its `other_s`). `peak_exact`: the peak is this step's own (the counter rose to it in this step), not a bound
-    left by an earlier one; `static_bytes`: what was held between steps, with the gradients backward was to create,
-    as the step began, which its peak grows with (`_measured_plans`); `predicted_peak_bytes`: the model's prediction
-    of the step as it ran (its window, no correction), which an exact peak corrects (`_peak_correction`);
-    `head_base_bytes` and `head_reload_bytes`: its head's point without reloads and the reloads counted on top
-    (`SimulatedStep`), with which an exact peak bounds what the head hides (`_head_reload_hidden`).
-
-    The first step's is a peak alone (`through_backward`): no time (the probes and the warm-up ran in it), and its
-    peak is the counter's at the end of backward, as the optimizer's step then makes the optimizer's state."""
-
-    tokens: int
-    seconds: float | None
-    peak_bytes: int | None
-    profiled: bool = False
-    tail_bytes: int = 0  # what the engine's tail kept through the step's head
-    peak_exact: bool = False
-    static_bytes: int | None = None  # the memory held between steps and the gradients pending, as the step began
-    predicted_peak_bytes: int | None = None
-    head_base_bytes: int | None = None
-    head_reload_bytes: int = 0
-    through_backward: bool = False
-
-
 class MemoryBudgetController:
     """Profiles, plans and applies a per-layer plan so that the step's peak stays under `memory_budget`.
 
@@ -303,7 +273,7 @@ class MemoryBudgetController:
         self._first_plan_tokens = 0
         # The closed loop: per plan code, its clean steps; the code the layers run now, and the forward that
         # applied it; the step being timed (its start mark), and the corrections made so far.
-        self._samples: dict[str, list[_Sample]] = {}
+        self._samples: dict[str, list[Sample]] = {}
         self._code = ""
         self._applied_at = 0
         self._over_checked = -1  # `_applied_at` of the plan whose measurement a step over the budget ended
@@ -616,7 +586,7 @@ class MemoryBudgetController:
         predicted = self._model_prediction(
             measured.step_tokens, self._code, default_prefetch_window_bytes(max(inputs)) if window is None else window
         )
-        sample = _Sample(measured.step_tokens, measured.step_s, peak, profiled=True, tail_bytes=self._tail_kept(),
+        sample = Sample(measured.step_tokens, measured.step_s, peak, profiled=True, tail_bytes=self._tail_kept(),
                          peak_exact=peak is not None, static_bytes=measured.static_at_step_start,
                          **predicted)  # fmt: skip
         self._samples.setdefault(self._code, []).append(sample)
@@ -635,7 +605,7 @@ class MemoryBudgetController:
         if peak is None or len(self._first_step_codes) != 1:
             return
         (code,) = self._first_step_codes
-        self._samples.setdefault(code, []).append(_Sample(self._measured.step_tokens, None, peak,
+        self._samples.setdefault(code, []).append(Sample(self._measured.step_tokens, None, peak,
                                                           tail_bytes=self._tail_kept(), peak_exact=True,
                                                           static_bytes=self._first_step_static,
                                                           through_backward=True))  # fmt: skip
@@ -647,7 +617,7 @@ class MemoryBudgetController:
 
     def _steps_to_measure(self) -> int:
         """How many steps after its first the plan in force is timed before it is checked (a trial's are fewer)."""
-        return _TRIAL_MEASURED_STEPS if self.plan is not None and self.plan.trial else _MEASURED_STEPS
+        return TRIAL_MEASURED_STEPS if self.plan is not None and self.plan.trial else MEASURED_STEPS
 
     def _start_timing(self) -> None:
         """Times the step that starts now if its plan's check is to come: it is one of the steps measured after the
@@ -655,7 +625,7 @@ class MemoryBudgetController:
         self._timed_step_start = None
         to_check = self._applied_at < self._forwards <= self._applied_at + self._steps_to_measure()
         trial = self.plan is not None and self.plan.trial
-        if to_check and (trial or self._corrections < _MAX_CORRECTIONS):
+        if to_check and (trial or self._corrections < MAX_CORRECTIONS):
             self._timed_step_start = self._meter.mark()
             self._floor_at_timed_start = self._peak_floor
             self._static_at_timed_start = self._static_at_step_start
@@ -677,7 +647,7 @@ class MemoryBudgetController:
                 peak = None
             window = (self.plan.prefetch_window_bytes or None) if self.plan is not None else None
             predicted = self._model_prediction(self._previous_step_tokens, self._code, window)
-            self._samples.setdefault(self._code, []).append(_Sample(self._previous_step_tokens, seconds, peak,
+            self._samples.setdefault(self._code, []).append(Sample(self._previous_step_tokens, seconds, peak,
                                                                     tail_bytes=self._tail_kept(), peak_exact=exact,
                                                                     static_bytes=self._static_at_timed_start,
                                                                     **predicted))  # fmt: skip
@@ -976,55 +946,12 @@ class MemoryBudgetController:
             code = measured.safe_code
             safe = simulate(profile, "C" * len(self._layers) if unavailable_tiling(profile, code) else code)
             profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
-        profile = dataclasses.replace(profile, peak_correction_bytes=self._peak_correction(tokens)[0],
-                                      head_reload_hidden_bytes=self._head_reload_hidden(tokens))  # fmt: skip
+        profile = dataclasses.replace(profile, peak_correction_bytes=peak_correction(self._samples, tokens)[0],
+                                      head_reload_hidden_bytes=head_reload_hidden(self._samples, tokens))  # fmt: skip
         return profile if tokens == profile.tokens else profile.scaled(tokens)
 
-    def _peak_correction(self, tokens: int) -> tuple[int, str]:
-        """What a step of `tokens` is predicted to peak above the model: the most that a plan's step peaked above the
-        model's prediction of it, among the peaks measured exactly, grown in proportion where `tokens` is longer than
-        that step; and that plan's code (0 and "" when the model was never low).
-
-        On the H100 zoo the model predicted plain checkpointing's peak within 0.2% and over-predicted the others; on
-        an 8-layer model with small layers it predicted `cccccccc` 0.7% low, more than the plans' margin, and the
-        budget was exceeded by 4 MB. Grown with the step, because what the model misses is mostly per token: an 8B
-        QLoRA model peaked 87 MB above it at 16,384 tokens and, corrected by those 87 MB, 2.2 GB above it at 524,288
-        (H100, `benchmarks/long_context.py`); never shrunk for a shorter step, where a miss that does not grow would
-        then be under-counted."""
-        correction, code = 0, ""
-        for plan_code, sample in self._exact_predicted_samples():
-            excess = sample.peak_bytes - sample.predicted_peak_bytes
-            grown = math.ceil(excess * max(1.0, tokens / sample.tokens)) if excess > 0 else 0
-            if grown > correction:
-                correction, code = grown, plan_code
-        return correction, code
-
-    def _head_reload_hidden(self, tokens: int) -> int:
-        """What of the reloads the head starts its own peak hides, at least, in a step of `tokens`: the most that a
-        step's head point, as the model counts it, was above the step's exact peak (the head's memory was no higher),
-        up to the reloads it counted; shrunk in proportion for a shorter step, where the loss's temporaries that
-        leave the room are smaller, and not grown for a longer one (0 while no such peak was measured).
-
-        On S1 (H100, 16 layers, 16K tokens, a 128K vocabulary) plans whose first layers are offloaded whole
-        peaked 1.7-1.8 GiB below the model, which counts one such layer's reload (1.66 GiB) at the head: the
-        loss's fp32 temporaries are freed by the time the head's prefetch point fires."""
-        hidden = 0
-        for _, sample in self._exact_predicted_samples():
-            above = sample.head_base_bytes + sample.head_reload_bytes - sample.peak_bytes
-            bound = min(max(0, above), sample.head_reload_bytes)
-            hidden = max(hidden, bound * min(tokens, sample.tokens) // sample.tokens)
-        return hidden
-
-    def _exact_predicted_samples(self) -> Iterator[tuple[str, _Sample]]:
-        """(plan code, step) for each measured step whose peak is exact and whose plan the model could predict: what
-        the model's corrections of peaks learn from."""
-        for code, samples in self._samples.items():
-            for sample in samples:
-                if sample.peak_exact and sample.peak_bytes is not None and sample.predicted_peak_bytes is not None:
-                    yield code, sample
-
     def _model_prediction(self, tokens: int, code: str, window: int | None) -> dict[str, int | None]:
-        """The model's prediction of plan `code` at `tokens`, with prefetch window `window`, as `_Sample`'s fields:
+        """The model's prediction of plan `code` at `tokens`, with prefetch window `window`, as `Sample`'s fields:
         its peak and its head's point without reloads, both without the peak's correction, and the reloads the head
         counts; only a None peak for a code the profile cannot run (a tiled MLP in a step of one chunk)."""
         profile = self._profile_now(tokens)
@@ -1078,7 +1005,7 @@ class MemoryBudgetController:
         if self._profile is None:
             return False
         planned = self._profile.static_bytes + self._profile.gradient_bytes
-        return self._static_at_step_start > planned * (1 + _STATIC_GROWTH_TOLERANCE)
+        return self._static_at_step_start > planned * (1 + STATIC_GROWTH_TOLERANCE)
 
     def _plan_and_apply(self, tokens: int) -> None:
         """Plans for `tokens` per step with the memory held now, on rank 0, and applies the plan on every rank.
@@ -1215,7 +1142,7 @@ class MemoryBudgetController:
         return dataclasses.replace(trial, trial=True, time_scale=plan.time_scale)
 
     def _check_plan(self) -> None:
-        """The closed loop's check of the plan in force, after its `_MEASURED_STEPS` clean steps: plans again, for
+        """The closed loop's check of the plan in force, after its `MEASURED_STEPS` clean steps: plans again, for
         the same tokens, with every plan's measurements, and switches (a correction, logged with its figures) when
         the plan in force ran `STEP_TIME_NOISE` slower than the answer is expected to run, or peaked over the
         budget in one of its steps (whatever its speed: on two H200s, FSDP2 with ranks of different lengths, the plan
@@ -1233,7 +1160,7 @@ class MemoryBudgetController:
             calibrated = self._calibrated(profile, measured)
             over = ran.peak_bytes is not None and ran.peak_bytes > budget_bytes
             try:
-                last = self._corrections + 1 == _MAX_CORRECTIONS  # then keep the best measured plan
+                last = self._corrections + 1 == MAX_CORRECTIONS  # then keep the best measured plan
                 better = self._choose(calibrated, budget_bytes, margin_bytes, measured, measured_only=last)
             except InfeasibleBudgetError as error:
                 if not over:  # no plan is predicted to fit now, the one in force ran within: growth re-plans handle it
@@ -1245,7 +1172,7 @@ class MemoryBudgetController:
             logger.info("hf_offload: closed loop, correction %d of at most %d: plan %r ran in %.2f ms a step (the "
                         "fastest of %d steps at %d tokens, predicted %.2f ms)%s; plan %r replaces it, %s %.2f ms%s; "
                         "learned: %s",
-                        self._corrections + 1, _MAX_CORRECTIONS, in_force.code, ran.step_s * 1000,
+                        self._corrections + 1, MAX_CORRECTIONS, in_force.code, ran.step_s * 1000,
                         len(self._samples[in_force.code]), profile.tokens, in_force.predicted.step_s * 1000,
                         f" and peaked at {ran.peak_bytes} bytes, over the budget of {budget_bytes}" if over else "",
                         better.code,
@@ -1278,7 +1205,7 @@ class MemoryBudgetController:
             times = ", ".join(f"{step.code!r} " + ("its peak only" if step.step_s is None else
                                                     f"{step.step_s * 1000:.2f} ms") for step in measured)  # fmt: skip
             logger.info("hf_offload: closed loop, trial of plain checkpointing (every input kept) over %d steps at %d "
-                        "tokens: measured %s; learned: %s; plan %r, %s %.2f ms", _TRIAL_MEASURED_STEPS,
+                        "tokens: measured %s; learned: %s; plan %r, %s %.2f ms", TRIAL_MEASURED_STEPS,
                         profile.tokens, times, self.calibration.describe(), plan.code,
                         "measured at" if plan.time_measured else "expected at",
                         plan.expected_step_s * 1000)  # fmt: skip
@@ -1288,60 +1215,10 @@ class MemoryBudgetController:
         self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
 
     def _measured_plans(self, profile: StepProfile) -> list[MeasuredStep]:
-        """What each plan run so far measured, scaled to `profile`: per plan, the fastest of its steps' times and the
-        largest of their peaks, each step scaled from its own tokens. The fastest, not the median: a short step is
-        paced by the host, whose stalls (the garbage collector, the VM) only ever add time, to one step and not the
-        next (on the H100 zoo, plain checkpointing's steps spanned 0.167-0.246 s within one run), and are no
-        property of the plan. Only plans with `_MEASURED_STEPS` steps count
-        (one step is noise), the safe plan, whose profiled step the model is calibrated on, the trial's
-        `_TRIAL_MEASURED_STEPS`, and a plan one of whose steps peaked over the budget, exactly: that one step proves
-        the plan does not fit (`_close_the_loop` checks the plan there). Plans that tile MLPs or layers where
-        `profile` cannot are left out.
-
-        A peak grows by what the memory held between steps, with the gradients pending, grew since its step began
-        (`_held_growth`): with gradient accumulation over three micro-steps or more, the profiled steps run before the
-        optimizer made its state (AdamW's: twice the trained parameters), and a plan chosen by their peak would run
-        over the budget by that state once it exists.
-
-        The first step's peak (`_record_first_step`), grown so, measures the plan it ran where no later step measured
-        a peak of that plan: with the optimizer's step (after the counter's read) as the model has it, and not
-        under gradient accumulation, whose later micro-steps hold the gradients the first step created in backward.
-        It has no time: the plan's predicted time stands for it."""
-        at_tokens: dict[int, StepProfile] = {}
-        measured = []
-        budget_bytes = self._budget_bytes()
-        for code, all_samples in self._samples.items():
-            samples = [sample for sample in all_samples if not sample.through_backward]
-            if not self._gradients_accumulate and not any(sample.peak_bytes is not None for sample in samples):
-                samples += [sample for sample in all_samples if sample.through_backward]
-            enough = (len(samples) >= _MEASURED_STEPS or any(sample.profiled or sample.through_backward
-                                                            for sample in samples)
-                      or (code in self._trialled and len(samples) >= _TRIAL_MEASURED_STEPS)
-                      or any(sample.peak_exact and sample.peak_bytes > budget_bytes for sample in samples))  # fmt: skip
-            if not enough or unavailable_tiling(profile, code):
-                continue
-            steps = []
-            for sample in samples:
-                if sample.tokens not in at_tokens:
-                    at_tokens[sample.tokens] = self._profile_now(sample.tokens)
-                if unavailable_tiling(at_tokens[sample.tokens], code):
-                    continue  # a step shorter than one chunk ran its tiled MLPs untiled: the model has no such step
-                peak = sample.peak_bytes
-                if peak is not None and sample.static_bytes is not None:
-                    peak += _held_growth(sample.static_bytes, self._static_at_step_start)
-                if peak is not None and sample.through_backward:
-                    peak = max(peak, optimizer_step_bytes(at_tokens[sample.tokens]))
-                steps.append(MeasuredStep(code, sample.seconds, peak).scaled(at_tokens[sample.tokens], profile))
-            if not steps:
-                continue
-            # Its peak where every step's is known; and where some step's own peak was over the budget (the others'
-            # unknown: the counter held that peak), for that proves the plan does not fit.
-            known = [step.peak_bytes for step in steps if step.peak_bytes is not None]
-            proven = known and (len(known) == len(steps) or max(known) > self._budget_bytes())
-            timed = [step.step_s for step in steps if step.step_s is not None]
-            measured.append(MeasuredStep(code, min(timed) if timed else None,
-                                         max(known) if proven else None))  # fmt: skip
-        return measured
+        """What each plan run so far measured, scaled to `profile` (`closed_loop.measured_plans`), its peaks grown by
+        what the memory held grew since their steps began."""
+        return measured_plans(self._samples, profile, self._profile_now, self._budget_bytes(),
+                              self._static_at_step_start, self._gradients_accumulate, self._trialled)  # fmt: skip
 
     def _use(self, new_plan: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
         """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows, and
@@ -1356,7 +1233,7 @@ class MemoryBudgetController:
         if profile.peak_correction_bytes:
             logger.info("hf_offload: closed loop: plan %r peaked above the model's prediction of it; the predicted "
                         "peaks above are raised by %d bytes (its excess, in proportion to this step's tokens where "
-                        "they are more)", self._peak_correction(profile.tokens)[1],
+                        "they are more)", peak_correction(self._samples, profile.tokens)[1],
                         profile.peak_correction_bytes)  # fmt: skip
         engine = self._engine()
         if new_plan.inputs_kept_for_host:
@@ -1486,17 +1363,6 @@ class _OwnOptimizerSteps:
             self._counts[optimizer] = counts
         if counts:
             self.count += 1
-
-
-def _held_growth(at_step_start: int, now: int) -> int:
-    """What the memory held between steps (with the gradients pending) grew by since a measured step began, where it
-    grew by more than the allocator's noise (`_STATIC_GROWTH_TOLERANCE`, as for planning anew); else 0.
-
-    Small growth is most likely the measured step's own (allocations it keeps, such as library workspaces), and so
-    was in its peak: on an H200 a budget at the second profiled step's measured peak was refused by 4 MB (of 820 MB
-    held) once the growth to the third step's start was added to that peak."""
-    grown = now - at_step_start
-    return grown if grown > at_step_start * _STATIC_GROWTH_TOLERANCE else 0
 
 
 def _tiled_fields(

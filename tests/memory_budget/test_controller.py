@@ -19,6 +19,7 @@ from hf_offload.host_memory import HostMemory
 from hf_offload.memory_budget import controller as controller_module
 from hf_offload.memory_budget import probes
 from hf_offload.memory_budget.calibrate import Calibration
+from hf_offload.memory_budget.closed_loop import Sample
 from hf_offload.memory_budget.search import plan_of
 from hf_offload.memory_budget.simulate import MeasuredStep, optimizer_step_bytes, simulate
 
@@ -878,8 +879,8 @@ def test_the_first_steps_peak_stands_for_its_plan_only_where_no_later_step_measu
     code = "c" * LAYERS  # a plan no step ran
     before = held - held // 11  # the memory held grew by a tenth since the first step began
 
-    def first(peak: int) -> controller_module._Sample:
-        return controller_module._Sample(tokens, None, peak, peak_exact=True, static_bytes=before,
+    def first(peak: int) -> Sample:
+        return Sample(tokens, None, peak, peak_exact=True, static_bytes=before,
                                          through_backward=True)  # fmt: skip
 
     controller._samples = {code: [first(floor)]}
@@ -887,7 +888,7 @@ def test_the_first_steps_peak_stands_for_its_plan_only_where_no_later_step_measu
     assert (step.code, step.step_s, step.peak_bytes) == (code, None, floor + held - before)
     controller._samples = {code: [first(1)]}  # under the optimizer's step: that point stands
     assert controller._measured_plans(at)[0].peak_bytes == floor
-    later = [controller_module._Sample(tokens, 0.5, 1000, static_bytes=held) for _ in range(3)]
+    later = [Sample(tokens, 0.5, 1000, static_bytes=held) for _ in range(3)]
     controller._samples = {code: [first(floor), *later]}
     assert controller._measured_plans(at) == [MeasuredStep(code, 0.5, 1000)]
     controller._samples, controller._gradients_accumulate = {code: [first(floor)]}, True
@@ -1139,7 +1140,7 @@ def test_what_the_heads_peak_hides_of_its_reloads_is_learned_from_exact_peaks():
     reload_bytes, base = 1000, controller.profile.static_bytes
 
     def measured(peak: int, exact: bool = True, at: int = tokens) -> None:
-        sample = controller_module._Sample(at, 0.1, peak, peak_exact=exact, predicted_peak_bytes=base + reload_bytes,
+        sample = Sample(at, 0.1, peak, peak_exact=exact, predicted_peak_bytes=base + reload_bytes,
                                            head_base_bytes=base, head_reload_bytes=reload_bytes)  # fmt: skip
         controller._samples.setdefault("head test", []).append(sample)
 
