@@ -15,9 +15,10 @@ Where a new test goes: next to the module it tests, in the file named after it.
 - `examples/distributed/`: `test_distributed_examples.py` (two gloo processes in the CPU test mode).
 - Across families of models: `test_architectures.py` (offloading), `memory_budget/test_controller_families.py` (the
   budget); `test_qlora.py` for 4-bit models; `test_reliability.py` for faults and leaks over many steps.
-- The user's view: `test_readme.py`, `test_main_job.py`, `test_notebook.py`, `test_packaging.py`; the benchmarks'
-  own logic: `test_long_context_bench.py`, `test_soak_script.py`,
-  `test_zoo_bench.py`, `test_dynamic_padding_bench.py`.
+- The user's view: `test_readme.py`, `test_main_job.py`, `test_notebook.py`, `test_packaging.py`.
+- The scripts of the repository's `benchmarks/`, their own logic on CPU: `benchmarks/test_long_context_bench.py`,
+  `test_zoo_bench.py`, `test_dynamic_padding_bench.py`, `test_compile_native_bench.py` (compile_native_offload.py)
+  and `test_soak_script.py` (soak_1b.py); each puts that folder on the path to import its script.
 - GPU-only behaviour: `tests/gpu/test_gpu_<topic>.py`, run by `bash tests/gpu/run_all.sh` on a GPU machine.
 Shared helpers live in one place per use: `helpers.py` (the tiny model and its data, Trainer runs), `compile_runs.py`,
 `qlora_models.py`, `ranks.py`, `memory_budget/step_profiles.py` (the step profiles of the pure modules' tests), and

@@ -1,7 +1,7 @@
-"""benchmarks/compile_native_offload.py (issue 21: PyTorch's compile-time offloading pass) on CPU: its joint-graph
-pass marks the layers it names and no others, and the script runs end to end in its --tiny mode with the pass on, so
-that the GPU measurement does not rot between GPU runs (a transformers release that renames the module stack the pass
-reads would mark nothing, and the benchmark would then measure no offloading at all)."""
+"""benchmarks/compile_native_offload.py (PyTorch's compile-time offloading pass, for a model compiled whole) on CPU: its
+joint-graph pass marks the layers it names and no others, and the script runs end to end in its --tiny mode with the
+pass on, so that the GPU measurement does not rot between GPU runs (a transformers release that renames the module stack
+the pass reads would mark nothing, and the benchmark would then measure no offloading at all)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "compile_native_offload.py"
 sys.path.insert(0, str(REPO / "benchmarks"))
 from compile_native_offload import MarkLayerActivations  # noqa: E402

@@ -1,7 +1,7 @@
-"""benchmarks/dynamic_padding.py (issue 20's target 4) on CPU: its check on steps made up by hand, then the script end
-to end in its --device cpu mode (a tiny Llama, hf-offload's CPU test mode): the minimum read from the library's
-refusal, the budget 1% above it, every step recorded with its plan and what the library said. Keeps the GPU
-benchmark's logic from rotting between GPU runs."""
+"""benchmarks/dynamic_padding.py (dynamic padding under a tight memory budget) on CPU: its check on steps made up by
+hand, then the script end to end in its --device cpu mode (a tiny Llama, hf-offload's CPU test mode): the minimum read
+from the library's refusal, the budget 1% above it, every step recorded with its plan and what the library said. Keeps
+the GPU benchmark's logic from rotting between GPU runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import dynamic_padding  # noqa: E402
 

@@ -1,7 +1,7 @@
-"""benchmarks/zoo.py (issue 20's shape zoo) on CPU: the sweep's logic and checks (benchmarks/harness/zoo.py) on
-results made up by hand, then the script end to end in its --device cpu mode (tiny shapes, hf-offload's CPU test
-mode), cut by its time budget, and with its child dying in a mode. Keeps the GPU sweep's logic from rotting between
-GPU runs."""
+"""benchmarks/zoo.py (the memory budget swept over 1B-8B-class shapes) on CPU: the sweep's logic and checks
+(benchmarks/harness/zoo.py) on results made up by hand, then the script end to end in its --device cpu mode (tiny
+shapes, hf-offload's CPU test mode), cut by its time budget, and with its child dying in a mode. Keeps the GPU sweep's
+logic from rotting between GPU runs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import zoo as zoo_script  # noqa: E402
 from harness import report, zoo  # noqa: E402

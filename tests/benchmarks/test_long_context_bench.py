@@ -1,8 +1,8 @@
-"""benchmarks/long_context.py (issue 14's long-context benchmark) on CPU: the prediction's arithmetic
+"""benchmarks/long_context.py (the longest sequence each mode trains in one step) on CPU: the prediction's arithmetic
 (benchmarks/harness/longest.py) on numbers worked out by hand, then the script end to end in its --tiny mode (a tiny
-Llama on a pretend 16 MiB device, hf-offload in its CPU test mode): every mode is profiled, predicted and confirmed,
-and the confirmed step's peak is the one predicted; the same for a tiny Qwen3 (--family qwen3-8b, issue 23's target
-3). Keeps the GPU benchmark's logic from rotting between GPU runs."""
+Llama on a pretend 16 MiB device, hf-offload in its CPU test mode): every mode is profiled, predicted and confirmed, and
+the confirmed step's peak is the one predicted; the same for a tiny Qwen3 (--family qwen3-8b: the prediction on a second
+8B family). Keeps the GPU benchmark's logic from rotting between GPU runs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from harness import longest  # noqa: E402
 
@@ -257,7 +257,7 @@ def test_a_failed_step_records_the_frames_it_was_raised_in():
 
 
 def test_qwen3_family_builds_a_qwen3_and_predicts(tmp_path):
-    """Issue 23's target 3 on another 8B family: the tiny shape of Qwen3's class, through the planner's mode (its
+    """The prediction on a second 8B family: the tiny shape of Qwen3's class, through the planner's mode (its
     confirmation short: at the predicted length it takes as long as the rest of the run on CPU)."""
     results = _run(tmp_path, "--family", "qwen3-8b", "--modes", "plan@auto", "--confirm-tokens", "192")
     settings = results["settings"]
