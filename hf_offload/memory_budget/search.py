@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from ..units import format_bytes
 from .checks import is_int
@@ -162,22 +162,6 @@ def _offload_prefix_limit(profile: StepProfile, options: list[dict[str, LayerOpt
     return len(profile.layers) - 1
 
 
-def _fastest_offload_prefix(
-    plans: list[list[str]],
-    limit: int,
-    run_of: Callable[[Sequence[str]], SimulatedStep],
-    fits: Callable[[SimulatedStep], bool],
-) -> tuple[list[str], SimulatedStep] | None:
-    """The fastest first fitting plan among the greedy's `plans` with their first 1, 2, ... `limit` layers offloaded
-    whole (`O`). None if no such plan fits."""
-    best = None
-    for prefix in range(1, limit + 1):
-        found = _first_fitting([["O"] * prefix + letters[prefix:] for letters in plans], run_of, fits)
-        if found is not None and (best is None or found[1].step_s < best[1].step_s):
-            best = found
-    return best
-
-
 def _lowest_memory_code(profile: StepProfile, letters_of: str = "Cc") -> str:
     """Every layer fully checkpointed (`Cc`; its MLP tiled, `Tt`; or tiled whole, `Ll`), inputs offloaded from the
     first layer on while the host has room."""
@@ -200,6 +184,11 @@ def _tiling_kind(code: Sequence[str]) -> int:
     """0 for an exact plan, 1 for one that tiles MLPs (`T`, `t`), 2 for one that tiles whole layers (`L`, `l`): the
     order in which `choose_plan` turns to them."""
     return 2 if set(code) & set("Ll") else 1 if set(code) & set("Tt") else 0
+
+
+# The tilings `choose_plan` turns to, in this order, where no plan without them fits (`_tiling_kind` 1 and 2): their
+# letters, and whether a profile measured them.
+_TILINGS = (("Tt", tiling_available), ("Ll", layer_tiling_available))
 
 
 class InfeasibleBudgetError(ValueError):
@@ -303,47 +292,199 @@ def smallest_budget(peak_bytes: int, budget_bytes: int, margin_bytes: int) -> in
     return budget
 
 
-def _first_fitting(plans: list[list[str]], run_of: Callable[[Sequence[str]], SimulatedStep],
-                   fits: Callable[[SimulatedStep], bool]) -> tuple[list[str], SimulatedStep] | None:  # fmt: skip
-    """The first of the greedy's plans that fits, by binary search: their peak falls from one to the next (all
-    but always monotonically; whatever the search returns was checked by the simulation)."""
-    low, high, found = 0, len(plans) - 1, None
-    while low <= high:
-        middle = (low + high) // 2
-        run = run_of(plans[middle])
-        if fits(run):
-            found, high = (plans[middle], run), middle - 1
-        else:
-            low = middle + 1
-    return found
+# A candidate plan: its letters, one per layer, and its simulation with the widest prefetch window that fits.
+_Candidate = tuple[list[str], SimulatedStep]
 
 
-def _polish(letters: list[str], run: SimulatedStep, seconds: list[dict[str, float]],
-            run_of: Callable[[Sequence[str]], SimulatedStep], fits: Callable[[SimulatedStep], bool],
-            planned: str = _PLANNED) -> tuple[list[str], SimulatedStep]:  # fmt: skip
-    """Moves each layer, once, to the first action that still fits and makes the step faster.
+class _Search:
+    """What the stages of one `choose_plan` call share: the profile, each layer's options and the seconds each adds
+    on its own (`_own_seconds`), the peak not to exceed, the plans that ran by code and the model's error in time."""
 
-    A layer tries the actions of `planned` no dearer on their own than its current one, cheapest first (ties
-    included: an input kept rather than offloaded costs the same recompute and no copy). The layers that could save
-    the most go first; on ties the last first, whose changes freed memory for the fewest points of the step.
-    """
-    order = sorted(
-        range(len(letters)), key=lambda i: (min(seconds[i][letter] for letter in planned) - seconds[i][letters[i]], -i)
-    )
-    for i in order:
-        current_s = seconds[i][letters[i]]
-        alternatives = sorted(
-            (letter for letter in planned if letter != letters[i] and seconds[i][letter] <= current_s),
-            key=lambda letter: seconds[i][letter],
+    def __init__(self, profile: StepProfile, budget_bytes: int, margin_bytes: int,
+                 measured: Sequence[MeasuredStep]) -> None:  # fmt: skip
+        for step in measured:
+            check_code(profile, step.code)
+        self.profile = profile
+        self.budget_bytes = budget_bytes
+        self.margin_bytes = margin_bytes
+        self.limit = budget_bytes - margin_bytes
+        self.by_code = {step.code: step for step in measured}
+        self.options = [layer_options(profile, layer) for layer in profile.layers]
+        self.seconds = _own_seconds(profile, self.options)
+        self.time_scale = self._model_error_in_time()
+
+    def _model_error_in_time(self) -> float:
+        """The measured plans' median ratio of measured to predicted step time, 1 without any: a prediction compared
+        with a measurement is scaled by it (a model that over-predicts every step would otherwise lose every
+        comparison to a measurement)."""
+        ratios = [step.step_s / run.step_s for step in self.by_code.values()
+                  if step.step_s is not None and (run := self.run_of(step.code)).step_s > 0]  # fmt: skip
+        return statistics.median(ratios) if ratios else 1.0
+
+    def options_of(self, letters: Sequence[str]) -> list[LayerOption]:
+        return [layer[letter] for layer, letter in zip(self.options, letters)]
+
+    def run_of(self, letters: Sequence[str]) -> SimulatedStep:
+        return simulate_step(self.profile, self.options_of(letters), limit=self.limit)
+
+    def candidate(self, code: Sequence[str]) -> _Candidate:
+        letters = list(code)
+        return letters, self.run_of(letters)
+
+    def fits(self, run: SimulatedStep) -> bool:
+        """Whether the model fits the plan: its predicted peak within the budget less the margin, what it offloads
+        within the host cap."""
+        return run.peak_bytes <= self.limit and run.host_bytes <= self.profile.host_cap_bytes
+
+    def as_plan(self, letters: Sequence[str], run: SimulatedStep) -> Plan:
+        code = "".join(letters)
+        return Plan(
+            budget_bytes=self.budget_bytes,
+            tokens=self.profile.tokens,
+            predicted=prediction_of(code, self.options_of(code), run),
+            host_cap_bytes=self.profile.host_cap_bytes,
+            measured=self.by_code.get(code),
+            **chunk_sizes(self.profile, code),
+            time_scale=self.time_scale,
         )
-        for letter in alternatives:
-            trial = letters.copy()
-            trial[i] = letter
-            trial_run = run_of(trial)
-            if fits(trial_run) and trial_run.step_s < run.step_s:
-                letters, run = trial, trial_run
-                break
-    return letters, run
+
+    def admissible(self, candidate: _Candidate) -> bool:
+        """Whether the plan fits by its measured peak where it ran (`Plan.fits`), else by the model, and the host has
+        room for what it offloads."""
+        letters, run = candidate
+        return self.as_plan(letters, run).fits(self.margin_bytes) and run.host_bytes <= self.profile.host_cap_bytes
+
+    def fastest(self, candidates: list[_Candidate]) -> Plan:
+        """The fastest plan, or where a measured one is within `STEP_TIME_NOISE` of it, the simplest of those."""
+        plans = sorted((self.as_plan(*candidate) for candidate in candidates), key=lambda plan: plan.expected_step_s)
+        close = [plan for plan in plans if plan.expected_step_s <= plans[0].expected_step_s * (1 + STEP_TIME_NOISE)]
+        if not any(plan.time_measured for plan in close):
+            return plans[0]
+        return min(close, key=lambda plan: _simplicity(plan.code))
+
+    def measured_candidates(self, tiling_kind: int) -> list[_Candidate]:
+        """The plans that ran with this `_tiling_kind` that are admissible, in the order they were given."""
+        candidates = (self.candidate(code) for code in self.by_code if _tiling_kind(code) == tiling_kind)
+        return [candidate for candidate in candidates if self.admissible(candidate)]
+
+    def fastest_exact(self, lowest: _Candidate, measured: list[_Candidate]) -> Plan:
+        """Where the lowest-memory exact plan fits: the fastest of the greedy's first fitting plan, its best plan with
+        the first layers offloaded whole and `lowest`, each polished, and the `measured` plans.
+
+        A plan the model fits that measured over the budget is no candidate; the polished lowest-memory plan stays
+        one whatever it measured, the last resort.
+        """
+        others = [*measured]
+        greedy = self.first_fitting(_greedy_plans(self.profile, self.options, self.seconds))
+        if greedy is not None:
+            others.append(self.polish(*greedy))
+        in_place = _greedy_plans(self.profile, self.options, self.seconds, planned=_PLANNED.replace("O", ""))
+        offloaded_first = self.fastest_offload_prefix(in_place, _offload_prefix_limit(self.profile, self.options))
+        if offloaded_first is not None:
+            others.append(self.polish(*offloaded_first))
+        return self.fastest([self.polish(*lowest), *filter(self.admissible, others)])
+
+    def fastest_tiled(self, lowest: _Candidate, measured_only: bool) -> tuple[Plan | None, _Candidate]:
+        """Where no exact plan fits: the MLPs tiled, then (slower, and lower at long context) whole layers tiled, each
+        kind only where the one before does not fit, by measurement or by the model.
+
+        The model's plan of a kind starts from its lowest-memory plan, and polishing moves the layers that can do
+        without to faster actions (a layer tiled whole may go back to a tiled MLP, or to an exact action). Its plan
+        and the measured ones of the kind compete by their expected times, as exact plans do: a measured plan that
+        tiles every layer must not shut out the model's plan that tiles two (dynamic padding on an H200, 1% above
+        the minimum: the plan for 5,167 tokens stayed `L` x 16 at 0.98 s a step after the loop had replaced it at
+        6,144 tokens by `LLTCCCCCCCcccccc` at 0.19-0.5 s).
+
+        Returns:
+            The plan, or None where no tiling fits; and the lowest-memory plan of `lowest` and those tried, for the
+            refusal to name (tiling can cost memory).
+        """
+        planned = _PLANNED
+        for kind, (letters, available) in enumerate(_TILINGS, start=1):
+            measured_here = self.measured_candidates(tiling_kind=kind)
+            if not available(self.profile) or (measured_only and measured_here):
+                if measured_here:
+                    return self.fastest(measured_here), lowest
+                continue
+            planned += letters
+            tiled = self.candidate(_lowest_memory_code(self.profile, letters))
+            if self.fits(tiled[1]):
+                polished = self.polish(*tiled, planned=planned)
+                # One that measured over the budget is no candidate, unless nothing else is (as before measurements).
+                return self.fastest([*measured_here, *filter(self.admissible, [polished])] or [polished]), lowest
+            if measured_here:
+                return self.fastest(measured_here), lowest
+            if tiled[1].peak_bytes < lowest[1].peak_bytes:
+                lowest = tiled
+        return None, lowest
+
+    def refusal(self, lowest: _Candidate) -> InfeasibleBudgetError:
+        """The error for a budget that no plan fits, naming `lowest`, the lowest-memory plan (`_infeasible`).
+
+        A measured plan that peaked below the smallest budget the lowest-memory plan needs (over this budget, or it
+        would have been chosen) is the smallest budget known to work: the error names it instead.
+        """
+        letters, run = lowest
+        error = _infeasible(self.profile, self.budget_bytes, self.margin_bytes, self.as_plan(letters, run),
+                            self.options_of(letters), run)  # fmt: skip
+        met = min((step for step in self.by_code.values() if step.peak_bytes is not None),
+                  key=lambda step: step.peak_bytes, default=None)  # fmt: skip
+        if met is not None and met.peak_bytes < error.minimum_bytes:
+            return InfeasibleBudgetError(f"{error} Measured, plan {met.code!r} peaked at "
+                                         f"{format_bytes(met.peak_bytes)} ({met.peak_bytes} bytes): the smallest "
+                                         "budget known to work.",
+                                         self.budget_bytes, met.peak_bytes, error.lowest_plan)  # fmt: skip
+        return error
+
+    def first_fitting(self, plans: list[list[str]]) -> _Candidate | None:
+        """The first of the greedy's plans that fits, by binary search: their peak falls from one to the next (all
+        but always monotonically; whatever the search returns was checked by the simulation)."""
+        low, high, found = 0, len(plans) - 1, None
+        while low <= high:
+            middle = (low + high) // 2
+            run = self.run_of(plans[middle])
+            if self.fits(run):
+                found, high = (plans[middle], run), middle - 1
+            else:
+                low = middle + 1
+        return found
+
+    def fastest_offload_prefix(self, plans: list[list[str]], most_layers: int) -> _Candidate | None:
+        """The fastest first fitting plan among the greedy's `plans` with their first 1, 2, ... `most_layers` layers
+        offloaded whole (`O`). None if no such plan fits."""
+        best = None
+        for prefix in range(1, most_layers + 1):
+            found = self.first_fitting([["O"] * prefix + letters[prefix:] for letters in plans])
+            if found is not None and (best is None or found[1].step_s < best[1].step_s):
+                best = found
+        return best
+
+    def polish(self, letters: list[str], run: SimulatedStep, planned: str = _PLANNED) -> _Candidate:
+        """Moves each layer, once, to the first action that still fits and makes the step faster.
+
+        A layer tries the actions of `planned` no dearer on their own than its current one, cheapest first (ties
+        included: an input kept rather than offloaded costs the same recompute and no copy). The layers that could
+        save the most go first; on ties the last first, whose changes freed memory for the fewest points of the step.
+        """
+        seconds = self.seconds
+        order = sorted(
+            range(len(letters)),
+            key=lambda i: (min(seconds[i][letter] for letter in planned) - seconds[i][letters[i]], -i),
+        )
+        for i in order:
+            current_s = seconds[i][letters[i]]
+            alternatives = sorted(
+                (letter for letter in planned if letter != letters[i] and seconds[i][letter] <= current_s),
+                key=lambda letter: seconds[i][letter],
+            )
+            for letter in alternatives:
+                trial = letters.copy()
+                trial[i] = letter
+                trial_run = self.run_of(trial)
+                if self.fits(trial_run) and trial_run.step_s < run.step_s:
+                    letters, run = trial, trial_run
+                    break
+        return letters, run
 
 
 def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, measured: Sequence[MeasuredStep] = (),
@@ -356,7 +497,7 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
     makes the step faster, which undoes changes the peak did not need (a change frees memory only for the points
     of the step after its layer). The greedy ranks a layer's whole offload (`O`) as if its reload had one layer's
     backward to hide behind, which prices it out; so its plans are also tried with the first layers offloaded whole
-    (as many as the forward can hide the copies of) and the rest kept in place (`_fastest_offload_prefix`), where
+    (as many as the forward can hide the copies of) and the rest kept in place (`_Search.fastest_offload_prefix`), where
     the prefetch window lets their reloads come back behind every later layer's backward. The greedy's plan, the
     best such plan and the lowest-memory plan are polished, and the fastest wins: the result is never slower than
     the lowest-memory plan. Every candidate is judged by `simulate_step` with the widest prefetch window that fits,
@@ -420,115 +561,24 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
     """
     if not is_int(budget_bytes) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be an int > 0, got {budget_bytes!r}")
-    for step in measured:
-        check_code(profile, step.code)
-    by_code = {step.code: step for step in measured}
-    options = [layer_options(profile, layer) for layer in profile.layers]
-    limit = budget_bytes - margin_bytes
-
-    def run_of(letters: Sequence[str]) -> SimulatedStep:
-        return simulate_step(profile, [layer[letter] for layer, letter in zip(options, letters)], limit=limit)
-
-    # The model's error in time, as the measured plans show it: a prediction compared with a measurement is scaled
-    # by it (a model that over-predicts every step would otherwise lose every comparison to a measurement).
-    ratios = [step.step_s / run.step_s for step in by_code.values()
-              if step.step_s is not None and (run := run_of(step.code)).step_s > 0]  # fmt: skip
-    time_scale = statistics.median(ratios) if ratios else 1.0
-
-    def fits(run: SimulatedStep) -> bool:
-        return run.peak_bytes <= limit and run.host_bytes <= profile.host_cap_bytes
-
-    def finish(letters: Sequence[str], run: SimulatedStep) -> Plan:
-        code = "".join(letters)
-        predicted = prediction_of(code, [layer[letter] for layer, letter in zip(options, code)], run)
-        return Plan(
-            budget_bytes=budget_bytes,
-            tokens=profile.tokens,
-            predicted=predicted,
-            host_cap_bytes=profile.host_cap_bytes,
-            measured=by_code.get(code),
-            **chunk_sizes(profile, code),
-            time_scale=time_scale,
-        )
-
-    def fastest(candidates: list[tuple[list[str], SimulatedStep]]) -> Plan:
-        """The fastest plan, or where a measured one is within `STEP_TIME_NOISE` of it, the simplest of those."""
-        plans = sorted((finish(*candidate) for candidate in candidates), key=lambda plan: plan.expected_step_s)
-        close = [plan for plan in plans if plan.expected_step_s <= plans[0].expected_step_s * (1 + STEP_TIME_NOISE)]
-        if not any(plan.time_measured for plan in close):
-            return plans[0]
-        return min(close, key=lambda plan: _simplicity(plan.code))
-
-    def admissible(candidate: tuple[list[str], SimulatedStep]) -> bool:
-        return finish(*candidate).fits(margin_bytes) and candidate[1].host_bytes <= profile.host_cap_bytes
-
-    measured_fitting = [candidate for candidate in ((list(code), run_of(code)) for code in by_code)
-                        if admissible(candidate)]  # fmt: skip
+    search = _Search(profile, budget_bytes, margin_bytes, measured)
     # Tiling is not exact: a measured plan that tiles is a candidate only where no exact plan fits (and one that tiles
-    # whole layers only where no plan with tiled MLPs fits either).
-    exact_measured = [candidate for candidate in measured_fitting if not _tiling_kind(candidate[0])]
+    # whole layers only where no plan with tiled MLPs fits either, see `_Search.fastest_tiled`).
+    exact_measured = search.measured_candidates(tiling_kind=0)
     if measured_only and exact_measured:
-        return fastest(exact_measured)
-    keep_all = ["K"] * len(options)
-    keep_all_run = run_of(keep_all)
-    if admissible((keep_all, keep_all_run)):  # nothing is faster, unless it measured slower than a measured plan
-        return fastest([(keep_all, keep_all_run), *exact_measured])
-    lowest = list(_lowest_memory_code(profile))
-    lowest_run = run_of(lowest)
-    seconds = _own_seconds(profile, options)
-    if not fits(lowest_run) and exact_measured:  # the model over-predicts a peak that a measurement met
-        return fastest(exact_measured)
-    # Where no exact plan fits: the MLPs tiled, then (slower, and lower at long context) whole layers tiled, each kind
-    # only where the one before does not fit, by measurement or by the model. The model's starts from its
-    # lowest-memory plan, and polishing moves the layers that can do without to faster actions (a layer tiled whole
-    # may go back to a tiled MLP, or to an exact action). Its plan and the measured ones of the kind compete by their
-    # expected times, as exact plans do below: a measured plan that tiles every layer must not shut out the model's
-    # plan that tiles two (dynamic padding on an H200, 1% above the minimum: the plan for 5,167 tokens stayed `L` x
-    # 16 at 0.98 s a step after the loop had replaced it at 6,144 tokens by `LLTCCCCCCCcccccc` at 0.19-0.5 s).
-    planned = _PLANNED
-    for kind, (letters, available) in enumerate((("Tt", tiling_available), ("Ll", layer_tiling_available)), start=1):
-        if fits(lowest_run):
-            break
-        measured_here = [candidate for candidate in measured_fitting if _tiling_kind(candidate[0]) == kind]
-        if not available(profile) or (measured_only and measured_here):
-            if measured_here:
-                return fastest(measured_here)
-            continue
-        planned += letters
-        tiled = list(_lowest_memory_code(profile, letters))
-        tiled_run = run_of(tiled)
-        if fits(tiled_run):
-            polished = _polish(tiled, tiled_run, seconds, run_of, fits, planned=planned)
-            # One that measured over the budget is no candidate, unless nothing else is (as before measurements).
-            return fastest([*measured_here, *filter(admissible, [polished])] or [polished])
-        if measured_here:
-            return fastest(measured_here)
-        if tiled_run.peak_bytes < lowest_run.peak_bytes:  # the refusal names the lowest (tiling can cost memory)
-            lowest, lowest_run = tiled, tiled_run
-    if not fits(lowest_run):
-        chosen = [layer[letter] for layer, letter in zip(options, lowest)]
-        error = _infeasible(profile, budget_bytes, margin_bytes, finish(lowest, lowest_run), chosen, lowest_run)
-        # A measured plan that peaked below the predicted minimum (over this budget, or it would have been chosen)
-        # is the smallest budget known to work.
-        met = min((step for step in by_code.values() if step.peak_bytes is not None),
-                  key=lambda step: step.peak_bytes, default=None)  # fmt: skip
-        if met is not None and met.peak_bytes < error.minimum_bytes:
-            raise InfeasibleBudgetError(f"{error} Measured, plan {met.code!r} peaked at {format_bytes(met.peak_bytes)} "
-                                        f"({met.peak_bytes} bytes): the smallest budget known to work.",
-                                        budget_bytes, met.peak_bytes, error.lowest_plan)  # fmt: skip
-        raise error
-
-    others = [*exact_measured]
-    greedy = _first_fitting(_greedy_plans(profile, options, seconds), run_of, fits)
-    if greedy is not None:
-        others.append(_polish(*greedy, seconds, run_of, fits))
-    in_place = _greedy_plans(profile, options, seconds, planned=_PLANNED.replace("O", ""))
-    offloaded_first = _fastest_offload_prefix(in_place, _offload_prefix_limit(profile, options), run_of, fits)
-    if offloaded_first is not None:
-        others.append(_polish(*offloaded_first, seconds, run_of, fits))
-    # A plan the model fits that measured over the budget is no candidate; the polished lowest-memory plan stays
-    # one whatever it measured, the last resort.
-    return fastest([_polish(lowest, lowest_run, seconds, run_of, fits), *filter(admissible, others)])
+        return search.fastest(exact_measured)
+    keep_all = search.candidate("K" * len(profile.layers))
+    if search.admissible(keep_all):  # nothing is faster, unless it measured slower than a measured plan
+        return search.fastest([keep_all, *exact_measured])
+    lowest = search.candidate(_lowest_memory_code(profile))
+    if search.fits(lowest[1]):
+        return search.fastest_exact(lowest, exact_measured)
+    if exact_measured:  # the model over-predicts a peak that a measurement met
+        return search.fastest(exact_measured)
+    tiled, lowest = search.fastest_tiled(lowest, measured_only)
+    if tiled is None:
+        raise search.refusal(lowest)
+    return tiled
 
 
 def plan_of(profile: StepProfile, code: str, budget_bytes: int, margin_bytes: int = 0) -> Plan:
