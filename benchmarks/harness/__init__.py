@@ -34,7 +34,7 @@ GIB = 1024**3
 def lower_quartile(times: list[float]) -> float:
     """The lower quartile of step times (the time itself for one step): where the host paces a short step, its
     stalls only ever add time, to some steps and not others, so a low quantile measures the plan and a median the
-    host as well (benchmarks/results/2026-11-24-*-M36-short-steps-2.md)."""
+    host as well (docs/DESIGN.md, "Host time")."""
     return statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]
 
 

@@ -1,7 +1,8 @@
 """What the plans that ran teach the step model: the scale of its times, and the host's time per offloading layer.
 
 The step model (`simulate`) times a step from the probes' per-layer times and the link's bandwidth, as the GPU would
-run it. Two things it does not see, measured on the H100 shape zoo (benchmarks/results/2026-11-24-*-zoo.md):
+run it. Two things it does not see, measured on the H100 shape zoo (benchmarks/zoo.py; docs/DESIGN.md, "What the
+measured plans teach the model"):
 
 * Short steps are paced by the host, not the GPU: on a 36-layer 3B shape at 4K tokens the model predicted 436 ms for
   a step that ran in 300 ms, and on a 26-layer 2B shape at 2K tokens 300 ms for 236 ms. Its layer times are too long
