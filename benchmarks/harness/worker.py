@@ -37,7 +37,7 @@ class SharedModel:
     each later mode turns the model's checkpointing on or off, starts with the optimizer's state cleared, and takes its
     offload context off the model when it ends. Both sides then run on one build, with no rebuild between them: what
     is left between them is the host's own stalls, which on host-paced short steps still move a plan against itself
-    by 5-13% (`benchmarks/NOTES.md`, session 37)."""
+    by 5-13% (docs/DESIGN.md, "Held on shapes it was not tuned on")."""
 
     def __init__(self) -> None:
         self.built: Built | None = None
