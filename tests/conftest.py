@@ -4,15 +4,17 @@
 importing transformers and datasets.
 
 Where a new test goes: next to the module it tests, in the file named after it.
-- `hf_offload/<module>.py`: `test_<module>.py` (engine, options, units, allocator); `policy.py`, `host_memory.py` and
-  `stats.py` share `test_policy.py`; `model.py`, `model_hooks.py` and `context.py` share `test_model.py`;
-  `compile_guard.py` is `test_compile.py`.
+- `hf_offload/<module>.py`: `test_<module>.py` (engine, options, units, allocator, peak, versions; stats: its summary);
+  `policy.py`, `host_memory.py` and `stats.py`'s counters share `test_policy.py`; `model.py`, `model_hooks.py` and
+  `context.py` share `test_model.py`; `compile_guard.py` and `regional_compilation.py` are `test_compile.py`.
 - `hf_offload/memory_budget/<module>.py`: `memory_budget/test_<module>.py` (spec, profile, simulate, search,
   calibrate, probes, controller, layer_actions, tiled_mlp; `checks.py` through the modules that use it); the
   controller across families of models is `memory_budget/test_controller_families.py`, and what holds for the pure
   modules together (their imports, their doctests) is at the end of `memory_budget/test_search.py`.
-- `callbacks/`: `test_integration.py` (the Trainer), `test_trl.py` (TRL's trainers), `test_output.py` (logs, summary).
-- `examples/distributed/`: `test_distributed_examples.py` (two gloo processes in the CPU test mode).
+- `callbacks/<module>.py` (installed as `hf_offload.callbacks`): `callbacks/test_<module>.py` (arguments, callback,
+  registration, compile_layers, stats_logs, trl: TRL's configurations, trl_takeover: TRL's trainers).
+- `examples/`: `test_examples.py`; `examples/distributed/`: `test_distributed_examples.py` (two gloo processes in the
+  CPU test mode).
 - Across families of models: `test_architectures.py` (offloading), `memory_budget/test_controller_families.py` (the
   budget); `test_qlora.py` for 4-bit models; `test_reliability.py` for faults and leaks over many steps.
 - The user's view: `test_readme.py`, `test_main_job.py`, `test_notebook.py`, `test_packaging.py`.

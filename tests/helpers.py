@@ -41,6 +41,17 @@ COMMON_ARGS: dict[str, Any] = {
 }
 
 
+def config_args(tmp_path: Path, offloading: bool, **overrides: Any) -> dict[str, Any]:
+    """The arguments of a TRL config for a short CPU run (which saves nothing)."""
+    return {
+        "output_dir": str(tmp_path / ("on" if offloading else "off")),
+        "activation_offloading": offloading,
+        "bf16": False,  # TRL defaults to True, which transformers refuses without an accelerator
+        **CPU_TEST_MODE,
+        **{**COMMON_ARGS, **overrides},
+    }
+
+
 # ---------------------------------------------------------------------------------------------------- model and data
 
 

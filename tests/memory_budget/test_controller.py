@@ -226,15 +226,6 @@ def test_a_longest_step_from_a_trainers_config_that_no_plan_fits_is_a_warning_an
     assert not any("the longest step this run may see" in record.getMessage() for record in caplog.records)
 
 
-def test_the_longest_step_of_a_trl_config_is_its_max_length_times_the_batch():
-    from hf_offload.callbacks.callback import _longest_step_of
-
-    assert _longest_step_of(SimpleNamespace(max_length=1024, per_device_train_batch_size=4)) == (
-        4096, "per_device_train_batch_size 4 x max_length 1024 of SimpleNamespace")  # fmt: skip
-    for max_length in ({}, {"max_length": None}, {"max_length": True}):  # no length, None, a flag
-        assert _longest_step_of(SimpleNamespace(per_device_train_batch_size=4, **max_length)) is None
-
-
 def near_the_minimum(lengths: tuple[int, ...], caplog) -> SimpleNamespace:
     """Dynamic padding: training on `lengths` (a sequence length a step) under a budget just above the smallest that
     fits 16 tokens a sequence, the plans' margin (0.5% of the budget) included; exactly as without the library. The
