@@ -338,19 +338,72 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     timed, and each bounds the window by the room it leaves.
     """
     static = profile.static_bytes + profile.peak_correction_bytes + profile.call_argument_bytes
-    peak, peak_phase, peak_layer = -1, "", -1
+    gathered_in_forward, gathered_in_backward = gathered_parameters(profile)
+    forward = _forward(profile, options, static, gathered_in_forward)
+    reloads_bytes = sum(option.offloaded for option in options)
+    narrowest = max(option.offloaded for option in options)
+    head = _head(profile, forward, static, reloads_bytes, narrowest)
+    points: list[_Point] = [  # after the forward, in time order
+        (head.base_bytes, max(0, head.reload_bytes - profile.head_reload_hidden_bytes), "head", -1),
+        *_backward_points(profile, options, static, gathered_in_backward, forward.held_bytes, reloads_bytes),
+        (late_gradients_bytes(profile), 0, "embeddings", -1),
+        (optimizer_step_bytes(profile), 0, "optimizer", -1),
+    ]
+    window = _prefetch_window(points, narrowest, reloads_bytes, window, limit)
+    peak, peak_phase, peak_layer = forward.peak_bytes, "forward", forward.peak_layer
+    for memory, to_come, phase, layer in points:
+        memory += min(window, to_come)
+        if memory > peak:
+            peak, peak_phase, peak_layer = memory, phase, layer
+    backward = _backward(profile, options, forward.end_s + forward.drain_s, window, narrowest)
+    return SimulatedStep(
+        peak_bytes=peak,
+        peak_phase=peak_phase,
+        peak_layer=peak_layer,
+        step_s=profile.other_s + backward.end_s + backward.host_s,
+        drain_s=forward.drain_s,
+        host_bytes=reloads_bytes,
+        forward_window_bytes=forward.window_bytes,
+        prefetch_window_bytes=window if reloads_bytes else 0,
+        stall_s=backward.stall_s,
+        head_base_bytes=head.base_bytes,
+        head_reload_bytes=head.reload_bytes,
+        tail_bytes=head.tail_bytes,
+    )
 
+
+# A point of the step after the forward, where the peak may be: (memory without the reloads, the reloads still to come
+# there, phase, layer), as `SimulatedStep.peak_phase` and `peak_layer` name it.
+_Point = tuple[int, int, str, int]
+
+
+class _Forward(NamedTuple):
+    """What the layers' forwards leave to the rest of the step (`_forward`)."""
+
+    peak_bytes: int
+    peak_layer: int  # the earliest if tied
+    held_bytes: int  # what every layer holds until its backward
+    end_s: float  # when the last layer's forward ends
+    drain_s: float  # compute's wait from then for the copies to finish, before the head runs
+    unfinished_bytes: int  # the copies still in flight when the last forward ends
+    window_bytes: int  # the most bytes in flight to the host at once, counting a copy from its queueing
+
+
+def _forward(profile: StepProfile, options: Sequence[LayerOption], static: int,
+             gathered: Sequence[int]) -> _Forward:  # fmt: skip
+    """The layers' forwards in order: each layer's memory as it starts, and the copies of what it offloads, queued on
+    one stream as its forward ends."""
+    peak, peak_layer = -1, -1
     held_before = 0  # held by the layers before the current one
     now = 0.0  # end of the last forward so far
     copies: deque[tuple[float, int]] = deque()  # (finish time, bytes) of copies to the host not yet finished
     copying_bytes = 0
     copies_done_at = 0.0
     forward_window = 0
-    gathered, gathered_in_backward = gathered_parameters(profile)
     for i, (held, offloaded, _, saved, forward_s, _, _, _, forward_peak) in enumerate(options):
         memory = static + held_before + copying_bytes + max(saved, forward_peak) + gathered[i]
         if memory > peak:
-            peak, peak_phase, peak_layer = memory, "forward", i
+            peak, peak_layer = memory, i
         now += forward_s
         while copies and copies[0][0] <= now:
             copying_bytes -= copies.popleft()[1]
@@ -361,46 +414,83 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
             if copying_bytes > forward_window:
                 forward_window = copying_bytes
         held_before += held
+    return _Forward(
+        peak_bytes=peak,
+        peak_layer=peak_layer,
+        held_bytes=held_before,
+        end_s=now,
+        drain_s=copies_done_at - now if copies_done_at > now else 0.0,
+        unfinished_bytes=sum(nbytes for done_at, nbytes in copies if done_at > now),
+        window_bytes=forward_window,
+    )
 
-    # The points after the forward: memory without the reloads, and the reloads still to come there.
-    reloads_total = sum(option.offloaded for option in options)
-    narrowest = max(option.offloaded for option in options)
-    # The head's reloads stay within the narrowest window (the engine widens it once the layers' backward begins),
-    # so that they never pile onto the loss's peak. The engine's tail keeps some of the last offloaded bytes instead:
-    # those are not reloaded, and with the reloads they are at most every offloaded byte. It learns them as the
-    # copies unfinished when the forward ended, so those are what it can hold: counting its bound whatever the
-    # copies did put 128 MiB too many at the head of plans whose copies all finish (a 28-layer LoRA model at 4K
-    # tokens, H200: every `C` plan predicted 136-149 MB above its measured peak, the engine's tail empty).
-    unfinished = sum(nbytes for done_at, nbytes in copies if done_at > now)
-    tail = min(profile.tail_bytes, unfinished, max(0, reloads_total - narrowest))
-    head_base, head_reload = static + held_before + profile.head_bytes + tail, min(narrowest, reloads_total)
-    points = [(head_base, max(0, head_reload - profile.head_reload_hidden_bytes), "head", -1)]
-    below = reloads_total
+
+class _Head(NamedTuple):
+    """The head's point (`_head`)."""
+
+    base_bytes: int  # its memory without its reloads
+    reload_bytes: int  # the reloads it starts, before `StepProfile.head_reload_hidden_bytes`
+    tail_bytes: int  # the engine's tail it counts (in `base_bytes`)
+
+
+def _head(profile: StepProfile, forward: _Forward, static: int, reloads_bytes: int, narrowest: int) -> _Head:
+    """The head's point: every layer's held bytes, the head's own, the engine's tail, and the reloads it starts.
+
+    The head's reloads stay within the narrowest window (the engine widens it once the layers' backward begins), so
+    that they never pile onto the loss's peak. The engine's tail keeps some of the last offloaded bytes instead:
+    those are not reloaded, and with the reloads they are at most every offloaded byte. It learns them as the copies
+    unfinished when the forward ended, so those are what it can hold: counting its bound whatever the copies did put
+    128 MiB too many at the head of plans whose copies all finish (a 28-layer LoRA model at 4K tokens, H200: every
+    `C` plan predicted 136-149 MB above its measured peak, the engine's tail empty).
+    """
+    tail = min(profile.tail_bytes, forward.unfinished_bytes, max(0, reloads_bytes - narrowest))
+    return _Head(base_bytes=static + forward.held_bytes + profile.head_bytes + tail,
+                 reload_bytes=min(narrowest, reloads_bytes), tail_bytes=tail)  # fmt: skip
+
+
+def _backward_points(profile: StepProfile, options: Sequence[LayerOption], static: int, gathered: Sequence[int],
+                     held_bytes: int, reloads_bytes: int) -> list[_Point]:  # fmt: skip
+    """Each layer's backward point, from the last layer to the first: its memory without the reloads (`held_bytes`
+    is what every layer holds after the forward), and the reloads still to come there, those of the layers before
+    it."""
     gradients = gradients_at_backward(profile)
+    points = []
+    held_before, below = held_bytes, reloads_bytes
     for i in range(len(options) - 1, -1, -1):
         held, offloaded, _, saved, _, _, working, _, _ = options[i]
         held_before -= held
         below -= offloaded
-        points.append((static + gradients[i] + held_before + saved + working + gathered_in_backward[i], below,
-                       "backward", i))  # fmt: skip
-    points.append((late_gradients_bytes(profile), 0, "embeddings", -1))
-    points.append((optimizer_step_bytes(profile), 0, "optimizer", -1))
+        points.append((static + gradients[i] + held_before + saved + working + gathered[i], below, "backward", i))
+    return points
+
+
+def _prefetch_window(points: Sequence[_Point], narrowest: int, reloads_bytes: int,
+                     window: int | None, limit: int | None) -> int:  # fmt: skip
+    """`simulate_step`'s prefetch window: `window`, or with `limit` the widest that keeps every point within it, or
+    else the narrowest; never narrower than that, one layer's reload."""
     if window is None:
         window = narrowest
         if limit is not None:
-            widest = reloads_total
+            window = reloads_bytes
             for memory, to_come, _, _ in points:
                 if limit - memory < to_come:
-                    widest = min(widest, limit - memory)
-            window = max(window, widest)
-    window = max(window, narrowest)
-    for memory, to_come, phase, layer in points:
-        memory += min(window, to_come)
-        if memory > peak:
-            peak, peak_phase, peak_layer = memory, phase, layer
+                    window = min(window, limit - memory)
+    return max(window, narrowest)
 
-    drain = copies_done_at - now if copies_done_at > now else 0.0
-    head_start = now + drain
+
+class _Backward(NamedTuple):
+    """The backward in time (`_backward`)."""
+
+    stall_s: list[float]  # per layer, its backward's wait for its reload
+    end_s: float  # when the first layer's backward ends
+    host_s: float  # the host's time for the offloading layers
+
+
+def _backward(profile: StepProfile, options: Sequence[LayerOption], head_start: float, window: int,
+              narrowest: int) -> _Backward:  # fmt: skip
+    """The head and the layers' backward in time, from the head's start: the reloads come back on one stream, from
+    the last layer to the first, as far ahead as the window allows (the narrowest while the head runs), and a
+    layer's backward waits for its own."""
     stalls = [0.0] * len(options)
     reloads = [i for i in range(len(options) - 1, -1, -1) if options[i].offloaded]  # in the order they come back
     reload_done = [0.0] * len(options)
@@ -436,21 +526,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         issue(start, window)
         previous_end = start + backward_s + recompute_s
         host_total_s += host_s
-
-    return SimulatedStep(
-        peak_bytes=peak,
-        peak_phase=peak_phase,
-        peak_layer=peak_layer,
-        step_s=profile.other_s + previous_end + host_total_s,
-        drain_s=drain,
-        host_bytes=reloads_total,
-        forward_window_bytes=forward_window,
-        prefetch_window_bytes=window if reloads_total else 0,
-        stall_s=stalls,
-        head_base_bytes=head_base,
-        head_reload_bytes=head_reload,
-        tail_bytes=tail,
-    )
+    return _Backward(stall_s=stalls, end_s=previous_end, host_s=host_total_s)
 
 
 def describe_peak(run: SimulatedStep) -> str:
