@@ -215,7 +215,7 @@ def long_steps_between(letters: str, steps: int = 5) -> SimpleNamespace:
 @pytest.mark.parametrize("probe_tokens", [None, 4096])
 def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, record, monkeypatch, nondeterministic,
                                                               caplog):  # fmt: skip
-    """With [4096] this failed in two whole-file runs (H200, session 43), its first step at the untiled plan's peak,
+    """With [4096] this once failed in two whole-file runs on an H200, its first step at the untiled plan's peak,
     and passed alone and in two whole-file runs after; what the controller said of the profiled steps' plan is
     recorded, so that a failure shows which prediction decided it."""
     from hf_offload.memory_budget import probes
@@ -233,7 +233,7 @@ def test_a_budget_only_tiling_reaches_is_kept_with_tiled_mlps(probe_tokens, reco
         "profiled_steps_said": said,
     }, show=True)  # fmt: skip
     # Tiled MLPs, their layers' inputs offloaded (`T`) or kept (`t`): the model's polished plan competes with the
-    # measured one by expected time (session 50), and under this budget it kept the inputs (`tttt`, H200, session 51).
+    # measured one by expected time, and under this budget it kept the inputs (`tttt` on an H200).
     assert tiled < untiled and set(plan.code) & set("Tt") and plan.tile_tokens == LONG["hidden"]
     over = f"plan {plan.code}: step peaks {run.peaks} over the budget {run.budget}; the controller said {said}"
     assert max(run.peaks) <= run.budget, over
@@ -291,12 +291,13 @@ def roomy_profile(model, batch, steps: int, tokens: int):
 
 
 def test_a_step_that_grows_into_layers_tiled_whole_tiles_every_layer_in_that_step(record, nondeterministic):
-    """Issue 23's 512K QLoRA step, small: the profiled steps are short (4096 tokens) and planned untiled, then a step
-    four times longer under a budget halfway between the lowest plan with tiled MLPs and the lowest with whole layers
-    tiled, at that length. The step re-plans before its layers run, and every layer the new plan tiles whole runs in
-    chunks in that very step, forward and backward: no attention projection of such a layer sees more rows than a
-    chunk (the 512K step ran out of memory in a whole-sequence o_proj of a LoRA layer, 8 GiB of fp32 input). LoRA,
-    whose fp32 adapters upcast each projection's input, as QLoRA's do; the step's peak stays under the budget."""
+    """The 512K-token QLoRA step of benchmarks/long_context.py, small: the profiled steps are short (4096 tokens) and
+    planned untiled, then a step four times longer under a budget halfway between the lowest plan with tiled MLPs and
+    the lowest with whole layers tiled, at that length. The step re-plans before its layers run, and every layer the new
+    plan tiles whole runs in chunks in that very step, forward and backward: no attention projection of such a layer
+    sees more rows than a chunk (the 512K step ran out of memory in a whole-sequence o_proj of a LoRA layer, 8 GiB of
+    fp32 input). LoRA, whose fp32 adapters upcast each projection's input, as QLoRA's do; the step's peak stays under
+    the budget."""
     from hf_offload.memory_budget.simulate import simulate
 
     short, long = 4096, LONG["seq"]
@@ -351,10 +352,10 @@ def test_a_step_that_grows_into_layers_tiled_whole_tiles_every_layer_in_that_ste
 
 
 def test_plain_checkpointing_is_tried_and_the_plan_chosen_after_it_is_no_slower(record):
-    """Issue 20, target 2 (a): under a budget that full checkpointing with every input kept fits and keeping every
-    layer does not, the three steps after the profiled ones run it as a trial, with the engine standing aside (plain
-    checkpointing, as transformers runs it); the plan chosen after it is expected no slower than the trial measured
-    (the closed loop then checks it against that measurement). Every step under the budget, exact."""
+    """The zoo's check (a), benchmarks/zoo.py: under a budget that full checkpointing with every input kept fits and
+    keeping every layer does not, the three steps after the profiled ones run it as a trial, with the engine standing
+    aside (plain checkpointing, as transformers runs it); the plan chosen after it is expected no slower than the trial
+    measured (the closed loop then checks it against that measurement). Every step under the budget, exact."""
     from hf_offload.memory_budget.simulate import simulate
 
     batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"])
@@ -413,8 +414,8 @@ def budget_at_the_named_minimum(refused_run: Callable[[torch.nn.Module, OffloadA
 
 
 def test_a_budget_the_refusal_names_is_met_on_every_step(record):
-    """Issue 20, target 2 (c): the zoo's budgets at the safe plan's measured peak were refused by 0.3-1.6% (the
-    measured peak was recorded with a forward window of the engine's tail on top, which the profiled step already
+    """The zoo's check (c), benchmarks/zoo.py: its budgets at the safe plan's measured peak were refused by 0.3-1.6%
+    (the measured peak was recorded with a forward window of the engine's tail on top, which the profiled step already
     held, and the model counted each layer's gradients twice). The smallest budget a refusal names, with the plans'
     margin (`budget_at_the_named_minimum` says why), trains: a plan chosen by a measurement keeps no more tail than its
     steps did, and every step peaks within the budget. The counter is reset at each step, as benchmarks do."""
@@ -439,10 +440,10 @@ def test_a_budget_the_refusal_names_is_met_on_every_step(record):
 
 
 def test_a_known_longest_step_is_checked_at_the_first_plan(record):
-    """Issue 20 item 4: a budget at the named minimum of the profiled steps, in a run whose longest step is put at
-    twice their tokens (`memory_budget_max_tokens`), is refused at the first plan, before the run trains on, naming
-    that length. A budget that fits the longest step passes the check, and the run's steps, half as long first and
-    then that long, each peak within it."""
+    """Dynamic padding (benchmarks/dynamic_padding.py): a budget at the named minimum of the profiled steps, in a run
+    whose longest step is put at twice their tokens (`memory_budget_max_tokens`), is refused at the first plan, before
+    the run trains on, naming that length. A budget that fits the longest step passes the check, and the run's steps,
+    half as long first and then that long, each peak within it."""
     tokens = MEDIUM["batch"] * MEDIUM["seq"]
     long_batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"])
     short_batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"] // 2)
@@ -472,10 +473,10 @@ def test_a_known_longest_step_is_checked_at_the_first_plan(record):
 
 
 def test_the_probe_times_attention_apart_and_its_share_grows_with_the_tokens(record):
-    """Attention is the part of a layer's time that grows with the square of the tokens (issue 23: a profile scaled in
-    proportion predicted 380 s for a 512K-token step that took 945 s). The probe times sdpa's fused operators with the
-    device's events, backward's too, which autograd runs in its device thread; a part of the layer's forward and
-    backward, whose share grows four times longer calls (16x the work against 4x for the rest)."""
+    """Attention is the part of a layer's time that grows with the square of the tokens (benchmarks/long_context.py: a
+    profile scaled in proportion predicted 380 s for a 512K-token step that took 945 s). The probe times sdpa's fused
+    operators with the device's events, backward's too, which autograd runs in its device thread; a part of the layer's
+    forward and backward, whose share grows four times longer calls (16x the work against 4x for the rest)."""
     from hf_offload.memory_budget import probes
 
     model = build_model("llama", dtype="bf16", attn="sdpa", **{**MEDIUM, "layers": 1, "seq": 8192})

@@ -1,5 +1,5 @@
 """The memory budget on the GPU for a vision-language model, mixtures of experts with the router's auxiliary loss,
-a hybrid and the encoder-decoders (issue 20): a budget halfway between the lowest plan's predicted peak and keeping
+a hybrid and the encoder-decoders: a budget halfway between the lowest plan's predicted peak and keeping
 everything trains under a plan that acts on some layers, with losses, gradients and weights bitwise equal to training
 without offloading. The CPU test mode runs every family (tests/memory_budget/test_controller_families.py); here the
 probes, the measured profile and the plans run on CUDA."""

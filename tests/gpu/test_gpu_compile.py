@@ -1,7 +1,7 @@
-"""torch.compile with offloading on the GPU (issue 21, item 1): no crash in Inductor's code, the compiled graphs and
-graph breaks of the run without hf-offload, losses and weights bitwise equal to it (its repeatability checked first).
-Regional compilation moves the layers' inputs; a model compiled as a whole makes the engine stand aside; the Trainer's
-`torch_compile=True` under offloading compiles the layers."""
+"""torch.compile with offloading on the GPU (docs/DESIGN.md, torch.compile): no crash in Inductor's code, the compiled
+graphs and graph breaks of the run without hf-offload, losses and weights bitwise equal to it (its repeatability checked
+first). Regional compilation moves the layers' inputs; a model compiled as a whole makes the engine stand aside; the
+Trainer's `torch_compile=True` under offloading compiles the layers."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The host memory reserve with real pinned memory (issue 23 item 2): the pool stops growing where the host's available
-memory reaches the reserve, as read at each growth; a failed cudaHostRegister leaves no error behind for the next
-kernel; and the engine keeps what the reserve refuses on the GPU, with gradients bitwise equal.
+"""The host memory reserve with real pinned memory (docs/DESIGN.md, Host memory): the pool stops growing where the
+host's available memory reaches the reserve, as read at each growth; a failed cudaHostRegister leaves no error behind
+for the next kernel; and the engine keeps what the reserve refuses on the GPU, with gradients bitwise equal.
 
 Sized for a host of about 128 GiB: each test pins at most a few GiB above a reserve set just below the memory available
 when it starts, so it never takes the host anywhere near running out.

@@ -1,5 +1,5 @@
-"""Where the step's peak is set, on the GPU (issue 21, item 3): the engine's report of the second step bounds the
-peak of the same step run without offloading, and with `min_peak_reduction` offloading stands aside where the head
+"""Where the step's peak is set, on the GPU (`peak.py`, docs/DESIGN.md): the engine's report of the second step bounds
+the peak of the same step run without offloading, and with `min_peak_reduction` offloading stands aside where the head
 and loss set the peak, exactly as the run without it.
 
 The check of the report is a measurement against a measurement: the run without offloading is made, its steady peak

@@ -1,5 +1,6 @@
-"""Step profiles for the tests of the pure modules (`test_profile.py`, `test_simulate.py`, `test_search.py`): S1 of
-the issue's table, two layers in round numbers for examples computed by hand, and an 8B shape at long context."""
+"""Step profiles for the tests of the pure modules (`test_profile.py`, `test_simulate.py`, `test_search.py`): S1
+(benchmarks/harness/scenarios.py) as measured on an H100, two layers in round numbers for examples computed by hand, and
+an 8B shape at long context."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hf_offload.units import GIB, MIB
 
 
 def s1_profile(layers: int = 16, **changes) -> StepProfile:
-    """S1 of the issue's table (H100), rebuilt from its measurements.
+    """S1 (benchmarks/harness/scenarios.py), rebuilt from its measurements on an H100.
 
     Full checkpointing offloads 1.0 GiB of inputs (64 MiB per layer). No checkpointing peaks at the last layer's
     backward: static + 16 x saved + working = 38.88 GiB; full checkpointing at static + saved + working + one input

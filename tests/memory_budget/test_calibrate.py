@@ -1,5 +1,5 @@
 """What the measured plans teach the step model (`calibrate`), and the plans chosen with it (the zoo's failures of
-dominance, issue 20 target 2a, rebuilt on S1's profile in proportion)."""
+dominance, its check (a) in benchmarks/zoo.py, rebuilt on S1's profile in proportion)."""
 
 from __future__ import annotations
 

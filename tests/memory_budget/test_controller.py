@@ -598,7 +598,7 @@ def test_layers_whose_whole_call_is_checkpointed_start_before_it_and_are_tiled_w
 
 
 def test_the_profiled_steps_tile_only_where_tiling_is_predicted_to_lower_the_peak(monkeypatch):
-    """On the issue's Mistral-7B shape the profiled steps of a budget below every plan tiled the MLPs and measured
+    """On the zoo's Mistral-7B shape the profiled steps of a budget below every plan tiled the MLPs and measured
     16.72 GiB, where untiled they measured 16.51: the refusal then named the higher as the smallest budget known to
     work. Here tiling is predicted to cost memory, and the profiled steps of a budget nothing fits stay untiled."""
     from hf_offload.memory_budget import controller as module
@@ -783,7 +783,7 @@ def test_corrections_are_bounded_and_then_steps_are_no_longer_timed(monkeypatch,
 
 
 def test_a_budget_the_measured_safe_plan_meets_is_not_refused(monkeypatch):
-    """The model over-predicts the safe plan's peak (as on the issue's Mistral-7B shape): a budget between the
+    """The model over-predicts the safe plan's peak (as on the zoo's Mistral-7B shape): a budget between the
     peak the profiled steps measured and the predicted one trains on the safe plan instead of being refused. The
     CPU test mode counts no peaks, so the meter reports the second profiled step's as a tenth of the prediction."""
     predicted = planned_minimum()  # refused without a measured peak
@@ -1092,10 +1092,10 @@ def test_a_step_over_the_budget_ends_its_plans_measurement_there(monkeypatch, tr
 
 
 def test_the_correction_grows_with_a_longer_step_and_not_with_a_shorter_one(monkeypatch):
-    """What the model misses is mostly per token (issue 23: an 8B QLoRA model peaked 87 MB above its prediction at
-    16,384 tokens and, corrected by those 87 MB, 2.2 GB above at 524,288). The trial peaks above its prediction at
-    32 tokens; a step of 64 is planned with twice that excess, and the later step of 32 runs the plan made for 32,
-    with the excess measured there: a shorter step's correction is not shrunk below it."""
+    """What the model misses is mostly per token (benchmarks/long_context.py: an 8B QLoRA model peaked 87 MB above its
+    prediction at 16,384 tokens and, corrected by those 87 MB, 2.2 GB above at 524,288). The trial peaks above its
+    prediction at 32 tokens; a step of 64 is planned with twice that excess, and the later step of 32 runs the plan made
+    for 32, with the excess measured there: a shorter step's correction is not shrunk below it."""
     budget = int(simulate(roomy_profile(), "cccc").peak_bytes * 1.011)
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)

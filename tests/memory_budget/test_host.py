@@ -66,7 +66,7 @@ def test_a_plan_that_tiles_either_way_keeps_to_the_cap() -> None:
 
 
 def test_a_cap_that_may_not_grow_is_planned_with_as_it_is() -> None:
-    """The refusal names what the step lacks (issue 23): here host memory, as with room on the host for every layer's
+    """The refusal names what the step lacks: here host memory, as with room on the host for every layer's
     tensors (the last cap planned with, never taken) a plan fits this budget."""
     choose = Chooser(60 * GIB)
     with pytest.raises(InfeasibleBudgetError) as error:

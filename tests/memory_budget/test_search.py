@@ -106,7 +106,7 @@ def test_sweep_of_budgets_never_exceeds_and_never_gets_faster() -> None:
         "OOKKKKKKKKKKKKKK",
     ],
 )
-def test_plan_beats_or_equals_the_issues_hand_plans(hand_plan) -> None:
+def test_plan_beats_or_equals_the_plans_written_by_hand(hand_plan) -> None:
     profile = s1_profile()
     hand = simulate(profile, hand_plan)
     result = choose_plan(profile, hand.peak_bytes)
@@ -363,7 +363,7 @@ def test_tiling_is_not_enough_names_what_dominates() -> None:
 
 
 def test_the_refusal_names_the_untiled_plan_where_tiling_peaks_higher() -> None:
-    # On the issue's Mistral-7B shape (8K tokens, MLP chunks of 4K: two), the tiled profiled steps measured 16.72 GiB
+    # On the zoo's Mistral-7B shape (8K tokens, MLP chunks of 4K: two), the tiled profiled steps measured 16.72 GiB
     # and the untiled ones 16.51: tiling can cost memory. The refusal names the lower of the two.
     profile = long_profile(tiled_backward_working_bytes=60 * GIB)
     untiled, tiled = (simulate(profile, letter * 32).peak_bytes for letter in "CT")
@@ -485,7 +485,7 @@ def test_a_full_host_is_said() -> None:
 
 
 def test_a_budget_a_measured_plan_met_is_not_refused() -> None:
-    """The model over-predicts the lowest plan's peak (the issue's Mistral-7B shape: 17.57 GiB predicted, 16.72
+    """The model over-predicts the lowest plan's peak (the zoo's Mistral-7B shape: 17.57 GiB predicted, 16.72
     GiB measured); a budget between the two is met by the measured plan, not refused."""
     profile = s1_profile()
     predicted = simulate(profile, "C" * 16)

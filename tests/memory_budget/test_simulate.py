@@ -139,7 +139,7 @@ def test_gradients_of_earlier_layers_do_not_exist_yet():
 
 
 def test_a_layers_own_gradients_count_once_in_its_backward():
-    # On the issue's Mistral-7B shape the model counted each layer's parameter gradients (0.41 GiB) both among the
+    # On the zoo's Mistral-7B shape the model counted each layer's parameter gradients (0.41 GiB) both among the
     # gradients that exist and in the layer's working bytes: the lowest plan was predicted 0.65 GiB above what it
     # measured (with the embedding's gradient, below). One layer of 15 gradient bytes, its backward's working set 30
     # (the 15 included): 1000 + 100 + 30 + 15 at the backward would be 1145 twice counted.
@@ -315,7 +315,7 @@ def test_plan_widens_the_window_as_far_as_the_budget_allows():
 # On S1
 
 
-def test_s1_profile_reproduces_the_issue() -> None:
+def test_s1_profile_reproduces_its_h100_measurements() -> None:
     profile = s1_profile()
     for code, peak_gib in (("K" * 16, 38.88), ("S" * 16, 24.88), ("C" * 16, 12.35)):
         assert simulate(profile, code).peak_bytes / GIB == pytest.approx(peak_gib, abs=0.01)

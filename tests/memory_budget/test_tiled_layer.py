@@ -646,7 +646,8 @@ def test_backward_peak_bytes_per_token():
     """One layer's backward, the 8B shape divided by 16 in every width, 300 tokens in chunks of 64: the sequence-long
     bytes alive at its peak, counted under a dispatch mode, are the module's count (`backward_bytes_per_token`), plus
     one head group's softmax statistics (4 heads x 4 bytes per token); under a third of the untiled layer's under full
-    checkpointing with the tiled MLP. At the 8B shape the count is 39.5 KiB per token, under issue 23's 48."""
+    checkpointing with the tiled MLP. At the 8B shape the count is 39.5 KiB per token, under the 48 that
+    test_gpu_tiled_layer.py holds the GPU to."""
     tokens, chunk = 300, 64
     shape = tiled_layer_memory.SHAPES["8b/16"]
     model = tiled_layer_memory.build_model("8b/16", "cpu")
