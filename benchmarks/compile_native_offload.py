@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch's own compile-time activation offloading on a whole-model-compiled Llama, against hf-offload (issue 21).
+"""PyTorch's own compile-time activation offloading on a whole-model-compiled Llama, against hf-offload.
 
 Under `torch.compile(model)` hf-offload stands aside: the compiled forward hands its saved tensors to the pack hook
 only after its last kernel, when moving them cannot lower the peak (`engine._note_whole_model_compile`). Offloading a
@@ -10,7 +10,7 @@ backward is moved to the host after its last forward use and back before its fir
 (`prims.device_put`), or on a side stream with `activation_offload_separate_stream` (plus `activation_offload_sink_wait`
 and `activation_reload_prefetch`, the `ao::offload/reload/wait_tensor` ops).
 
-This script measures whether that pass meets issue 21's bars on the installed torch: no crash, losses and gradients
+This script measures whether that pass meets hf-offload's bars on the installed torch: no crash, losses and gradients
 bitwise equal to the compiled run without it (which repeats itself), its step time and peak. The joint-graph pass here
 marks every tensor-producing node of decoder layers 0..L-2 (the last layer's activations are needed first in
 backward); the partitioner keeps only the saved ones (`choose_offload_sets`).

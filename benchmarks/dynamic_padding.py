@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Dynamic padding under a tight memory budget (issue 20, target 4): training steps whose sequence length varies over
+"""Dynamic padding under a tight memory budget: training steps whose sequence length varies over
 a 2x range around the planned one, with ``memory_budget`` 1% above the smallest budget the library names.
 
 The model: S1's layer shape (hidden 2048, intermediate 8192, 32/8 heads, vocab 32000; Llama layers, random bf16

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The host time the engine's hooks add to a step, measured without a model (issue 21).
+"""The host time the engine's hooks add to a step, measured without a model.
 
 A short step with checkpointing is nearly bound by the host: on a 36-layer model at 4K tokens, the host needs
 about as long to issue the forward as the GPU needs to run it, so each microsecond of Python in a pack hook is a

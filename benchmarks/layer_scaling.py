@@ -1,7 +1,7 @@
 """One decoder layer's memory under the planner's checkpointing actions at growing lengths, against what the
 planner's probe predicts from a short call: does the model that plans a 512K step from an 8K profile hold at 512K?
 
-Issue 23's QLoRA step at 524,288 tokens ran out of memory in the recompute of a layer whose plan was `T` (full
+A QLoRA step at 524,288 tokens ran out of memory in the recompute of a layer whose plan was `T` (full
 checkpoint, MLP tiled): the 4-layer run of the same shape peaked 2.3 GB above the plan's prediction. This measures,
 for one layer of the long-context benchmark's 8B shape (4-bit NF4 base, LoRA r=16 on every linear layer, Liger),
 the peak above its input of its checkpointed forward and of its backward (recompute included), per token, at each

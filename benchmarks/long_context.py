@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Long-context benchmark (issue 14): the longest sequence that completes one training step in each mode, at what
+"""Long-context benchmark: the longest sequence that completes one training step in each mode, at what
 tokens/s and peak memory, and which limit stops it (GPU memory, host RAM, time).
 
 The model (--family): Llama-3-8B (``LlamaForCausalLM``: hidden 4096, intermediate 14336, 32 layers, 32/8 heads,
@@ -713,7 +713,7 @@ class ModeRun:
         start = time.perf_counter()
         failed = None
         try:
-            with HostAvailableMin() as host:  # issue 23: the host's reserve must hold during the step, not only after
+            with HostAvailableMin() as host:  # the host's reserve must hold during the step, not only after
                 with tracker if tracker is not None else contextlib.nullcontext():
                     loss = self._train_step(ids)
                 self._sync()

@@ -1,6 +1,6 @@
 """Peak memory and step time of a ~1.1B Llama (TinyLlama shape, random weights) with and without offloading.
 
-Not a test: a report for the issue's done criterion. Four configurations, measured in one process on one
+Not a test: a report. Four configurations, measured in one process on one
 model: no offload, offload (no checkpointing), checkpointing (non-reentrant), checkpointing + offload. Each:
 AdamW, ``--warmup`` steps, then ``--steps`` timed steps; peak = torch.cuda.max_memory_allocated over the
 timed steps (optimizer states included). Prints a table; writes $OUT/peak_1b.json when $OUT is set.

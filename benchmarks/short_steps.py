@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where the time of a short step goes with checkpointing + hf-offload (issue 21): variants interleaved in one process.
+"""Where the time of a short step goes with checkpointing + hf-offload: variants interleaved in one process.
 
 `run.py` runs each mode in its own process; this script builds one model and alternates blocks of steps of several
 variants on it, so that the variants see the same GPU clocks, allocator and host. For each variant it reports the
@@ -47,7 +47,7 @@ import hf_offload  # noqa: E402
 from hf_offload.engine import OffloadActivations  # noqa: E402
 
 DEFAULT_VARIANTS = "ckpt,ckpt+hfo,ckpt+hfo:min_offload_size=1099511627776,ckpt+hfo:use_streams=False"
-# The caching allocator's counters read around each block's timed steps, per step (issue 21's allocator lead: does a
+# The caching allocator's counters read around each block's timed steps, per step (does a
 # variant make the allocator map memory, release it, retry or synchronise every step?). With expandable segments
 # `num_device_alloc` counts the pages mapped; `num_sync_all_streams` counts the full synchronisations that
 # `empty_cache` and an out-of-memory retry make; `allocation.all.allocated` every block handed out.

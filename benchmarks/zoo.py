@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The shape zoo (issue 20, target 2): the memory budget swept over 1B-8B-class shapes, checked at every budget.
+"""The shape zoo: the memory budget swept over 1B-8B-class shapes, checked at every budget.
 
 Per shape (``harness/scenarios.py``'s ZOO_SCENARIOS, and M36): the simple plans ``none``, ``ckpt`` and ``ckpt+hfo``;
 then ``plan@1``, whose refusal names the smallest budget that works; then ``memory_budget`` at every 5% of none's peak
@@ -313,8 +313,8 @@ def _clear(out: Path) -> None:
 
 
 def resume_in_archive(out: Path) -> None:
-    """Makes an extracted archive (``<stem>/`` of ``<stem>.tar.gz``, brought to the GPU machine of a later call or
-    session) a folder a run can go on in: its progress, bundled as BUNDLED_PROGRESS, and its log, bundled as
+    """Makes an extracted archive (``<stem>/`` of ``<stem>.tar.gz``, brought to the GPU machine of a later call)
+    a folder a run can go on in: its progress, bundled as BUNDLED_PROGRESS, and its log, bundled as
     ``<stem>.log``, are the live ones again. The progress keeps the stem (the first run's date), the environment and
     the shapes done, so the sweep goes on in the same files rather than starting the shapes again under another day's
     name."""

@@ -295,8 +295,8 @@ def _confirmed(record: dict[str, Any]) -> list[str]:
 
 
 def _least_host_available(results: dict[str, Any]) -> str:
-    """The least host memory available during any step of the run, and in which (issue 23: the host's reserve must
-    hold throughout every run)."""
+    """The least host memory available during any step of the run, and in which (the host's reserve must hold
+    throughout every run)."""
     sampled = [(step["host_available_min_bytes"], mode, step) for mode in results.get("order", [])
                for step in results.get("modes", {}).get(mode, {}).get("steps", [])
                if isinstance(step.get("host_available_min_bytes"), int)]  # fmt: skip

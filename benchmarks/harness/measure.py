@@ -63,7 +63,7 @@ class StepPeaks:
     The allocated peak counts each tensor's whole block, which the caching allocator may hand out up to 1 MiB larger
     than asked for; the requested peak counts what was asked for. Two runs whose peaks ask for the same bytes can so
     peak apart by what their caches' histories left (which blocks were free to hand out): on gemma2-2b-2k (H200,
-    the zoo's s44 run) the memory budget's plan `C` and ckpt+hfo both requested 25,708,949,440 bytes at their
+    in the zoo) the memory budget's plan `C` and ckpt+hfo both requested 25,708,949,440 bytes at their
     peaks, and peaked at 25,729,518,592 and 25,722,702,848 allocated."""
 
     def __init__(self, device: torch.device) -> None:

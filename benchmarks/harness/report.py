@@ -18,9 +18,9 @@ from .scenarios import SCENARIOS
 Result = dict[str, Any]  # one mode's result, as its worker wrote it (plus the parent's process_s)
 
 # The step time at these budgets, (scenario, percent of none's peak or "auto") -> at most this many times none's:
-# issue 20's target 3 for S1's frontier (issue 13's, 1.12 / 1.06 / 1.02 and S2 75% at 1.08, were its first, never
-# met), and "auto" costing nothing where everything fits (issue 13, 20 target 5). Also issue 13's bounds on the
-# predictions' error against the measurements.
+# S1's frontier (near the bound of the planner's actions on an H100's link, docs/DESIGN.md, "The memory budget on S1"),
+# and "auto" costing nothing where everything fits. Also the bounds on the predictions' error against the
+# measurements.
 TARGET_X_NONE = {("S1", 50.0): 1.18, ("S1", 66.0): 1.11, ("S1", 85.0): 1.05, ("S1", "auto"): 1.01}
 PEAK_ERROR_TARGET = 0.05
 TIME_ERROR_TARGET = 0.10
@@ -204,7 +204,7 @@ def budget_bytes(r: Result) -> int | None:
 
 
 def _target(r: Result) -> str:
-    """Targets 1, 2 and 5 of issue 13, where this plan mode's budget is one they name."""
+    """The step-time target (`TARGET_X_NONE`) where this plan mode's budget is one it names."""
     target = TARGET_X_NONE.get((r["scenario"], parse_mode(r["mode"]).budget))
     if target is None:
         return ""
@@ -213,7 +213,8 @@ def _target(r: Result) -> str:
 
 
 def plan_checks(rs: list[Result]) -> list[str]:
-    """Targets 3 and 4 of issue 13 over a scenario's plan modes, one line each (empty without plan modes)."""
+    """The plan modes' checks over a scenario (budget held, infeasible budgets, prediction errors), one line each
+    (empty without plan modes)."""
     plans = _plans(rs)
     if not plans:
         return []
@@ -438,7 +439,7 @@ def _markdown(meta: dict[str, Any], bw: dict[str, Any], by_scen: dict[str, list[
 
 
 def _plan_section(rs: list[Result]) -> list[str]:
-    """The memory-budget plans of a scenario (issue 13): how they were run, their table and the targets' checks."""
+    """The memory-budget plans of a scenario: how they were run, their table and the targets' checks."""
     rows = plan_rows(rs)
     if not rows:
         return []

@@ -1,8 +1,8 @@
 """The scenarios: a model's shape and family (Llama unless it says otherwise), the tokens per step, and what else the
 scenario turns on.
 
-Besides run.py's scenarios (S1, S2, S3, M36 and the CPU smoke tests), the shape zoo of `benchmarks/zoo.py` (issue 20,
-target 2): the layer shape and vocabulary of real 1B-8B models, some with fewer layers than the real model so that a
+Besides run.py's scenarios (S1, S2, S3, M36 and the CPU smoke tests), the shape zoo of `benchmarks/zoo.py`: the
+layer shape and vocabulary of real 1B-8B models, some with fewer layers than the real model so that a
 step stays short. `run.py --scenarios` accepts them too."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ SCENARIOS: dict[str, Scenario] = {
         warmup=2,
     ),
     # Short steps on many layers (Qwen2.5-3B-class shape, Llama-style layers): per-layer compute is short, so what
-    # the engine costs per layer shows (issue 21). Full fine-tune.
+    # the engine costs per layer shows. Full fine-tune.
     "M36": Scenario(
         hidden=2048,
         intermediate=11008,
@@ -165,8 +165,8 @@ def _zoo_shape(model: str, hidden: int, intermediate: int, layers: int, heads: i
 
 # The shape zoo (benchmarks/zoo.py): 1B to 8B-class layer shapes and vocabularies, 8 to 36 layers, 1 x 2K to 8 x 4K
 # tokens, full fine-tunes and LoRA r=16, each sized for a step of about 0.1-0.3 s on an H100 (fewer layers than the
-# real model where the real number would make the step long). M36 (above) is the zoo's Qwen2.5-3B shape, the issue's
-# first case; mistral-7b-8l is its second.
+# real model where the real number would make the step long). M36 (above) is the zoo's Qwen2.5-3B shape; it and
+# mistral-7b-8l are the first two it sweeps.
 # The config fields of the zoo's shapes of other families than Llama (below).
 _QWEN3_30B_A3B_MOE: dict = {"head_dim": 128, "family": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
                             "moe_intermediate_size": 768, "norm_topk_prob": True,
@@ -201,7 +201,7 @@ ZOO_SCENARIOS: dict[str, Scenario] = {
     "gemma3-4b-12l": _zoo_shape(
         "Gemma-3-4B, text, 12 of 34 layers", 2560, 10240, 12, 8, 4, 262208, 4096, 1, **_GEMMA3_4B_TEXT
     ),
-    # Added in session 45, after the planner's last change, as shapes it was never tuned on: Qwen3's own layers (q/k
+    # Added after the planner's last change, as shapes it was never tuned on: Qwen3's own layers (q/k
     # norms) at 2 x 4K, a LoRA at 8K tokens on a 49K vocabulary, and a wide full fine-tune at 4 x 2K on a 64K one.
     "qwen3-4b-12l-2x4k": _zoo_shape(
         "Qwen3-4B, 12 of 36 layers", 2560, 9728, 12, 32, 8, 151936, 4096, 2, head_dim=128, family="qwen3"
@@ -210,12 +210,12 @@ ZOO_SCENARIOS: dict[str, Scenario] = {
     "yi1.5-6b-10l-4x2k": _zoo_shape("Yi-1.5-6B, 10 of 32 layers", 4096, 11008, 10, 32, 4, 64000, 2048, 4),
 }
 SCENARIOS.update(ZOO_SCENARIOS)
-# Issue 21's second row: M36 at 4 x 4096 tokens, where per-layer compute is four times as long as M36's.
+# M36 at 4 x 4096 tokens, where per-layer compute is four times as long as M36's.
 SCENARIOS["M36-4x4k"] = dataclasses.replace(SCENARIOS["M36"], batch=4)
 # The zoo's CPU smoke test of a LoRA shape: tiny-lora without Liger and without forced checkpointing, so that every
 # mode of the sweep runs.
 SCENARIOS["tiny-lora-plain"] = dataclasses.replace(SCENARIOS["tiny-lora"], liger=False, force_ckpt=False)
-# The zoo's sweep, in the order it runs: the issue's two cases first. --shapes all adds the others.
+# The zoo's sweep, in the order it runs: M36 and mistral-7b-8l first. --shapes all adds the others.
 ZOO_DEFAULT = ["M36", "mistral-7b-8l", "llama3.2-1b", "qwen2.5-1.5b-lora", "gemma2-2b-2k", "llama3.2-3b-14l-lora",
                "qwen2.5-7b-8l", "tinyllama-8l-8x4k-lora"]  # fmt: skip
 ZOO_ALL = ZOO_DEFAULT + [name for name in ZOO_SCENARIOS if name not in ZOO_DEFAULT]

@@ -1,4 +1,4 @@
-"""The shape zoo's sweep (``benchmarks/zoo.py``, issue 20's target 2), without torch: which mode of a shape runs next
+"""The shape zoo's sweep (``benchmarks/zoo.py``), without torch: which mode of a shape runs next
 given what the shape has measured so far, the three checks per budget, and the markdown of the results.
 
 Per shape the sweep runs the simple plans (``none``, ``ckpt``, ``ckpt+hfo``), then ``plan@1``: a budget of 1% of
@@ -323,7 +323,7 @@ def apply_recheck(row: dict[str, Any], runs: list[Result], pairs: int) -> None:
         recheck["ref_s"] = lower_quartile(pooled[row["fastest_fitting"]])
         recheck["x"] = recheck["plan_s"] / recheck["ref_s"]
         # How far the reference's own runs moved apart: the same plan, a minute apart. Beyond the 2% (a) judges, the
-        # verdict says more of the machine than of the planner (host-paced shapes: 30-50%, session 49).
+        # verdict says more of the machine than of the planner (host-paced shapes on an H200: 30-50%).
         ref_runs = [lower_quartile(x["times"]) for x in runs if x["mode"] == row["fastest_fitting"]]
         recheck["ref_spread"] = max(ref_runs) / min(ref_runs) - 1
         recheck["state"] = "judged"
