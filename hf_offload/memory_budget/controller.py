@@ -60,7 +60,6 @@ import logging
 import math
 import weakref
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -86,7 +85,7 @@ from .closed_loop import (
     peak_correction,
 )
 from .host import choose_plan_with_host
-from .layer_actions import AppliedActions, apply_layer_actions, whole_call_layer
+from .plan_application import LayersUnderPlan, actions_of_code
 from .probes import (
     NOT_CALLED,
     LayerProbe,
@@ -108,9 +107,6 @@ from .search import (
 )
 from .sharding import gradient_shard_nbytes, local_nbytes
 from .simulate import (
-    ACTION_CODES,
-    OFFLOAD,
-    SELECTIVE_OFFLOAD,
     MeasuredStep,
     Plan,
     chunk_sizes,
@@ -252,7 +248,6 @@ class MemoryBudgetController:
         self._budget_bytes()  # a share of the device, or "auto", without a device fails here
         self.plan: Plan | None = None
         self._profile: StepProfile | None = None
-        self._actions = _PlanActions()
         self._measured = _StepMeasurements()
         self._phase = _Phase.BEFORE_TRAINING
         self._forwards = 0  # training forwards so far: the steps a plan has run, and how long the first plan waited
@@ -314,11 +309,9 @@ class MemoryBudgetController:
         # Tokens per chunk of a tiled MLP and of a layer tiled whole; 0 where the planner may not tile so.
         self._tile_tokens = _tile_tokens(model, engine.options.tile_mlp, apply_tiled_mlp, "the MLPs")
         self._layer_tile_tokens = _tile_tokens(model, engine.options.tile_layer, apply_tiled_layer, "whole layers")
-        # transformers before 5.2x checkpoints a layer's whole call: the layer then starts from its checkpoint
-        # function, before the call (`_StartsBeforeTheCall`).
-        self._whole_call = _checkpoints_whole_calls(self._layers)
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
-        engine.track_hook(self._actions)
+        self._layers_under_plan = LayersUnderPlan(model, engine, self._layers)
+        engine.track_hook(self._layers_under_plan)
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
             engine.track_hook(layer.register_forward_pre_hook(hook, with_kwargs=True))
@@ -378,7 +371,7 @@ class MemoryBudgetController:
             self._start_measured_step()
         elif self._phase is _Phase.BEFORE_TRAINING:
             self._phase = _Phase.FIRST_STEP
-            self._apply(_actions("C" * len(self._layers)), "C" * len(self._layers), windows=None)
+            self._apply(actions_of_code("C" * len(self._layers)), "C" * len(self._layers), windows=None)
             self._first_step_static = self._static_at_step_start
             self._meter.reset_peak()
             self._peak_floor = 0
@@ -822,7 +815,7 @@ class MemoryBudgetController:
                         "%.2f GiB: %s", code, peak / 2**30, budget_bytes / 2**30,
                         "; ".join(not_lower) or "it is the lowest plan the model knows of")  # fmt: skip
         if code != self._code:
-            self._apply(_actions(code), code, windows=None, **chunk_sizes(profile, code))
+            self._apply(actions_of_code(code), code, windows=None, **chunk_sizes(profile, code))
 
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._phase is not _Phase.MEASURED_STEP or not self._training_forward(module):
@@ -1289,33 +1282,11 @@ class MemoryBudgetController:
 
     def _apply(self, actions: list[Any], code: str, windows: tuple[int, int | None, int | None] | None,
                tile_tokens: int = 0, layer_tile_tokens: int = 0) -> None:  # fmt: skip
-        """Applies `actions` (the plan `code`), in the plan's order, to the layers."""
-        engine, model = self._engine(), self._model()
-        if engine is None or model is None:
+        """Applies `actions` (the plan `code`), in the plan's order, to the layers (`LayersUnderPlan.apply`)."""
+        if self._engine() is None or self._model() is None:
             return
         self._code, self._applied_at = code, self._forwards
-        in_registration_order = [None] * len(actions)
-        for position, index in enumerate(self._order):
-            in_registration_order[index] = actions[position]
-        self._actions.replace(lambda: apply_layer_actions(model, engine, in_registration_order, tile_tokens,
-                                                          layer_tile_tokens))  # fmt: skip
-        if self._whole_call:
-            for index, layer in enumerate(self._layers):
-                if layer.gradient_checkpointing:
-                    function = layer._gradient_checkpointing_func
-                    layer._gradient_checkpointing_func = _StartsBeforeTheCall(
-                        functools.partial(self._layer_starts, index), function
-                    )
-        if windows is not None:
-            engine.use_windows(*windows)
-        # A plan that moves nothing (every layer kept, or checkpointed with its input kept): the engine stands aside,
-        # so that such a step costs what it costs without the library (no saved-tensor hooks pushed, no region around
-        # each layer): plain checkpointing, the trial, runs as transformers runs it.
-        if not any(entry.action in (OFFLOAD, SELECTIVE_OFFLOAD) or entry.offload_input for entry in actions):
-            if engine.standing_aside is None:
-                engine.stand_aside("planned")
-        elif engine.standing_aside == "planned":
-            engine.rejoin()
+        self._layers_under_plan.apply(actions, self._order, windows, self._layer_starts, tile_tokens, layer_tile_tokens)
 
 
 # A tiling's fields of the step's profile (its chunk's tokens, its backward's working bytes, one chunk's bytes, its
@@ -1387,11 +1358,6 @@ def _tiled_fields(
             sequence_field: max(probe.at_step(getattr(probe, probe_sequence) or 0) for probe in probes)}  # fmt: skip
 
 
-def _actions(code: str) -> list[SimpleNamespace]:
-    """The layer actions of a plan code, for plans applied without a `Plan` (the profiled steps' safe plan)."""
-    return [SimpleNamespace(action=ACTION_CODES[letter][0], offload_input=ACTION_CODES[letter][1]) for letter in code]
-
-
 def _tile_tokens(model: nn.Module, option: str | bool, apply: Callable[..., Any], what: str) -> int:
     """Tokens per chunk for the planner's tiling of one kind (`apply_tiled_mlp`, `apply_tiled_layer`): the model's
     hidden size under the option's "auto", where every decoder layer can be tiled so (checked by tiling and untiling
@@ -1407,59 +1373,7 @@ def _tile_tokens(model: nn.Module, option: str | bool, apply: Callable[..., Any]
     return tokens
 
 
-class _PlanActions:
-    """The layer actions of the plan in force: each plan's replace the last's, and the engine's `remove_hooks` takes
-    them off with its hooks, giving every layer back its own checkpointing and forward (a refused budget's too: its
-    profiled steps' plan may have tiled the layers)."""
-
-    def __init__(self) -> None:
-        self._applied: AppliedActions | None = None
-
-    def replace(self, apply: Callable[[], AppliedActions]) -> None:
-        self.remove()
-        self._applied = apply()
-
-    def remove(self) -> None:
-        if self._applied is not None:
-            self._applied.remove()
-            self._applied = None
-
-
-class _StartsBeforeTheCall:
-    """A planned layer's `_gradient_checkpointing_func` where transformers checkpoints the layer's whole call.
-
-    transformers releases whose `GradientCheckpointingLayer` overrides `__call__` (5.17 on the H100 here; 5.2x
-    checkpoints the layer's `forward` instead) hand the checkpoint function the layer's whole call, whose pre-hooks
-    run inside the checkpoint, after the call has looked the layer's `forward` up; the recomputation in backward
-    looks it up again. A plan that tiled the layer from its pre-hook (the first step's, once the probes are in; a
-    longer step's) ran it untiled in the forward and tiled in the recomputation: "a different number of tensors was
-    saved during the original forward and recomputation: 40 and 10", on the H100. So the layer's start (`starts`,
-    the controller's pre-hook, which its pre-hook then repeats to no effect) runs here, before the call, and the call
-    goes to the checkpoint function of the plan in force after it, or runs without one if that plan does not
-    checkpoint the layer.
-    """
-
-    def __init__(self, starts: Callable[..., None], function: Callable[..., Any]) -> None:
-        self.starts = starts
-        self.function = function
-
-    def __call__(self, function: Callable[..., Any], *args: Any) -> Any:
-        layer = whole_call_layer(function)
-        if layer is None:  # not a whole call: nothing to start early
-            return self.function(function, *args)
-        self.starts(layer, args, function.keywords)
-        if not layer.gradient_checkpointing:
-            return function(*args)
-        current = layer._gradient_checkpointing_func
-        return (current.function if isinstance(current, _StartsBeforeTheCall) else current)(function, *args)
-
-
 def _input_elements(args: tuple, kwargs: dict[str, Any]) -> int:
     """The elements of a forward's tensor arguments (token ids, labels, masks, pixels): known before any layer runs,
     they grow with the step's tokens."""
     return sum(value.numel() for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
-
-
-def _checkpoints_whole_calls(layers: list[nn.Module]) -> bool:
-    """Whether transformers checkpoints these layers' whole calls (`_StartsBeforeTheCall`)."""
-    return any(type(layer).__call__ is not nn.Module.__call__ for layer in layers)
