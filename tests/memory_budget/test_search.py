@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -582,3 +583,29 @@ def test_imports_only_the_standard_library() -> None:
         }
         assert {name.split(".")[0] for name in imported} <= set(sys.stdlib_module_names) | {"__future__"}, module
         assert relative <= {(2, "units")} | {(1, name) for name in PURE_NAMES}, module
+
+
+def test_the_planner_plans_in_a_process_without_torch() -> None:
+    # What the modules' docstrings promise, run: a process where torch cannot be imported loads the planning modules
+    # (past the package's `__init__`, which loads the engine) and plans a step.
+    package = Path(search.__file__).parent
+    script = f"""
+import sys, types
+sys.modules["torch"] = None  # `import torch` now raises ImportError
+for name, path in (("hf_offload", {str(package.parent)!r}), ("hf_offload.memory_budget", {str(package)!r})):
+    stub = types.ModuleType(name)
+    stub.__path__ = [path]
+    sys.modules[name] = stub
+from hf_offload.memory_budget import closed_loop, host
+from hf_offload.memory_budget.profile import LayerProfile, StepProfile
+from hf_offload.memory_budget.search import choose_plan
+layer = LayerProfile(saved_bytes=2 << 30, selective_bytes=1 << 30, input_bytes=1 << 26, forward_s=0.005,
+                     backward_s=0.010, selective_recompute_s=0.002)
+profile = StepProfile(layers=[layer] * 4, static_bytes=8 << 30, head_bytes=1 << 30, backward_working_bytes=2 << 30,
+                      head_s=0.04, other_s=0.03, d2h_bytes_per_s=55e9, h2d_bytes_per_s=55e9, host_cap_bytes=64 << 30,
+                      tokens=16384)
+print(choose_plan(profile, 16 << 30).code, "torch" in sys.modules and sys.modules["torch"] is not None)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["SSSK", "False"]
