@@ -311,7 +311,7 @@ def markdown(record: dict[str, Any]) -> str:
 
     verdict = c["no_exception"] and c["budget_held_or_announced"] is not False
     lines = [
-        f"# Dynamic padding under a tight memory budget (issue 20, target 4) on {record['device_name']}",
+        f"# Dynamic padding under a tight memory budget on {record['device_name']}",
         "",
         f"- command: `{record['command']}`; versions: "
         + ", ".join(f"{k} {v}" for k, v in record["versions"].items() if v),
@@ -383,7 +383,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None, out: Path, stem: str
     settings = {k: getattr(args, k) for k in ("device", "steps", "first_steps", "min_seq", "max_seq", "batch",
                                                "layers", "margin", "seed", "scenario")}  # fmt: skip
     record: dict[str, Any] = {
-        "benchmark": "dynamic padding (issue 20, target 4)",
+        "benchmark": "dynamic padding",
         "command": "python " + " ".join([os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])]),
         "settings": settings,
         "describe": run.scenario.describe().split("; seq")[0],

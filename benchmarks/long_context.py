@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     _LOG_FILE.write_text("")
     modes = settings["modes"]
     results: dict[str, Any] = {
-        "benchmark": "long_context (issue 14)", "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        "benchmark": "long_context", "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"), "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "settings": settings, "order": modes, "modes": {m: {"mode": m, "status": "pending"} for m in modes},
         "finished": False,

@@ -469,7 +469,7 @@ def write_summary(out: Path, stem: str, shapes: list[str]) -> bool:
     versions = bw.get("versions", {})
     settings = meta["zoo_settings"]
     header = [
-        f"# hf-offload shape zoo (issue 20, target 2) on {meta['device_name']}",
+        f"# hf-offload shape zoo on {meta['device_name']}",
         "",
         f"- date (UTC): {meta['date']}; host: {meta['host']}; command: "
         + "; ".join(f"`{command}`" for command in dict.fromkeys(d["meta"]["command"] for _, d in data)),

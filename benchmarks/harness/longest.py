@@ -313,7 +313,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     env = results.get("environment", {})
     lines = [
         f"# Long context: the longest sequence per mode ({settings.get('family', 'llama3-8b')}, "
-        f"{settings.get('precision', '')}, issue 14)",
+        f"{settings.get('precision', '')})",
         "",
         f"{results.get('started', '')}; device {env.get('device_name', '?')} "
         f"({_size(env.get('device_total_bytes'))}), host {_size(env.get('host_total_bytes'))}; "

@@ -161,7 +161,7 @@ def table_rows(rs: list[Result]) -> list[str]:
 PLAN_HEAD = (
     "| mode | budget % | budget GiB | plan | predicted peak GiB | peak GiB, timed steps | peak GiB, all steps "
     "| peak <= budget, every step | predicted s/step | measured s/step | predicted x none | x none | x ckpt | "
-    "peak error | time error | issue target |"
+    "peak error | time error | target |"
 )
 
 
