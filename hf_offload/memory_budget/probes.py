@@ -349,119 +349,163 @@ def probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: Meter, tile:
 def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: Meter,
                             tile: Callable[[int], Any] | None,
                             tile_layer: Callable[[int], Any] | None) -> LayerProbe:  # fmt: skip
-    step_tokens = args[0].shape[:-1].numel()
-    args, kwargs = first_tokens(args, kwargs, PROBE_MAX_TOKENS)
-    parameters = [p for p in layer.parameters() if p.requires_grad]
-    pointers = parameter_storages(layer.parameters())
-    hidden, rest = args[0], args[1:]
-    # The step's KV cache (transformers makes one even in training) must not grow by the probes' keys and values.
-    kwargs = {name: None if name in _CACHE_ARGUMENTS or is_cache(value) else value for name, value in kwargs.items()}
-    kwargs["use_cache"] = False
-
-    def forward_on(hidden: torch.Tensor, rest: tuple, kwargs: dict) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        def forward() -> tuple[torch.Tensor, torch.Tensor]:
-            x = hidden.detach().clone().requires_grad_(True)
-            return x, first_tensor(layer(x, *rest, **kwargs))
-
-        return forward
-
-    forward = forward_on(hidden, rest, kwargs)
-    kept_runs, checkpointed_s = [], []
-    for _ in range(_PROBE_RUNS):
-        kept_runs.append(_run_kept(layer, forward, parameters, pointers, meter))
-        with checkpointing_as(layer, selective_checkpoint_function()):
-            x, out = forward()
-        checkpointed_start = meter.mark()
-        _gradients(out, x, parameters)
-        checkpointed_s.append(meter.seconds(checkpointed_start, meter.mark()))
-        del x, out
-    kept = _fastest(kept_runs)
-    attention_forward_s, attention_backward_s = _time_attention(layer, forward, parameters, meter)
-    tokens = hidden.shape[:-1].numel()
-    # Once more on the first half and the first quarter of the tokens: eager attention saves tokens x tokens weights a
-    # head, whose bytes a profile scaled in proportion misses at a longer step (2048 -> 4096 tokens: predicted
-    # 8.34 GB, peaked 10.35). Three lengths, as a part that does not grow (a constant) would blur two.
-    quadratic, quadratic_error = {"saved": 0, "selective": 0, "working": 0, "forward_working": 0}, None
-    if hidden.dim() == 3 and hidden.shape[-2] >= 4:  # packed sequences (2-d) cannot be cut
-        runs = [(tokens, kept)]
-        try:
-            for fewer in (tokens // 2, tokens // 4):
-                (cut, *cut_rest), cut_kwargs = first_tokens(args, kwargs, fewer)
-                run = _run_kept(layer, forward_on(cut, tuple(cut_rest), cut_kwargs), parameters, pointers, meter)
-                runs.append((cut.shape[:-1].numel(), run))
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, ValueError) as error:
-            # `first_tokens` cuts every dimension as long as the sequence: where another has that size too (a
-            # head size equal to a short step's length), the cut arguments do not fit together.
-            quadratic_error = f"its arguments cut to fewer tokens do not run ({str(error).splitlines()[0][:160]})"
-        else:
-            quadratic = {name: _quadratic_part([(n, getattr(run, f"{name}_bytes") or 0) for n, run in runs])
-                         for name in quadratic}  # fmt: skip
+    """`probe_layer`'s measurements, in order: kept and selectively checkpointed, its attention timed apart, its
+    quadratic parts, then each tiling it is given."""
+    call = _ProbedCall(layer, args, kwargs, meter)
+    kept, checkpointed_backward_s = call.kept_and_checkpointed()
+    attention_forward_s, attention_backward_s = _time_attention(layer, call.forward, call.parameters, meter)
+    quadratic, quadratic_error = call.quadratic_parts(kept)
     profile = LayerProfile(
         saved_bytes=kept.saved_bytes,
         selective_bytes=kept.selective_bytes,
-        input_bytes=hidden.numel() * hidden.element_size(),
+        input_bytes=call.hidden.numel() * call.hidden.element_size(),
         forward_s=kept.forward_s,
         backward_s=kept.backward_s,
-        selective_recompute_s=max(0.0, min(checkpointed_s[1:]) - kept.backward_s),
+        selective_recompute_s=max(0.0, checkpointed_backward_s - kept.backward_s),
         attention_forward_s=min(attention_forward_s, kept.forward_s),
         attention_backward_s=min(attention_backward_s, kept.backward_s),
-        parameter_gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
+        parameter_gradient_bytes=sum(p.numel() * p.element_size() for p in call.parameters),
         quadratic_saved_bytes=quadratic["saved"],
         quadratic_selective_bytes=quadratic["selective"],
         saved_tensors=kept.saved_tensors,
         forward_peak_bytes=kept.forward_working_bytes or 0,
         quadratic_forward_peak_bytes=quadratic["forward_working"],
     )
-    probe = LayerProbe(profile, kept.working_bytes, tokens, step_tokens, quadratic_working_bytes=quadratic["working"],
-                       quadratic_error=quadratic_error)  # fmt: skip
-    if tokens < 4:
+    probe = LayerProbe(profile, kept.working_bytes, call.tokens, call.step_tokens,
+                       quadratic_working_bytes=quadratic["working"], quadratic_error=quadratic_error)  # fmt: skip
+    if call.tokens < 4:  # the tiled runs' smallest chunks are a quarter of the tokens
         return probe
+    if tile is not None:
+        call.probe_tiled_mlp(probe, kept, tile)
+    if tile_layer is not None:
+        call.probe_tiled_whole(probe, kept, tile_layer)
+    return probe
 
-    def run_tiled(tiling: Callable[[int], Any]) -> tuple[_Kept, _Kept, float, int | None]:
+
+class _ProbedCall:
+    """A decoder layer's call as the probes run it: on its first `PROBE_MAX_TOKENS` tokens, without the step's
+    cache, taking the gradients of the layer's trainable parameters."""
+
+    def __init__(self, layer: nn.Module, args: tuple, kwargs: dict, meter: Meter) -> None:
+        self.layer, self.meter = layer, meter
+        self.step_tokens = args[0].shape[:-1].numel()
+        args, kwargs = first_tokens(args, kwargs, PROBE_MAX_TOKENS)
+        # The step's KV cache (transformers makes one even in training) must not grow by the probes' keys and values.
+        kwargs = {
+            name: None if name in _CACHE_ARGUMENTS or is_cache(value) else value for name, value in kwargs.items()
+        }
+        kwargs["use_cache"] = False
+        self.args, self.kwargs = args, kwargs
+        self.hidden = args[0]
+        self.tokens = self.hidden.shape[:-1].numel()
+        self.parameters = [p for p in layer.parameters() if p.requires_grad]
+        self.pointers = parameter_storages(layer.parameters())
+        self.forward = self.forward_on(args, kwargs)
+
+    def forward_on(self, args: tuple, kwargs: dict) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """The layer's forward on these arguments, from a fresh leaf copy of their hidden states: that leaf, and the
+        output."""
+        hidden, rest = args[0], args[1:]
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            x = hidden.detach().clone().requires_grad_(True)
+            return x, first_tensor(self.layer(x, *rest, **kwargs))
+
+        return forward
+
+    def run_kept(self, forward: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> _Kept:
+        return _run_kept(self.layer, forward, self.parameters, self.pointers, self.meter)
+
+    def kept_and_checkpointed(self) -> tuple[_Kept, float]:
+        """The layer kept (`_run_kept`), and its backward's seconds selectively checkpointed, which recomputes: each
+        of the `_PROBE_RUNS`, the two interleaved, the fastest after the first."""
+        kept_runs, checkpointed_s = [], []
+        for _ in range(_PROBE_RUNS):
+            kept_runs.append(self.run_kept(self.forward))
+            with checkpointing_as(self.layer, selective_checkpoint_function()):
+                x, out = self.forward()
+            checkpointed_start = self.meter.mark()
+            _gradients(out, x, self.parameters)
+            checkpointed_s.append(self.meter.seconds(checkpointed_start, self.meter.mark()))
+            del x, out
+        return _fastest(kept_runs), min(checkpointed_s[1:])
+
+    def quadratic_parts(self, kept: _Kept) -> tuple[dict[str, int], str | None]:
+        """The parts of `kept`'s bytes that grow with the square of the tokens (`_quadratic_part`), by the name of
+        their `_Kept` field less `_bytes`, or why they were not measured (every part then 0).
+
+        Once more on the first half and the first quarter of the tokens: eager attention saves tokens x tokens
+        weights a head, whose bytes a profile scaled in proportion misses at a longer step (2048 -> 4096 tokens:
+        predicted 8.34 GB, peaked 10.35). Three lengths, as a part that does not grow (a constant) would blur two.
+        """
+        none = {"saved": 0, "selective": 0, "working": 0, "forward_working": 0}
+        if self.hidden.dim() != 3 or self.hidden.shape[-2] < 4:  # packed sequences (2-d) cannot be cut
+            return none, None
+        runs = [(self.tokens, kept)]
+        try:
+            for fewer in (self.tokens // 2, self.tokens // 4):
+                args, kwargs = first_tokens(self.args, self.kwargs, fewer)
+                run = self.run_kept(self.forward_on(args, kwargs))
+                runs.append((args[0].shape[:-1].numel(), run))
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError) as error:
+            # `first_tokens` cuts every dimension as long as the sequence: where another has that size too (a
+            # head size equal to a short step's length), the cut arguments do not fit together.
+            return none, f"its arguments cut to fewer tokens do not run ({str(error).splitlines()[0][:160]})"
+        return {name: _quadratic_part([(n, getattr(run, f"{name}_bytes") or 0) for n, run in runs])
+                for name in none}, None  # fmt: skip
+
+    def run_tiled(self, tiling: Callable[[int], Any]) -> tuple[_Kept, _Kept, float, int | None]:
         """The layer tiled in chunks of a half and of a quarter of the tokens, the backward's working bytes per
         chunk token (the difference of the two), and with a memory counter the whole-sequence phase's bytes (saved
-        and the backward's peak, in chunks too small to matter)."""
-        chunks = [tokens // 2, tokens // 4]
-        if meter.device is not None:  # only a memory counter sees the whole-sequence phase
-            chunks.append(max(1, tokens // SEQUENCE_PHASE_CHUNKS))
+        and the backward's peak, in chunks too small to matter).
+
+        Raises whatever the layer's code raises on a chunk of its tokens (one that reads a full-length mask, one
+        whose output is not its hidden states): the probe's finding that it cannot be tiled, said once in the log,
+        never an error out of the step. The untiled runs have shown that the layer itself works on these arguments.
+        """
+        chunks = [self.tokens // 2, self.tokens // 4]
+        if self.meter.device is not None:  # only a memory counter sees the whole-sequence phase
+            chunks.append(max(1, self.tokens // SEQUENCE_PHASE_CHUNKS))
         runs = []
         for chunk in chunks:
             with tiling(chunk):
-                runs.append(_fastest([_run_kept(layer, forward, parameters, pointers, meter)
-                                      for _ in range(_PROBE_RUNS)]))  # fmt: skip
+                runs.append(_fastest([self.run_kept(self.forward) for _ in range(_PROBE_RUNS)]))
         half, quarter, *smallest = runs
-        per_token = max(0.0, (half.working_bytes - quarter.working_bytes) / (tokens // 2 - tokens // 4))
+        per_token = max(0.0, (half.working_bytes - quarter.working_bytes) / (self.tokens // 2 - self.tokens // 4))
         return half, quarter, per_token, smallest[0].saved_bytes + smallest[0].working_bytes if smallest else None
 
-    def less_a_chunk(run: _Kept, per_token: float) -> int:
-        return max(0, round(run.working_bytes - per_token * (tokens // 4)))
+    def less_a_chunk(self, run: _Kept, per_token: float) -> int:
+        """`run`'s working bytes (in chunks of a quarter of the tokens) less its chunk's share."""
+        return max(0, round(run.working_bytes - per_token * (self.tokens // 4)))
 
-    # A layer's code that fails on a chunk of its tokens (one that reads a full-length mask, one whose output is not
-    # its hidden states) cannot be tiled: that is the probe's finding, said once in the log, never an error out of the
-    # step. The untiled run above has shown that the layer itself works on these arguments.
-    if tile is not None:
+    def probe_tiled_mlp(self, probe: LayerProbe, kept: _Kept, tile: Callable[[int], Any]) -> None:
+        """Sets in `probe` what the layer measured with its MLP tiled (`tile`), or why it cannot be tiled."""
         try:
-            _, quarter, per_token, probe.tiled_sequence_bytes = run_tiled(tile)
+            _, quarter, per_token, probe.tiled_sequence_bytes = self.run_tiled(tile)
         except Exception as error:  # noqa: BLE001 - whatever the model's code raises on a chunk
             probe.mlp_tiling_error = _tiling_error(error)
-        else:
-            extra_s = max(0.0, quarter.backward_s - kept.backward_s)
-            probe.profile = dataclasses.replace(
-                probe.profile, tiled_saved_bytes=quarter.saved_bytes, tiled_extra_s=extra_s
+            return
+        extra_s = max(0.0, quarter.backward_s - kept.backward_s)
+        probe.profile = dataclasses.replace(probe.profile, tiled_saved_bytes=quarter.saved_bytes, tiled_extra_s=extra_s)
+        probe.tiled_working_bytes, probe.chunk_bytes_per_token = self.less_a_chunk(quarter, per_token), per_token
+
+    def probe_tiled_whole(self, probe: LayerProbe, kept: _Kept, tile_layer: Callable[[int], Any]) -> None:
+        """Sets in `probe` what the layer measured tiled whole (`tile_layer`, `_tiled_whole`), or why it cannot be
+        tiled."""
+        if self.hidden.dim() != 3:  # packed sequences (a vision tower's): run untiled, not tiled
+            probe.layer_tiling_error = (
+                f"its calls' hidden states are {self.hidden.dim()}-d, not (batch, sequence, hidden)"
             )
-            probe.tiled_working_bytes, probe.chunk_bytes_per_token = less_a_chunk(quarter, per_token), per_token
-    if tile_layer is not None and hidden.dim() != 3:  # packed sequences (a vision tower's): run untiled, not tiled
-        probe.layer_tiling_error = f"its calls' hidden states are {hidden.dim()}-d, not (batch, sequence, hidden)"
-    elif tile_layer is not None:
+            return
         try:
-            half, quarter, per_token, probe.layer_tiled_sequence_bytes = run_tiled(tile_layer)
+            half, quarter, per_token, probe.layer_tiled_sequence_bytes = self.run_tiled(tile_layer)
         except Exception as error:  # noqa: BLE001 - whatever the model's code raises on a chunk
             probe.layer_tiling_error = _tiling_error(error)
-            return probe
-        _tiled_whole(probe, kept, half, quarter, per_token, less_a_chunk(quarter, per_token), layer, hidden)
-    return probe
+            return
+        _tiled_whole(probe, kept, half, quarter, per_token, self.less_a_chunk(quarter, per_token), self.layer,
+                     self.hidden)  # fmt: skip
 
 
 def _tiling_error(error: Exception) -> str:
