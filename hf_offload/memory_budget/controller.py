@@ -24,9 +24,9 @@ training forwards of the model (grad enabled, model in training mode) and:
    layers run; each stack's tokens scale the whole step from the first step's) or the memory held between steps has
    grown (optimizer state created after a gradient accumulation cycle, where no optimizer step hook told). Such a
    step that no plan fits runs on the lowest-memory plan, with a warning: never an exception in the middle of
-   training. The plans made are kept by the length they were made for, and a step runs the one made for the
-   shortest length at least its own; a step more than a length step (`_LENGTH_STEP`) shorter than any gets a plan
-   of its own, which may keep more (`_plan_for`).
+   training. The plans made are kept by the length they were made for (`plans_by_length`), and a step runs the one
+   made for the shortest length at least its own; a step more than a length step shorter than any gets a plan of its
+   own, which may keep more (`_plan_for`).
 4. The closed loop: the steps a plan runs are measurements (`closed_loop.Sample`: their time; on a device, their
    peak: exactly in the profiled steps, later an upper bound, as the counter is not reset after them). After the
    `MEASURED_STEPS` steps that follow the first one on a new plan, the controller plans again with what every plan
@@ -86,6 +86,7 @@ from .closed_loop import (
 )
 from .host import choose_plan_with_host
 from .plan_application import LayersUnderPlan, actions_of_code
+from .plans_by_length import PlansByLength
 from .probes import (
     NOT_CALLED,
     LayerProbe,
@@ -130,10 +131,6 @@ _SAVED_OFFLOAD_HOST_S = 1e-4
 # The first plan waits for the optimizer's first step at most this many forwards after the profiled ones: an
 # optimizer that is no `torch.optim.Optimizer` calls no step hook, and the safe plan is the slowest.
 _FIRST_PLAN_WAIT_FORWARDS = 64
-# Plans per length (`_plan_for`): made for the first plan's tokens times a power of this (a step of 19%: a 2x range
-# of shorter steps makes at most 4 more plans), and for no fewer tokens than this share of the first plan's.
-_LENGTH_STEP = 2**0.25
-_SHORTEST_PLANNED_SHARE = 0.25
 
 
 class _Phase(enum.Enum):
@@ -198,16 +195,6 @@ class _StepMeasurements:
     call_arguments: dict[int, tuple[int, bool]] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass(frozen=True)
-class _KeptPlan:
-    """A plan made during the run, with the profile it was made from and the generation of what the controller knew
-    then (`MemoryBudgetController._generation`)."""
-
-    plan: Plan
-    profile: StepProfile
-    generation: int
-
-
 class MemoryBudgetController:
     """Profiles, plans and applies a per-layer plan so that the step's peak stays under `memory_budget`.
 
@@ -262,10 +249,8 @@ class MemoryBudgetController:
         # The plans made so far, by the tokens each was made for (`_plan_for`), and the generation of what they were
         # made with: it grows when that changes (the memory held between steps grew, the closed loop corrected a plan
         # or ended its trial, a step peaked above its plan's prediction), and a plan of an earlier one is not reused.
-        # The first plan's tokens anchor the lengths plans are made for.
-        self._kept: dict[int, _KeptPlan] = {}
+        self._plans = PlansByLength()
         self._generation = 0
-        self._first_plan_tokens = 0
         # The closed loop: per plan code, its clean steps; the code the layers run now, and the forward that
         # applied it; the step being timed (its start mark), and the corrections made so far.
         self._samples: dict[str, list[Sample]] = {}
@@ -1029,10 +1014,10 @@ class MemoryBudgetController:
 
     def _plan_for(self, tokens: int, shorter_plans: bool = True) -> None:
         """Puts in force a plan for a step of `tokens`: the plan kept for the shortest length at least `tokens`, unless
-        that length is more than a length step above the step's (`_planned_length`) and `shorter_plans`: then a plan
-        made for the step's length step, which may keep more. A step longer than every kept plan's gets a plan for
-        its own length; one that no plan fits, its lowest-memory plan, which then serves the steps up to its length
-        that no plan kept for a shorter length fits.
+        that length is more than a length step above the step's (`PlansByLength.length_for`) and `shorter_plans`: then
+        a plan made for the step's length step, which may keep more. A step longer than every kept plan's gets a plan
+        for its own length; one that no plan fits, its lowest-memory plan, which then serves the steps up to its
+        length that no plan kept for a shorter length fits.
 
         Why plans for shorter steps: under a budget near the minimum of the longest steps, their plan tiled layers,
         and with it in force the shorter steps ran tiled too, at 0.8-1.7 s a step where plain checkpointing, which
@@ -1040,14 +1025,11 @@ class MemoryBudgetController:
         trial runs (its steps are the trial's), nor below a plan that keeps every layer (nothing is faster). Plans
         made before what the controller knows changed are dropped (`_generation`), but for the one in force. Under
         torch.distributed every rank decides alike: the ranks agree on `tokens`, and every kept plan is rank 0's."""
-        self._kept = {length: kept for length, kept in self._kept.items()
-                      if kept.generation == self._generation or kept.plan is self.plan}  # fmt: skip
-        covering = [kept for length, kept in self._kept.items() if length >= tokens]
-        kept = min(covering, key=lambda candidate: candidate.plan.tokens, default=None)
+        kept = self._plans.covering(tokens, self._generation, self.plan)
         if kept is None:
             self._plan_and_apply(tokens)
             return
-        length = self._planned_length(tokens)
+        length = self._plans.length_for(tokens)
         keeps_everything = kept.plan.code == "K" * len(kept.plan.code)
         if shorter_plans and kept.plan.tokens > length and not keeps_everything and not self.plan.trial:
             self._plan_and_apply(length)
@@ -1057,21 +1039,6 @@ class MemoryBudgetController:
                 logger.info("hf_offload: a step of %d tokens: plan %r, made for %d, is in force again", tokens,
                             kept.plan.code, kept.plan.tokens)  # fmt: skip
             self._put_in_force(kept.plan, kept.profile)
-
-    def _planned_length(self, tokens: int) -> int:
-        """The length a plan for a step of `tokens` is made for: the first plan's tokens times the smallest power of
-        `_LENGTH_STEP` that reaches `tokens`, and no less than `_SHORTEST_PLANNED_SHARE` of them (a plan for every
-        length would re-plan, and re-apply, at almost every step of dynamic padding)."""
-        anchor = self._first_plan_tokens
-        target = max(tokens, math.ceil(anchor * _SHORTEST_PLANNED_SHARE))
-
-        def length(power: int) -> int:  # rounded first: 32 * 2**-1 is 16.000000000000004 in floating point
-            return math.ceil(round(anchor * _LENGTH_STEP**power, 6))
-
-        power = math.floor(math.log(target / anchor, _LENGTH_STEP))
-        while length(power) < target:
-            power += 1
-        return length(power)
 
     def _choose(self, profile: StepProfile, budget_bytes: int, margin_bytes: int, measured: list[MeasuredStep],
                 measured_only: bool = False) -> Plan:  # fmt: skip
@@ -1219,8 +1186,7 @@ class MemoryBudgetController:
         budget."""
         if not new_plan.fits(margin_bytes):
             self._over_budget(new_plan, profile, budget_bytes, margin_bytes)
-        self._first_plan_tokens = self._first_plan_tokens or new_plan.tokens
-        self._kept[new_plan.tokens] = _KeptPlan(new_plan, profile, self._generation)
+        self._plans.keep(new_plan, profile, self._generation)
         self._put_in_force(new_plan, profile)
         logger.info("hf_offload: memory budget %s\n%s", self.memory_budget, new_plan.format_table())
         if profile.peak_correction_bytes:
