@@ -404,12 +404,13 @@ class _ProbedCall:
 
     def forward_on(self, args: tuple, kwargs: dict) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """The layer's forward on these arguments, from a fresh leaf copy of their hidden states: that leaf, and the
-        output."""
-        hidden, rest = args[0], args[1:]
+        output. It refers to the layer, not to this object, which holds it: a cycle would keep the step's arguments
+        (and the hooks on them) alive until a garbage collection."""
+        layer, hidden, rest = self.layer, args[0], args[1:]
 
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             x = hidden.detach().clone().requires_grad_(True)
-            return x, first_tensor(self.layer(x, *rest, **kwargs))
+            return x, first_tensor(layer(x, *rest, **kwargs))
 
         return forward
 
