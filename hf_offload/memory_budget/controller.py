@@ -85,7 +85,7 @@ from .closed_loop import (
     peak_correction,
 )
 from .host import choose_plan_with_host
-from .plan_application import LayersUnderPlan, actions_of_code
+from .plan_application import LayersUnderPlan
 from .plans_by_length import PlansByLength
 from .probes import (
     NOT_CALLED,
@@ -356,7 +356,7 @@ class MemoryBudgetController:
             self._start_measured_step()
         elif self._phase is _Phase.BEFORE_TRAINING:
             self._phase = _Phase.FIRST_STEP
-            self._apply(actions_of_code("C" * len(self._layers)), "C" * len(self._layers), windows=None)
+            self._apply("C" * len(self._layers), windows=None)
             self._first_step_static = self._static_at_step_start
             self._meter.reset_peak()
             self._peak_floor = 0
@@ -800,7 +800,7 @@ class MemoryBudgetController:
                         "%.2f GiB: %s", code, peak / 2**30, budget_bytes / 2**30,
                         "; ".join(not_lower) or "it is the lowest plan the model knows of")  # fmt: skip
         if code != self._code:
-            self._apply(actions_of_code(code), code, windows=None, **chunk_sizes(profile, code))
+            self._apply(code, windows=None, **chunk_sizes(profile, code))
 
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._phase is not _Phase.MEASURED_STEP or not self._training_forward(module):
@@ -1225,7 +1225,7 @@ class MemoryBudgetController:
             if engine is not None:
                 engine.use_windows(*windows)
         else:
-            self._apply(new_plan.layers, new_plan.code, windows, tile_tokens=new_plan.tile_tokens,
+            self._apply(new_plan.code, windows, tile_tokens=new_plan.tile_tokens,
                         layer_tile_tokens=new_plan.layer_tile_tokens)  # fmt: skip
         release_unusable_cache(new_plan.predicted.peak_bytes)
 
@@ -1246,13 +1246,13 @@ class MemoryBudgetController:
             self._warned_over_budget = True
             logger.warning(message)
 
-    def _apply(self, actions: list[Any], code: str, windows: tuple[int, int | None, int | None] | None,
+    def _apply(self, code: str, windows: tuple[int, int | None, int | None] | None,
                tile_tokens: int = 0, layer_tile_tokens: int = 0) -> None:  # fmt: skip
-        """Applies `actions` (the plan `code`), in the plan's order, to the layers (`LayersUnderPlan.apply`)."""
+        """Applies the plan `code`, in the plan's order, to the layers (`LayersUnderPlan.apply`)."""
         if self._engine() is None or self._model() is None:
             return
         self._code, self._applied_at = code, self._forwards
-        self._layers_under_plan.apply(actions, self._order, windows, self._layer_starts, tile_tokens, layer_tile_tokens)
+        self._layers_under_plan.apply(code, self._order, windows, self._layer_starts, tile_tokens, layer_tile_tokens)
 
 
 # A tiling's fields of the step's profile (its chunk's tokens, its backward's working bytes, one chunk's bytes, its

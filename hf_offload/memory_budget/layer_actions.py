@@ -60,14 +60,13 @@ from torch.utils.checkpoint import (
 from ..engine import OffloadActivations
 from ..model import find_decoder_layers
 from ..random_state import RandomState, random_state, set_random_state
-from .simulate import FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, TILED_LAYER
+from .actions import ACTIONS, FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, TILED_LAYER
 from .tiled_layer import apply_tiled_layer, tiled_forward
 from .tiled_mlp import apply_tiled_mlp
 from .tiling import ForwardsReplaced
 
 __all__ = [
-    "ACTIONS",
-    "LayerAction",
+    "LayerActionLike",
     "AppliedActions",
     "apply_layer_actions",
     "checkpointing_as",
@@ -76,7 +75,8 @@ __all__ = [
     "whole_call_layer",
 ]
 
-ACTIONS = (KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL, FULL_TILED, TILED_LAYER)
+# The actions' names (`actions.ACTIONS`, where each is also offered with its input kept or offloaded).
+_NAMES = tuple(dict.fromkeys(action.action for action in ACTIONS.values()))
 
 # What a selective checkpoint saves: the outputs of the ops that cost the most to recompute per byte they occupy.
 # Everything else (norms, activations, rotary embeddings, residual adds) is recomputed.
@@ -89,8 +89,8 @@ _SAVED_BY_SELECTIVE_CHECKPOINT = frozenset(
 )
 
 
-class LayerAction(Protocol):
-    """What a plan says about one layer (the planner's `PlannedLayer` is one)."""
+class LayerActionLike(Protocol):
+    """What a plan says about one layer: an `actions.LayerAction`, or the planner's `PlannedLayer`."""
 
     action: str
     offload_input: bool
@@ -449,15 +449,15 @@ class AppliedActions:
         self._tiled.clear()
 
 
-def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerAction],
+def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: Sequence[LayerActionLike],
                         tile_tokens: int = 0, layer_tile_tokens: int = 0) -> AppliedActions:  # fmt: skip
     """Set each decoder layer of `model` to its action in `actions` (one per layer, in forward order).
 
     Args:
         model: the (unwrapped) model whose decoder layers `find_decoder_layers` finds.
         engine: the offloading context the model's forward runs under.
-        actions: one entry per decoder layer, each with `action` (one of `ACTIONS`) and `offload_input` (for the
-            checkpointing actions: whether the checkpoint's input goes to the host).
+        actions: one entry per decoder layer, each with `action` (an `actions.ACTIONS` name) and `offload_input`
+            (for the checkpointing actions: whether the checkpoint's input goes to the host).
         tile_tokens: tokens per chunk of the MLPs of the `FULL_TILED` layers (the plan's `tile_tokens`).
         layer_tile_tokens: tokens per chunk of the `TILED_LAYER` layers (the plan's `layer_tile_tokens`).
 
@@ -473,9 +473,9 @@ def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: S
     if len(actions) != len(layers):
         raise ValueError(f"the plan has {len(actions)} layer actions but {type(model).__name__} has {len(layers)} "
                          "decoder layers")  # fmt: skip
-    unknown = sorted({entry.action for entry in actions} - set(ACTIONS))
+    unknown = sorted({entry.action for entry in actions} - set(_NAMES))
     if unknown:
-        raise ValueError(f"unknown layer actions {unknown}: a layer's action is one of {list(ACTIONS)}")
+        raise ValueError(f"unknown layer actions {unknown}: a layer's action is one of {list(_NAMES)}")
     applied = AppliedActions()
     # First, as each apply_tiled_* checks every layer it tiles before it changes any: one that raises undoes the others.
     tiled_mlps = [i for i, entry in enumerate(actions) if entry.action == FULL_TILED]

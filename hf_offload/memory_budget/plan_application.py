@@ -11,23 +11,17 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
 
 from ..engine import OffloadActivations
+from .actions import ACTIONS
 from .layer_actions import AppliedActions, apply_layer_actions, whole_call_layer
-from .simulate import ACTION_CODES, OFFLOAD, SELECTIVE_OFFLOAD
 
-__all__ = ["LayersUnderPlan", "actions_of_code"]
+__all__ = ["LayersUnderPlan"]
 
 LayerStarts = Callable[[int, nn.Module, tuple, dict], None]
-
-
-def actions_of_code(code: str) -> list[SimpleNamespace]:
-    """The layer actions of a plan code, for plans applied without a `Plan` (the profiled steps' safe plan)."""
-    return [SimpleNamespace(action=ACTION_CODES[letter][0], offload_input=ACTION_CODES[letter][1]) for letter in code]
 
 
 class LayersUnderPlan:
@@ -52,21 +46,22 @@ class LayersUnderPlan:
         # function, before the call (`_StartsBeforeTheCall`).
         self._whole_call = any(type(layer).__call__ is not nn.Module.__call__ for layer in layers)
 
-    def apply(self, actions: Sequence[Any], order: Sequence[int], windows: tuple[int, int | None, int | None] | None,
+    def apply(self, code: str, order: Sequence[int], windows: tuple[int, int | None, int | None] | None,
               layer_starts: LayerStarts, tile_tokens: int = 0, layer_tile_tokens: int = 0) -> None:  # fmt: skip
-        """Gives the layers `actions`, in the plan's order (`order[position]` is the registration index of the plan's
-        layer at `position`), and the engine the plan's `windows` (forward, prefetch, head's prefetch; None: as they
-        are). `layer_starts` is the controller's pre-hook of layer `index`, `(index, layer, args, kwargs)`: where
-        transformers checkpoints a layer's whole call, it runs before the call (`_StartsBeforeTheCall`). Held only by
-        the layers' checkpoint functions, which the plan's removal gives back: this object refers to the controller
-        neither way, so that a dropped context is freed as soon as it is dropped. Nothing once the model or the
-        engine is gone."""
+        """Gives the layers the actions of plan `code`, in the plan's order (`order[position]` is the registration
+        index of the plan's layer at `position`), and the engine the plan's `windows` (forward, prefetch, head's
+        prefetch; None: as they are). Nothing once the model or the engine is gone.
+
+        `layer_starts` is the controller's pre-hook of layer `index`, `(index, layer, args, kwargs)`: where
+        transformers checkpoints a layer's whole call, it runs before the call (`_StartsBeforeTheCall`). Only the
+        layers' checkpoint functions hold it, and the plan's removal gives those back: this object does not refer to
+        the controller, so that a dropped context is freed as soon as it is dropped."""
         model, engine = self._model(), self._engine()
         if model is None or engine is None:
             return
-        in_registration_order = [None] * len(actions)
-        for position, index in enumerate(order):
-            in_registration_order[index] = actions[position]
+        actions = [ACTIONS[letter] for letter in code]
+        by_index = dict(zip(order, actions))
+        in_registration_order = [by_index[index] for index in range(len(actions))]
         self.remove()
         self._applied = apply_layer_actions(model, engine, in_registration_order, tile_tokens, layer_tile_tokens)
         if self._whole_call:
@@ -81,7 +76,7 @@ class LayersUnderPlan:
         # A plan that moves nothing (every layer kept, or checkpointed with its input kept): the engine stands aside,
         # so that such a step costs what it costs without the library (no saved-tensor hooks pushed, no region around
         # each layer): plain checkpointing, the trial, runs as transformers runs it.
-        if not any(entry.action in (OFFLOAD, SELECTIVE_OFFLOAD) or entry.offload_input for entry in actions):
+        if not any(action.moves for action in actions):
             if engine.standing_aside is None:
                 engine.stand_aside("planned")
         elif engine.standing_aside == "planned":

@@ -14,10 +14,10 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from ..units import format_bytes
+from .actions import ACTIONS, KEEP
 from .checks import is_int
 from .profile import StepProfile, layer_tiling_available, tiling_available
 from .simulate import (
-    ACTION_CODES,
     LayerOption,
     MeasuredStep,
     Plan,
@@ -177,13 +177,14 @@ def _lowest_memory_code(profile: StepProfile, letters_of: str = "Cc") -> str:
 def _simplicity(code: Sequence[str]) -> tuple[int, int, int]:
     """How much a plan changes from keeping every layer, least first: the tiling it uses (none, MLPs, whole layers),
     then its layers that do not keep, then those whose tensors travel to the host."""
-    return _tiling_kind(code), sum(letter != "K" for letter in code), sum(ACTION_CODES[letter][1] for letter in code)
+    actions = [ACTIONS[letter] for letter in code]
+    return _tiling_kind(code), sum(action.action != KEEP for action in actions), sum(action.moves for action in actions)
 
 
 def _tiling_kind(code: Sequence[str]) -> int:
-    """0 for an exact plan, 1 for one that tiles MLPs (`T`, `t`), 2 for one that tiles whole layers (`L`, `l`): the
-    order in which `choose_plan` turns to them."""
-    return 2 if set(code) & set("Ll") else 1 if set(code) & set("Tt") else 0
+    """The plan's tiling: `actions.NO_TILING` for an exact plan, `TILED_MLPS` for one that tiles MLPs (`T`, `t`),
+    `TILED_LAYERS` for one that tiles whole layers (`L`, `l`), the order in which `choose_plan` turns to them."""
+    return max((ACTIONS[letter].tiling for letter in code), default=0)
 
 
 # The tilings `choose_plan` turns to, in this order, where no plan without them fits (`_tiling_kind` 1 and 2): their

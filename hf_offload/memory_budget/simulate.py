@@ -100,18 +100,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..units import byte_unit, format_bytes
+from .actions import ACTIONS, FULL_TILED, TILED_LAYER, action_named
 from .checks import check_bytes, check_seconds
 from .profile import LayerProfile, StepProfile, layer_tiling_available, tiling_available
 
 __all__ = [
-    "KEEP",
-    "OFFLOAD",
-    "SELECTIVE",
-    "SELECTIVE_OFFLOAD",
-    "FULL",
-    "FULL_TILED",
-    "TILED_LAYER",
-    "ACTION_CODES",
     "PlannedLayer",
     "Prediction",
     "MeasuredStep",
@@ -122,33 +115,13 @@ __all__ = [
     "simulated_step",
 ]
 
-KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, FULL = "keep", "offload", "selective", "selective_offload", "full"
-FULL_TILED = "full_tiled_mlp"
-TILED_LAYER = "tiled_layer"
-
-# Code letter -> (action, whether the layer's input leaves the GPU).
-ACTION_CODES: dict[str, tuple[str, bool]] = {
-    "K": (KEEP, False),
-    "O": (OFFLOAD, True),
-    "S": (SELECTIVE, True),
-    "s": (SELECTIVE, False),
-    "C": (FULL, True),
-    "c": (FULL, False),
-    "X": (SELECTIVE_OFFLOAD, True),
-    "T": (FULL_TILED, True),
-    "t": (FULL_TILED, False),
-    "L": (TILED_LAYER, True),
-    "l": (TILED_LAYER, False),
-}
-_CODE_OF_ACTION = {action: code for code, action in ACTION_CODES.items()}
-
 
 @dataclass(frozen=True)
 class PlannedLayer:
     """One layer's action and what the model predicts of it.
 
     Args:
-        action: one of the actions of `ACTION_CODES` ("keep", "offload", "selective", "full", ...).
+        action: the name of one of the actions (`actions.ACTIONS`: "keep", "offload", "selective", "full", ...).
         offload_input: whether the layer's input leaves the GPU (always for "offload", never for "keep").
         held_bytes: bytes it holds on the GPU between its forward and its backward.
         offloaded_bytes: bytes it sends to the host.
@@ -166,14 +139,12 @@ class PlannedLayer:
     host_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if (self.action, self.offload_input) not in _CODE_OF_ACTION:
-            raise ValueError(f"no such layer action: {self.action!r} with offload_input={self.offload_input!r}; "
-                             f"the actions are {sorted(set(ACTION_CODES.values()))}")  # fmt: skip
+        action_named(self.action, self.offload_input)  # a ValueError for no such action
 
     @property
     def code(self) -> str:
-        """The layer's letter in a plan code (see `ACTION_CODES`)."""
-        return _CODE_OF_ACTION[(self.action, self.offload_input)]
+        """The layer's letter in a plan code (see `actions.ACTIONS`)."""
+        return action_named(self.action, self.offload_input).letter
 
     @property
     def added_s(self) -> float:
@@ -537,9 +508,9 @@ def describe_peak(run: SimulatedStep) -> str:
 
 
 def check_code(profile: StepProfile, code: str) -> None:
-    if not isinstance(code, str) or len(code) != len(profile.layers) or not set(code) <= ACTION_CODES.keys():
+    if not isinstance(code, str) or len(code) != len(profile.layers) or not set(code) <= ACTIONS.keys():
         raise ValueError(f"a plan code has one letter per layer ({len(profile.layers)}) from "
-                         f"{''.join(ACTION_CODES)}, got {code!r}")  # fmt: skip
+                         f"{''.join(ACTIONS)}, got {code!r}")  # fmt: skip
     missing = unavailable_tiling(profile, code)
     if missing:
         raise ValueError(f"plan code {code!r} {missing}")
@@ -565,7 +536,7 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
 
     Args:
         profile: the measured step.
-        code: one action letter per layer, in forward order (see `ACTION_CODES`), e.g. "CCCCSSSSKKKK".
+        code: one action letter per layer, in forward order (see `actions.ACTIONS`), e.g. "CCCCSSSSKKKK".
         prefetch_window_bytes: the reloads allowed ahead of need; None, or anything narrower than the largest
             layer's reload, means that reload (one layer ahead).
 
@@ -610,7 +581,8 @@ def chunk_sizes(profile: StepProfile, code: str) -> dict[str, int]:
 def prediction_of(code: str, options: Sequence[LayerOption], run: SimulatedStep) -> Prediction:
     layers = tuple(
         PlannedLayer(
-            *ACTION_CODES[letter],
+            ACTIONS[letter].action,
+            ACTIONS[letter].offload_input,
             held_bytes=option.held,
             offloaded_bytes=option.offloaded,
             recompute_s=option.recompute_s,
@@ -637,7 +609,7 @@ class MeasuredStep:
     """A plan that ran: what its steps measured, at the tokens of the profile it is given to `choose_plan` with.
 
     Args:
-        code: the plan's code (see `ACTION_CODES`).
+        code: the plan's code (see `actions.ACTIONS`).
         step_s: its step's time, the fastest of its steps (the host's stalls only add to some); None where only its
             peak was measured (the first step's: the probes and the warm-up ran in it), its predicted time then
             standing for it.

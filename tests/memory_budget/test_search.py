@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from step_profiles import long_profile, s1_profile, tiled_layer_profile
 
-from hf_offload.memory_budget import calibrate, checks, closed_loop, host, plans_by_length, search, spec
+from hf_offload.memory_budget import actions, calibrate, checks, closed_loop, host, plans_by_length, search, spec
 from hf_offload.memory_budget import profile as step_profile
 from hf_offload.memory_budget import simulate as step_model
 from hf_offload.memory_budget.profile import LayerProfile, StepProfile
@@ -29,8 +29,8 @@ from hf_offload.memory_budget.simulate import MeasuredStep, Plan, layer_options,
 from hf_offload.units import GIB, MIB, format_bytes
 
 # The part of the budget that plans: the standard library and `units` only, so that plans are computed anywhere.
-PURE_MODULES = (checks, spec, step_profile, step_model, search, calibrate, host, closed_loop, plans_by_length)
-PURE_NAMES = {"checks", "spec", "profile", "simulate", "search", "calibrate", "host", "closed_loop", "plans_by_length"}
+PURE_MODULES = (actions, checks, spec, step_profile, step_model, search, calibrate, host, closed_loop, plans_by_length)
+PURE_NAMES = {module.__name__.rpartition(".")[2] for module in PURE_MODULES}
 
 
 def random_profile(rng: random.Random, layers: int) -> StepProfile:
