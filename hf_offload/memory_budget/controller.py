@@ -85,6 +85,7 @@ from .closed_loop import (
     peak_correction,
 )
 from .host import choose_plan_with_host
+from .measurements import LongestStep, OwnPeakCounter, StepMeasurements
 from .plan_application import LayersUnderPlan
 from .plans_by_length import PlansByLength
 from .probes import (
@@ -143,58 +144,6 @@ class _Phase(enum.Enum):
     PLANNED = "a plan in force, re-planned as steps grow, checked by the closed loop"
 
 
-@dataclasses.dataclass(frozen=True)
-class _LongestStep:
-    """The most tokens a step of the run will hold, known before it trains, which the first plan checks
-    (`_check_longest_step`).
-
-    Args:
-        tokens: per device and micro-step, as the last stack the first step called sees them (a decoder-only model's
-            layers, a VLM's language model, an encoder-decoder's decoder): sequences x their padded length.
-        source: where it was learned, for the messages.
-        strict: the user set it (`memory_budget_max_tokens`): no plan fitting it is an error; else a warning.
-    """
-
-    tokens: int
-    source: str
-    strict: bool
-
-
-@dataclasses.dataclass
-class _StepMeasurements:
-    """What the controller measured of the first steps, to build the profile from."""
-
-    probes: dict[tuple, LayerProbe] = dataclasses.field(default_factory=dict)  # per stack and `layer_kind`
-    # The tokens of the first layer called in the first step: the profile's tokens, which the step's own
-    # measurements (head, step time) are at; and each stack's own tokens in that step, which later steps scale from.
-    step_tokens: int = 0
-    stack_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
-    device: torch.device | None = None
-    d2h_bytes_per_s: float = 0.0
-    h2d_bytes_per_s: float = 0.0
-    step_start: Any = None
-    step_s: float | None = None
-    # The plan the second profiled step ran (`C` on every layer, or tiled where that alone fits): what `step_s` is the
-    # time of, and so what the rest of the step (`StepProfile.other_s`) is measured against.
-    safe_code: str = ""
-    head_start: Any = None
-    head_s: float | None = None
-    held_at_step_start: int | None = None  # what was allocated as the second step began: the memory between steps
-    static_at_step_start: int = 0  # that, and the gradients backward was to create (`_static_bytes`, summed)
-    head_bytes: int | None = None
-    # CPU test mode, which has no peak counter: what the head and loss saved in the second profiled step.
-    head_saved_bytes: int | None = None
-    forward_peak: int | None = None  # the second step's peak before its head (the counter is reset there)
-    # At the end of the second step's backward: the counter, and what was allocated (every gradient by then).
-    backward_end_peak: int | None = None
-    backward_end_allocated: int | None = None
-    # The gradients that did not exist yet when backward reached the first layer called (the input embeddings').
-    late_gradient_bytes: int = 0
-    optimizer_bytes: int = 0  # what the step needed after backward on top of static memory and every gradient
-    # The first step's layer calls' other arguments (masks, rotary tables), by storage (`call_argument_storages`).
-    call_arguments: dict[int, tuple[int, bool]] = dataclasses.field(default_factory=dict)
-
-
 class MemoryBudgetController:
     """Profiles, plans and applies a per-layer plan so that the step's peak stays under `memory_budget`.
 
@@ -235,7 +184,7 @@ class MemoryBudgetController:
         self._budget_bytes()  # a share of the device, or "auto", without a device fails here
         self.plan: Plan | None = None
         self._profile: StepProfile | None = None
-        self._measured = _StepMeasurements()
+        self._measured = StepMeasurements()
         self._phase = _Phase.BEFORE_TRAINING
         self._forwards = 0  # training forwards so far: the steps a plan has run, and how long the first plan waited
         self._measured_step_faulted = False  # `step_faulted` in the measured profiled step
@@ -245,7 +194,7 @@ class MemoryBudgetController:
         self._previous_step_tokens = 0
         self._warned_over_budget = False
         max_tokens = engine.options.memory_budget_max_tokens
-        self._longest = None if max_tokens is None else _LongestStep(max_tokens, "memory_budget_max_tokens", True)
+        self._longest = None if max_tokens is None else LongestStep(max_tokens, "memory_budget_max_tokens", True)
         # The plans made so far, by the tokens each was made for (`_plan_for`), and the generation of what they were
         # made with: it grows when that changes (the memory held between steps grew, the closed loop corrected a plan
         # or ended its trial, a step peaked above its plan's prediction), and a plan of an earlier one is not reused.
@@ -266,10 +215,7 @@ class MemoryBudgetController:
         self._corrections = 0
         self._trialled: set[str] = set()  # the codes of the plans run as trials
         self.calibration = Calibration()  # what the measured plans taught the model, as of rank 0's last plan
-        # The largest peak the device's counter has read since the controller last reset it, and its read at the end
-        # of the measured step's backward (`_peak_since_own_reset`).
-        self._peak_floor = 0
-        self._peak_at_backward_end: int | None = None
+        self._peak_counter = OwnPeakCounter(self._meter)
         # The codes the first step's layers ran, and the memory held as it began (`_record_first_step`).
         self._first_step_codes: set[str] = set()
         self._first_step_static = 0
@@ -324,11 +270,11 @@ class MemoryBudgetController:
         once where none does. `memory_budget_max_tokens`, which the user set, stands instead (and raises).
 
         Args:
-            tokens: sequences x their padded length, per device and micro-step (see `_LongestStep`).
+            tokens: sequences x their padded length, per device and micro-step (see `LongestStep`).
             source: where the length comes from, for the warning.
         """
         if self._longest is None:
-            self._longest = _LongestStep(tokens, source, strict=False)
+            self._longest = LongestStep(tokens, source, strict=False)
 
     def _budget_bytes(self) -> int:
         """The user's budget in bytes, on this device."""
@@ -358,8 +304,7 @@ class MemoryBudgetController:
             self._phase = _Phase.FIRST_STEP
             self._apply("C" * len(self._layers), windows=None)
             self._first_step_static = self._static_at_step_start
-            self._meter.reset_peak()
-            self._peak_floor = 0
+            self._peak_counter.reset()
         elif self._phase is _Phase.FIRST_STEP:
             self._phase = _Phase.MEASURED_STEP
             self._record_first_step()
@@ -401,7 +346,7 @@ class MemoryBudgetController:
         self._measured.held_at_step_start = self._meter.allocated()
         self._measured.static_at_step_start = self._static_at_step_start
         self._measured.step_start = self._meter.mark()
-        self._meter.reset_peak()
+        self._peak_counter.reset()
 
     def step_faulted(self) -> None:
         """The training step under way did not complete: an exception left the region it ran in (one that a caller
@@ -503,27 +448,6 @@ class MemoryBudgetController:
         tokens, elements = self._tokens_per_elements
         return in_proportion(tokens, elements, self._input_elements) if elements else tokens
 
-    def _peak_since_own_reset(self) -> int | None:
-        """The step that just ended's peak, read at the next forward's start: the device's counter if nobody else
-        reset it since the controller did, else the counter as the step's backward ended (None if not read).
-
-        Whoever resets the counter between steps (a benchmark, or a training script that logs each step's peak)
-        makes the read at the next forward's start a fraction of the step's peak, and a plan would seem to fit that
-        does not. Until someone else resets it, the counter never reads below what it read before, so a read below
-        that means a reset. The read at the end of backward comes before any such reset, and holds the step's peak
-        unless the optimizer step set it."""
-        peak, at_backward_end = self._meter.peak(), self._peak_at_backward_end
-        self._peak_at_backward_end = None
-        if peak is None or peak < self._peak_floor:
-            return at_backward_end
-        self._peak_floor = peak
-        return peak
-
-    def _read_peak_at_backward_end(self) -> None:
-        peak = self._meter.peak()
-        if peak is not None and peak >= self._peak_floor:
-            self._peak_floor = self._peak_at_backward_end = peak
-
     def _warn_if_compiled(self) -> None:
         """Called from the layers' pre-hooks, which Dynamo traces whether the model or its layers are compiled.
 
@@ -549,7 +473,7 @@ class MemoryBudgetController:
         the end of backward, it is the optimizer step's; else at least what backward left allocated."""
         measured = self._measured
         counter_at_backward_end = measured.backward_end_peak
-        peak = self._peak_since_own_reset()
+        peak = self._peak_counter.since_own_reset()
         static_bytes, gradient_bytes = self._static_bytes()
         after_backward = [measured.backward_end_allocated or 0]
         if peak is not None and counter_at_backward_end is not None and peak > counter_at_backward_end:
@@ -571,7 +495,7 @@ class MemoryBudgetController:
 
     def _first_step_backward_reached(self, grad: torch.Tensor) -> None:
         """Backward reached a layer's input in the first step: the counter is read as that backward ends."""
-        queue_after_backward(self._read_peak_at_backward_end)
+        queue_after_backward(self._peak_counter.read_at_backward_end)
 
     def _record_first_step(self) -> None:
         """The first step's peak as its backward ended, as a measurement of the plan its layers ran (where they all
@@ -579,7 +503,7 @@ class MemoryBudgetController:
         with the optimizer's state and may tile where plain checkpointing is predicted not to fit, so no later step
         need run `C`: on a 7B shape the tiled plan then stayed at 1.87x plain checkpointing under a budget at plain
         checkpointing's measured peak, which the model put within its margin. The first step had run it."""
-        peak, self._peak_at_backward_end = self._peak_at_backward_end, None
+        peak = self._peak_counter.take_at_backward_end()
         if peak is None or len(self._first_step_codes) != 1:
             return
         (code,) = self._first_step_codes
@@ -605,7 +529,7 @@ class MemoryBudgetController:
         trial = self.plan is not None and self.plan.trial
         if to_check and (trial or self._corrections < MAX_CORRECTIONS):
             self._timed_step_start = self._meter.mark()
-            self._floor_at_timed_start = self._peak_floor
+            self._floor_at_timed_start = self._peak_counter.floor
             self._static_at_timed_start = self._static_at_step_start
 
     def _close_the_loop(self) -> None:
@@ -619,7 +543,7 @@ class MemoryBudgetController:
             # upper bound of this step's. Within the budget it proves the step was. A read above every read before
             # the step is the step's own peak, exactly, whatever the budget: unless the memory held between steps
             # grew in it (optimizer state created at its end, which the next plan counts as static).
-            peak = self._peak_since_own_reset()
+            peak = self._peak_counter.since_own_reset()
             exact = peak is not None and peak > self._floor_at_timed_start and not self._static_grew()
             if peak is not None and peak > self._budget_bytes() and not exact:
                 peak = None
@@ -806,8 +730,7 @@ class MemoryBudgetController:
         if self._phase is not _Phase.MEASURED_STEP or not self._training_forward(module):
             return
         self._measured.forward_peak = self._meter.peak()
-        self._meter.reset_peak()
-        self._peak_floor = 0
+        self._peak_counter.reset()
         self._measured.head_start = self._meter.mark()
 
     def _last_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
@@ -828,9 +751,9 @@ class MemoryBudgetController:
                 # two layer inputs on every zoo shape), and a plan that keeps every input measured that much above
                 # the model that counted the head from there.
                 measured.head_bytes = None if peak is None else peak - measured.held_at_step_start - self._tail_kept()
-                self._peak_floor = peak or 0
+                self._peak_counter.floor = peak or 0
                 queue_after_backward(self._profiled_backward_ends)
-            queue_after_backward(self._read_peak_at_backward_end)
+            queue_after_backward(self._peak_counter.read_at_backward_end)
 
         tensor.register_hook(head_done)
 

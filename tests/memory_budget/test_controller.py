@@ -847,9 +847,9 @@ def test_the_first_steps_peak_is_read_as_its_backward_ends_and_measures_the_plan
 
     def read_at_backward_end() -> None:  # the CPU test mode has no counter: the read, counted, with a stand-in figure
         reads.append(controller._forwards)
-        controller._peak_at_backward_end = 12345
+        controller._peak_counter.at_backward_end = 12345
 
-    monkeypatch.setattr(controller, "_read_peak_at_backward_end", read_at_backward_end)
+    monkeypatch.setattr(controller._peak_counter, "read_at_backward_end", read_at_backward_end)
     held = []
     model.model.layers[0].register_forward_pre_hook(lambda *_: held.append(controller._static_at_step_start))
     train(model, context, steps=2)
@@ -968,13 +968,13 @@ def test_a_peak_counter_reset_by_someone_else_is_not_taken_for_the_step_peak():
     controller = context.budget_controller
     reads = iter([9 * 2**30, 3 * 2**30, 10 * 2**30])
     controller._meter.peak = lambda: next(reads)
-    assert controller._peak_since_own_reset() == 9 * 2**30
-    assert controller._peak_since_own_reset() is None  # below the last read: reset by someone else
-    assert controller._peak_since_own_reset() == 10 * 2**30  # risen past it: the step peaked at least that high
+    assert controller._peak_counter.since_own_reset() == 9 * 2**30
+    assert controller._peak_counter.since_own_reset() is None  # below the last read: reset by someone else
+    assert controller._peak_counter.since_own_reset() == 10 * 2**30  # risen past it: the step peaked at least that high
     # The read at the end of the step's backward comes before anyone's reset between steps: it stands in for the step.
     reads = iter([11 * 2**30, 2 * 2**30])
-    controller._read_peak_at_backward_end()
-    assert controller._peak_since_own_reset() == 11 * 2**30
+    controller._peak_counter.read_at_backward_end()
+    assert controller._peak_counter.since_own_reset() == 11 * 2**30
 
 
 # Dominance: the closed loop's trial of plain checkpointing, and what the measured plans teach the model

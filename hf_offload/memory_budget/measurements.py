@@ -1,0 +1,114 @@
+"""What the memory budget's controller measures of the run's first steps, and its reads of the device's peak counter.
+
+`StepMeasurements` holds what the first two steps measured (the probes, the head, the step's time, what backward
+left), from which the controller assembles the step's profile; `LongestStep`, the longest step the run will see
+where it is known before training. `OwnPeakCounter` reads and resets the device's peak-memory counter, and tells its
+own resets from anyone else's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .probes import LayerProbe, Meter
+
+__all__ = ["LongestStep", "OwnPeakCounter", "StepMeasurements"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LongestStep:
+    """The most tokens a step of the run will hold, known before it trains, which the first plan checks
+    (`MemoryBudgetController._check_longest_step`).
+
+    Args:
+        tokens: per device and micro-step, as the last stack the first step called sees them (a decoder-only model's
+            layers, a VLM's language model, an encoder-decoder's decoder): sequences x their padded length.
+        source: where it was learned, for the messages.
+        strict: the user set it (`memory_budget_max_tokens`): no plan fitting it is an error; else a warning.
+    """
+
+    tokens: int
+    source: str
+    strict: bool
+
+
+@dataclasses.dataclass
+class StepMeasurements:
+    """What the controller measured of the first steps, to build the profile from."""
+
+    probes: dict[tuple, LayerProbe] = dataclasses.field(default_factory=dict)  # per stack and `layer_kind`
+    # The tokens of the first layer called in the first step: the profile's tokens, which the step's own
+    # measurements (head, step time) are at; and each stack's own tokens in that step, which later steps scale from.
+    step_tokens: int = 0
+    stack_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    device: torch.device | None = None
+    d2h_bytes_per_s: float = 0.0
+    h2d_bytes_per_s: float = 0.0
+    step_start: Any = None
+    step_s: float | None = None
+    # The plan the second profiled step ran (`C` on every layer, or tiled where that alone fits): what `step_s` is the
+    # time of, and so what the rest of the step (`StepProfile.other_s`) is measured against.
+    safe_code: str = ""
+    head_start: Any = None
+    head_s: float | None = None
+    held_at_step_start: int | None = None  # what was allocated as the second step began: the memory between steps
+    static_at_step_start: int = (
+        0  # that, and the gradients backward was to create (the controller's `_static_bytes`, summed)
+    )
+    head_bytes: int | None = None
+    # CPU test mode, which has no peak counter: what the head and loss saved in the second profiled step.
+    head_saved_bytes: int | None = None
+    forward_peak: int | None = None  # the second step's peak before its head (the counter is reset there)
+    # At the end of the second step's backward: the counter, and what was allocated (every gradient by then).
+    backward_end_peak: int | None = None
+    backward_end_allocated: int | None = None
+    # The gradients that did not exist yet when backward reached the first layer called (the input embeddings').
+    late_gradient_bytes: int = 0
+    optimizer_bytes: int = 0  # what the step needed after backward on top of static memory and every gradient
+    # The first step's layer calls' other arguments (masks, rotary tables), by storage (`call_argument_storages`).
+    call_arguments: dict[int, tuple[int, bool]] = dataclasses.field(default_factory=dict)
+
+
+class OwnPeakCounter:
+    """The device's peak-memory counter as the controller reads it (`Meter.peak`), whoever else resets it.
+
+    Whoever resets the counter between steps (a benchmark, or a training script that logs each step's peak) makes
+    the read at the next forward's start a fraction of the step's peak, and a plan would seem to fit that does not.
+    Until someone else resets it, the counter never reads below what it read before (`floor`), so a read below that
+    means a reset. The read at the end of backward (`read_at_backward_end`) comes before any such reset, and holds
+    the step's peak unless the optimizer step set it.
+    """
+
+    def __init__(self, meter: Meter) -> None:
+        self._meter = meter
+        self.floor = 0  # the largest read since the controller last reset the counter
+        self.at_backward_end: int | None = None  # the read as the latest measured step's backward ended
+
+    def reset(self) -> None:
+        """Resets the device's counter, as the controller measures a phase from its start."""
+        self._meter.reset_peak()
+        self.floor = 0
+
+    def since_own_reset(self) -> int | None:
+        """The step that just ended's peak, read at the next forward's start: the device's counter if nobody else
+        reset it since the controller did, else the counter as the step's backward ended (None if not read)."""
+        peak, at_backward_end = self._meter.peak(), self.at_backward_end
+        self.at_backward_end = None
+        if peak is None or peak < self.floor:
+            return at_backward_end
+        self.floor = peak
+        return peak
+
+    def read_at_backward_end(self) -> None:
+        """Reads the counter as a step's backward ends (queued then, `peak.queue_after_backward`)."""
+        peak = self._meter.peak()
+        if peak is not None and peak >= self.floor:
+            self.floor = self.at_backward_end = peak
+
+    def take_at_backward_end(self) -> int | None:
+        """The read at the end of the latest backward, once."""
+        peak, self.at_backward_end = self.at_backward_end, None
+        return peak
