@@ -28,6 +28,7 @@ Writes one JSON line per variant and round to --out/trainer_variants.jsonl as it
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -79,6 +80,10 @@ def _parse(variant: str) -> tuple[str, bool, bool, dict[str, str]]:
 def run_variant(variant: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     compile_kind, checkpointing, offloading, options = _parse(variant)
     torch._dynamo.reset()
+    # The previous variant's trainer and model are garbage in reference cycles: collected during this variant, they
+    # would take their memory off its peak above the parameters.
+    gc.collect()
+    torch.cuda.empty_cache()
     transformers.set_seed(args.seed)
     config = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,

@@ -5,6 +5,8 @@ Trainer's `torch_compile=True` under offloading compiles the layers."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch._dynamo
@@ -53,6 +55,10 @@ def _train_with_trainer(output_dir: str, torch_compile: bool, offloading: bool, 
     """8 AdamW steps of the Trainer (checkpointing on) on `build(...)`; the losses, weights, peak and Dynamo counts."""
     torch._dynamo.reset()
     counters.clear()
+    # The previous run's trainer and model are garbage in reference cycles: collected in the middle of this run, they
+    # would take their memory off this run's peak.
+    gc.collect()
+    torch.cuda.empty_cache()
     model = build(checkpointing=False, device="cuda", **TRAINER_SHAPE)
     if compile_layers:  # what torch_compile=True becomes under offloading
         hf_offload.compile_decoder_layers(model)
