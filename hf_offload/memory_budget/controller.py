@@ -12,7 +12,11 @@ training forwards of the model (grad enabled, model in training mode) and:
    decoder's layers on theirs (with the encoder's states).
    Once every kind is probed it measures the link's bandwidth; if the safe plan is predicted not to fit the budget
    and tiling would lower its peak, the safe plan tiles every layer's MLP, or, where even that is predicted not to
-   fit and tiling whole layers is lower still, every layer whole.
+   fit and tiling whole layers is lower still, every layer whole. The safe plan offloads the inputs the pinned pool
+   has room for and keeps the rest on the device; where no safe plan fits, the profiled steps run the planner's plan
+   for the first step's tokens (with the pool grown where that is what fits), decided before the layers it places
+   run: a run whose first step is already long is planned for it, not profiled into running out of memory. Where
+   even the lowest-memory plan is predicted to exceed the device, an `InfeasibleBudgetError` there.
 2. Second forward, still safe: measures the step: memory held before it starts, the head and loss's peak over what
    the forward leaves, the head's time, and the whole step's time (the rest of the step, embedding and optimizer,
    is what the model of the safe step does not explain).
@@ -98,13 +102,14 @@ from .probes import (
     probe_layer,
 )
 from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
-from .ranks import RankAgreement
+from .ranks import RankAgreement, runs_alone
 from .search import (
     STEP_TIME_NOISE,
     InfeasibleBudgetError,
     choose_plan,
     plan_of,
     prediction_margin_bytes,
+    safe_code,
     smallest_budget,
 )
 from .sharding import gradient_shard_nbytes, local_nbytes
@@ -251,7 +256,8 @@ class MemoryBudgetController:
         engine.warn_once("budget", f"hf_offload: memory_budget={memory_budget} ({format_bytes(self._budget_bytes())}) "
                          "is set, so hf-offload decides per "
                          "decoder layer whether to checkpoint it (whatever activation_checkpointing says): the first "
-                         "two steps are profiled under full checkpointing, then the plan is applied")  # fmt: skip
+                         "two steps are profiled under full checkpointing (or, where that is predicted not to fit, "
+                         "a plan made for the first step), then the plan is applied")  # fmt: skip
 
     @property
     def profile(self) -> StepProfile | None:
@@ -692,39 +698,83 @@ class MemoryBudgetController:
             engine.track_hook(self._layers[self._called[0]].register_forward_hook(self._first_layer_ends))
 
     def _apply_safe_plan(self, tokens: int) -> None:
-        """The first two steps' plan, once the probes are in: every layer fully checkpointed, its input offloaded;
-        its MLP tiled too if it is predicted not to fit the budget untiled and tiling is predicted to lower its peak
-        (at long context an untiled layer's recompute alone can exceed the device); the whole layer tiled if even
-        that is predicted not to fit and tiling whole layers is predicted lower still. The layers that ran before
-        the last kind was probed keep the untiled safe plan in the first step. Decided again as the second step
-        begins, with the memory held then: the optimizer's state, made by the first step's optimizer step (on an
-        H200, 16 layers of S1's shape, AdamW: the first step peaked at 8.29 GiB, the second at 8.92, over a budget
-        of 8.80 GiB that a tiled plan met at 8.69)."""
+        """The profiled steps' plan, once the probes are in, for the step's own tokens, before the layers it decides
+        run.
+
+        The safe plan where it is predicted to fit the budget: every layer fully checkpointed, its input offloaded;
+        its MLP tiled too if it is predicted not to fit untiled and tiling is predicted to lower its peak (at long
+        context an untiled layer's recompute alone can exceed the device); the whole layer tiled if even that is
+        predicted not to fit and tiling whole layers is predicted lower still. Where none of these fits, the
+        planner's plan for this step (`_plan_profiled_steps`): a run whose first step is already long (packing to
+        `max_length`) would otherwise run every input to a full pinned pool and keep the rest on the device (an
+        8B-class model at 327,680 tokens ran out of GPU memory so, where a plan that keeps some inputs and tiles
+        others fitted). The layers that ran before the last kind was probed keep the untiled safe plan in the first
+        step. Decided again as the second step begins, with the memory held then: the optimizer's state, made by the
+        first step's optimizer step (on an H200, 16 layers of S1's shape, AdamW: the first step peaked at 8.29 GiB,
+        the second at 8.92, over a budget of 8.80 GiB that a tiled plan met at 8.69)."""
         profile = self._profile_now(tokens)
         budget_bytes = self._budget_bytes()
-        count = len(self._layers)
-        code, peak = "C" * count, simulate(profile, "C" * count).peak_bytes
+        code = safe_code(profile)
+        peak = simulate(profile, code).peak_bytes
         not_lower = []  # the tilings that could not lower the prediction, and why
-        for letter, available, what in (("T", tiling_available, "every MLP"), ("L", layer_tiling_available,
-                                                                                 "every layer whole")):  # fmt: skip
+        for letters, available, what in (("Tt", tiling_available, "every MLP"), ("Ll", layer_tiling_available,
+                                                                                  "every layer whole")):  # fmt: skip
             if peak <= budget_bytes:
                 continue
             if not available(profile):
                 not_lower.append(f"tiling {what} is not available")
                 continue
-            tiled = simulate(profile, letter * count).peak_bytes
+            tiled_code = safe_code(profile, letters)
+            tiled = simulate(profile, tiled_code).peak_bytes
             if tiled < peak:  # tiling can cost memory (two chunks of 4K on a 7B shape)
                 logger.info("hf_offload: the profiled steps tile %s: plan %r is predicted to peak at %.2f GiB, over "
                             "the budget of %.2f GiB", what, code, peak / 2**30, budget_bytes / 2**30)  # fmt: skip
-                code, peak = letter * count, tiled
+                code, peak = tiled_code, tiled
             else:
                 not_lower.append(f"tiling {what} is predicted to peak at {tiled / 2**30:.2f} GiB")
+        # Under torch.distributed each rank decides its profiled steps alone, so only between safe plans: they differ
+        # in what they tile and offload, not in which layers they recompute (FSDP's collectives follow those).
+        engine = self._engine()
+        if peak > budget_bytes and engine is not None and runs_alone():
+            planned = self._plan_profiled_steps(profile, budget_bytes)
+            if planned.predicted.peak_bytes < peak:
+                logger.info("hf_offload: the profiled steps run plan %r, made for their %d tokens and predicted to "
+                            "peak at %.2f GiB (budget %.2f GiB; %s): the safe plan %r is predicted to peak at "
+                            "%.2f GiB", planned.code, tokens, planned.predicted.peak_bytes / 2**30,
+                            budget_bytes / 2**30, "over it, the lowest plan the model knows of"
+                            if planned.predicted.peak_bytes > budget_bytes else "within it", code,
+                            peak / 2**30)  # fmt: skip
+                engine.set_host_cap(planned.host_cap_bytes)
+                self._apply(planned.code, _windows(planned, engine), tile_tokens=planned.tile_tokens,
+                            layer_tile_tokens=planned.layer_tile_tokens)  # fmt: skip
+                return
         if peak > budget_bytes:  # said, so that a profiled step over the budget can be told apart from a wrong model
             logger.info("hf_offload: the profiled steps run plan %r, predicted to peak at %.2f GiB, over the budget of "
                         "%.2f GiB: %s", code, peak / 2**30, budget_bytes / 2**30,
                         "; ".join(not_lower) or "it is the lowest plan the model knows of")  # fmt: skip
         if code != self._code:
             self._apply(code, windows=None, **chunk_sizes(profile, code))
+
+    def _plan_profiled_steps(self, profile: StepProfile, budget_bytes: int) -> Plan:
+        """The plan for a profiled step that the safe plan is predicted not to fit: the planner's for `profile`, with
+        the pinned pool grown where that is what fits it (`_choose`), or, where no plan fits, the lowest-memory one.
+
+        Raises:
+            InfeasibleBudgetError: in the first step, where even the lowest-memory plan is predicted to exceed the
+                device's memory: the step would run out of it. Otherwise the refusal waits for the first plan, made
+                from the profiled steps' measurements (the model's prediction of a step can be above what it
+                measures).
+        """
+        try:
+            return self._choose(profile, budget_bytes, prediction_margin_bytes(budget_bytes), [])
+        except InfeasibleBudgetError as error:
+            total, lowest = self._meter.total(), error.lowest_plan.predicted.peak_bytes
+            if self._phase is _Phase.FIRST_STEP and total is not None and lowest > total:
+                raise InfeasibleBudgetError(
+                    f"hf_offload: memory_budget: the first step, of {profile.tokens} tokens, fits no plan, and the "
+                    f"lowest-memory one is predicted to exceed the device's {format_bytes(total)}: {error}",
+                    error.budget_bytes, error.minimum_bytes, error.lowest_plan) from None  # fmt: skip
+            return error.lowest_plan
 
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._phase is not _Phase.MEASURED_STEP or not self._training_forward(module):
@@ -1141,8 +1191,7 @@ class MemoryBudgetController:
             # before the head (time the model counts), not kept on top of the loss.
             samples = self._samples.get(new_plan.code) if new_plan.measured is not None else None
             engine.cap_tail(max(sample.tail_bytes for sample in samples) if samples else new_plan.predicted.tail_bytes)
-        forward_window = max(new_plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
-        windows = (forward_window, new_plan.prefetch_window_bytes or None, new_plan.head_prefetch_window_bytes or None)
+        windows = _windows(new_plan, engine)
         acts = (new_plan.code, new_plan.tile_tokens, new_plan.layer_tile_tokens)  # what the layers are given
         if previous is not None and (previous.code, previous.tile_tokens, previous.layer_tile_tokens) == acts:
             if engine is not None:
@@ -1176,6 +1225,13 @@ class MemoryBudgetController:
             return
         self._code, self._applied_at = code, self._forwards
         self._layers_under_plan.apply(code, self._order, windows, self._layer_starts, tile_tokens, layer_tile_tokens)
+
+
+def _windows(plan: Plan, engine: OffloadActivations | None) -> tuple[int, int | None, int | None]:
+    """The engine's windows under `plan`: its forward window (at least the option's), its prefetch window and the
+    head's (None: the engine's default)."""
+    forward_window = max(plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
+    return forward_window, plan.prefetch_window_bytes or None, plan.head_prefetch_window_bytes or None
 
 
 # A tiling's fields of the step's profile (its chunk's tokens, its backward's working bytes, one chunk's bytes, its

@@ -43,8 +43,7 @@ class RankAgreement:
 
         The default group's backend is used where it is gloo; under NCCL a gloo group is made (a collective of the
         default group: every rank must get here at the same point of its run)."""
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if not distributed or torch.distributed.get_world_size() == 1:
+        if runs_alone():
             return None
         if torch.distributed.get_backend() == "gloo":
             return cls()
@@ -80,3 +79,9 @@ class RankAgreement:
             text, budget_bytes, minimum_bytes, lowest = message[0]["refused"]
             raise InfeasibleBudgetError(text, budget_bytes, minimum_bytes, Plan.from_dict(lowest))
         return Plan.from_dict(message[0]["plan"])
+
+
+def runs_alone() -> bool:
+    """Whether this process trains alone: no process group, or one of a single rank."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not distributed or torch.distributed.get_world_size() == 1

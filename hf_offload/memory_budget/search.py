@@ -40,6 +40,7 @@ __all__ = [
     "choose_plan",
     "plan_of",
     "prediction_margin_bytes",
+    "safe_code",
     "smallest_budget",
 ]
 
@@ -162,9 +163,10 @@ def _offload_prefix_limit(profile: StepProfile, options: list[dict[str, LayerOpt
     return len(profile.layers) - 1
 
 
-def _lowest_memory_code(profile: StepProfile, letters_of: str = "Cc") -> str:
-    """Every layer fully checkpointed (`Cc`; its MLP tiled, `Tt`; or tiled whole, `Ll`), inputs offloaded from the
-    first layer on while the host has room."""
+def safe_code(profile: StepProfile, letters_of: str = "Cc") -> str:
+    """The safe plan: every layer fully checkpointed (`Cc`; its MLP tiled, `Tt`; or tiled whole, `Ll`), inputs
+    offloaded from the first layer on while the host has room (`profile.host_cap_bytes`), kept on the device after:
+    what the engine does with a full pinned pool, which a plan that offloads every input would not predict."""
     letters, host_bytes = [], 0
     offloaded, kept = letters_of
     for layer in profile.layers:
@@ -408,7 +410,7 @@ class _Search:
                     return self.fastest(measured_here), lowest
                 continue
             planned += letters
-            tiled = self.candidate(_lowest_memory_code(self.profile, letters))
+            tiled = self.candidate(safe_code(self.profile, letters))
             if self.fits(tiled[1]):
                 polished = self.polish(*tiled, planned=planned)
                 # One that measured over the budget is no candidate, unless nothing else is (as before measurements).
@@ -571,7 +573,7 @@ def choose_plan(profile: StepProfile, budget_bytes: int, margin_bytes: int = 0, 
     keep_all = search.candidate("K" * len(profile.layers))
     if search.admissible(keep_all):  # nothing is faster, unless it measured slower than a measured plan
         return search.fastest([keep_all, *exact_measured])
-    lowest = search.candidate(_lowest_memory_code(profile))
+    lowest = search.candidate(safe_code(profile))
     if search.fits(lowest[1]):
         return search.fastest_exact(lowest, exact_measured)
     if exact_measured:  # the model over-predicts a peak that a measurement met

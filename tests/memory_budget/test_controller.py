@@ -20,7 +20,7 @@ from hf_offload.memory_budget import controller as controller_module
 from hf_offload.memory_budget import probes
 from hf_offload.memory_budget.calibrate import Calibration
 from hf_offload.memory_budget.closed_loop import Sample
-from hf_offload.memory_budget.search import plan_of
+from hf_offload.memory_budget.search import plan_of, safe_code
 from hf_offload.memory_budget.simulate import MeasuredStep, optimizer_step_bytes, simulate
 
 LAYERS = 4
@@ -1321,13 +1321,13 @@ def test_the_plan_grows_the_pinned_pool_past_its_cap_only_where_no_plan_fits_wit
         context = host_bound_run(monkeypatch, budget)
     plan = context.memory_plan
     assert plan.host_growth == "no plan fits the budget within it, down to the host memory reserve of 8.00 GiB"
-    # The most: what the pool held when it was planned (its cap, full after the profiled steps) and the room above
-    # the reserve, 32 - 8 GiB.
-    assert (plan.host_default_cap_bytes, plan.host_cap_bytes) == (default_cap, default_cap + 24 * 2**30)
     assert plan.predicted.host_bytes > default_cap and plan.predicted.peak_bytes <= budget
     assert context._pool.cap_bytes == plan.host_cap_bytes  # the engine's pool took the plan's cap
     stats = context.get_stats()  # the last step: every input the plan offloads went to the host
     assert stats["tensors_kept_over_host_cap"] == 0 and stats["pinned_bytes"] > default_cap
+    # The most: what the pool held when it was planned (grown past its cap already by the profiled steps, whose plan
+    # could not fit the budget within it either) and the room above the reserve, 32 - 8 GiB.
+    assert (plan.host_default_cap_bytes, plan.host_cap_bytes) == (default_cap, stats["pinned_bytes"] + 24 * 2**30)
     tables = [record.getMessage() for record in caplog.records if "Memory plan for" in record.getMessage()]
     assert tables and all(
         re.search(
@@ -1337,6 +1337,65 @@ def test_the_plan_grows_the_pinned_pool_past_its_cap_only_where_no_plan_fits_wit
         )  # fmt: skip
         for table in tables
     )
+
+
+def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_its_layers(monkeypatch, caplog):
+    """A run whose first step is already long (packing to `max_length`): the safe plan's inputs would fill the pinned
+    pool and the rest stay on the device (an 8B-class model at 327,680 tokens ran out of GPU memory so). Here a
+    budget that the first step, as the model predicts it, meets only with a plan that grows the pool: that step runs
+    the planner's plan, made for its own tokens as its first layer starts, and no input stays on the device for want
+    of host memory."""
+    default_cap = 3 * HOST_INPUT_BYTES // 2
+    # The first step as the controller sees it once the probes are in (under a budget that plans nothing yet): the
+    # safe plan offloads the inputs the pool has room for and keeps the others on the device.
+    roomy = host_bound_run(monkeypatch, 2**40, steps=1, tile_layer=False)
+    controller = roomy.budget_controller
+    profile = controller._profile_now(controller._measured.step_tokens)
+    safe = safe_code(profile)
+    assert safe == "C" + "c" * (HOST_LAYERS - 1)
+    safe_peak = simulate(profile, safe).peak_bytes
+    with pytest.raises(InfeasibleBudgetError) as lowest:
+        controller._choose(profile, 1, 0, [])
+    assert lowest.value.minimum_bytes < safe_peak * 0.98
+    budget = (lowest.value.minimum_bytes + safe_peak) // 2
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        context = host_bound_run(monkeypatch, budget, steps=1, tile_layer=False)
+    controller = context.budget_controller
+    assert controller.plan is None  # still profiling: the plan the layers ran is the profiled steps'
+    first_step_code = controller._code
+    assert first_step_code != "C" * HOST_LAYERS and context._pool.cap_bytes > default_cap
+    stats = context.get_stats()
+    assert stats["tensors_kept_over_host_cap"] == 0 and stats["pinned_bytes"] > default_cap
+    said = [record.getMessage() for record in caplog.records if "the profiled steps run plan" in record.getMessage()]
+    assert said and said[0].startswith(f"hf_offload: the profiled steps run plan {first_step_code!r}, made for their "
+                                       f"{HOST_BATCH * HOST_TOKENS} tokens and predicted to peak at ")  # fmt: skip
+    assert f"(budget {budget / 2**30:.2f} GiB; within it): the safe plan {safe!r} is predicted to peak at" in said[0]
+
+
+def test_a_first_step_no_plan_fits_on_the_device_is_refused_before_its_layers_run(monkeypatch):
+    """Where even the lowest-memory plan is predicted to exceed the device's memory, the first step is refused as its
+    first layer starts, naming what it would need and what it lacks: never an out-of-memory error inside it."""
+    seen = []
+    monkeypatch.setattr(controller_module.MemoryBudgetController, "_layer_starts",
+                        _recording(controller_module.MemoryBudgetController._layer_starts, seen))  # fmt: skip
+    monkeypatch.setattr(probes.Meter, "total", lambda self: 2**20)
+    error = host_bound_run(monkeypatch, 2**19, steps=1, tile_layer=False)
+    assert isinstance(error, InfeasibleBudgetError)
+    refusal = (f"hf_offload: memory_budget: the first step, of {HOST_BATCH * HOST_TOKENS} tokens, fits no plan, and "
+               "the lowest-memory one is predicted to exceed the device's 1.00 MiB")  # fmt: skip
+    assert str(error).startswith(refusal)
+    assert "memory is what this step lacks" in str(error)
+    assert set(seen) == {0}  # refused in the first layer's pre-hook (the probes call it too): no layer ran
+
+
+def _recording(method, seen: list):
+    """`method`, recording the index of each layer whose pre-hook it is called for."""
+
+    def recorded(self, index, *args, **kwargs):
+        seen.append(index)
+        return method(self, index, *args, **kwargs)
+
+    return recorded
 
 
 def test_a_plan_that_fits_within_the_pinned_cap_does_not_grow_it(monkeypatch):

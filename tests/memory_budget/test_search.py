@@ -63,7 +63,7 @@ def random_profile(rng: random.Random, layers: int) -> StepProfile:
 
 
 def lowest_peak(profile: StepProfile) -> int:
-    return simulate(profile, search._lowest_memory_code(profile)).peak_bytes
+    return simulate(profile, search.safe_code(profile)).peak_bytes
 
 
 # Plans on S1
@@ -231,13 +231,13 @@ def test_the_refusal_names_the_layers_arguments_and_counts_fsdp2s_gathered_param
 
 def test_no_host_room_means_no_offloading() -> None:
     profile = s1_profile(host_cap_bytes=0)
-    assert search._lowest_memory_code(profile) == "c" * 16
+    assert search.safe_code(profile) == "c" * 16
     for percent in (40, 60, 80):
         result = choose_plan(profile, simulate(profile, "K" * 16).peak_bytes * percent // 100)
         assert result.predicted.host_bytes == 0
         assert set(result.code) <= set("Ksc")
     # Room for 4 inputs: the lowest-memory plan offloads the first 4.
-    assert search._lowest_memory_code(s1_profile(host_cap_bytes=256 * MIB)) == "CCCC" + "c" * 12
+    assert search.safe_code(s1_profile(host_cap_bytes=256 * MIB)) == "CCCC" + "c" * 12
 
 
 def test_random_profiles_never_exceed_and_never_lose_to_full_checkpointing() -> None:
