@@ -62,6 +62,7 @@ import enum
 import functools
 import logging
 import math
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -640,12 +641,20 @@ class MemoryBudgetController:
             else:
                 tile_layer = functools.partial(apply_tiled_layer, model, layers=[index])
         self._probing = True
+        start = time.perf_counter()
         try:
             with random_state_untouched(args[0].device), engine.set_aside() if engine else contextlib.nullcontext():
                 probe = probe_layer(layer, args, kwargs, self._meter, tile, tile_layer)
         finally:
             self._probing = False
         self._measured.probes[self._kinds[index]] = probe
+        # What a long first step's plan rests on, said where the step's own time would dwarf the probe's.
+        at_step = probe.profile.scaled(probe.tokens, probe.step_tokens) if probe.tokens else probe.profile
+        logger.info("hf_offload: probed %s on %d of its call's %d tokens in %.2f s: at that call it saves %s "
+                    "(input %s), its backward works in %s more; forward %.1f ms, backward %.1f ms", self._names[index],
+                    probe.tokens, probe.step_tokens, time.perf_counter() - start, format_bytes(at_step.saved_bytes),
+                    format_bytes(at_step.input_bytes), format_bytes(probe.working_at_step()[0]),
+                    at_step.forward_s * 1e3, at_step.backward_s * 1e3)  # fmt: skip
         if probe.mlp_tiling_error is not None:
             logger.info("hf_offload: the planner cannot tile the MLPs: %s: %s", self._names[index],
                         probe.mlp_tiling_error)  # fmt: skip
