@@ -31,7 +31,8 @@ from _gpu_models import (
     run_steps,
 )
 
-from hf_offload.memory_budget.tiled_layer import apply_tiled_layer, backward_bytes_per_token
+from hf_offload.tiled.apply import apply_tiled_layer
+from hf_offload.tiled.layer_op import backward_bytes_per_token
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import tiled_layer_memory  # noqa: E402

@@ -30,7 +30,7 @@ from _gpu_models import (
     run_steps,
 )
 
-from hf_offload.memory_budget.tiled_mlp import apply_tiled_mlp
+from hf_offload.tiled.apply import apply_tiled_mlp
 
 MiB = 1 << 20
 SHAPE = dict(hidden=1024, intermediate=4096, layers=2, heads=8, kv_heads=4, vocab=1000)
