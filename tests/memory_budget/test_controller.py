@@ -474,7 +474,7 @@ def test_the_second_profiled_step_is_tiled_when_the_memory_held_since_the_first_
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|, as the tiled layer's tolerances are stated (test_tiled_layer.py)."""
+    """max |a - b| / max |b|, as the tiled layer's tolerances are stated (tests/tiled/test_layer_op.py)."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
