@@ -67,8 +67,7 @@ def measure(model: Any, tokens: int, action: str, chunk: int) -> dict[str, float
     import torch
     import torch.utils.checkpoint as checkpoint
 
-    from hf_offload.memory_budget.tiled_layer import apply_tiled_layer
-    from hf_offload.memory_budget.tiled_mlp import apply_tiled_mlp
+    from hf_offload.tiled.apply import apply_tiled_layer, apply_tiled_mlp
 
     inner = model.base_model.model.model
     layer = inner.layers[0]
@@ -130,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hf_offload.memory_budget.probes import Meter, probe_layer
-    from hf_offload.memory_budget.tiled_layer import apply_tiled_layer
-    from hf_offload.memory_budget.tiled_mlp import apply_tiled_mlp
+    from hf_offload.tiled.apply import apply_tiled_layer, apply_tiled_mlp
 
     args = parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One decoder layer's backward at long context: the bytes per token alive at its peak, with the layer tiled
-(`hf_offload.memory_budget.tiled_layer`) against the same layer untiled, under full checkpointing with the tiled MLP
+(`hf_offload.tiled.layer_op`) against the same layer untiled, under full checkpointing with the tiled MLP
 (what the memory planner ran before it).
 
 The layer: one Llama decoder layer of a shape below (random weights, bf16 unless --dtype says otherwise, frozen, as
@@ -97,8 +97,7 @@ def build_model(shape: str, device: str, dtype: torch.dtype = torch.bfloat16, at
 def measure(model: Any, mode: str, tokens: int, chunk: int) -> dict[str, Any]:
     """One forward and backward of the model's first decoder layer on `tokens` tokens in `mode`: the peak bytes over
     the backward (on CPU also the sequence-long ones) and the backward's time."""
-    from hf_offload.memory_budget.tiled_layer import apply_tiled_layer
-    from hf_offload.memory_budget.tiled_mlp import apply_tiled_mlp
+    from hf_offload.tiled.apply import apply_tiled_layer, apply_tiled_mlp
 
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     hidden = model.config.hidden_size
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and len(args.tokens) < 2:
         parser.error("--device cuda needs two --tokens lengths (the per-token bytes are the peaks' difference)")
-    from hf_offload.memory_budget.tiled_layer import backward_bytes_per_token
+    from hf_offload.tiled.layer_op import backward_bytes_per_token
 
     model = build_model(args.shape, args.device, DTYPES[args.dtype])
     figures = {}

@@ -23,7 +23,7 @@ check_dependency_versions()  # one clear ImportError below the supported range, 
 # Names served lazily from submodules that import transformers.
 _LAZY = {
     "get_act_offloading_ctx_manager": "hf_offload.context",
-    "apply_tiled_mlp": "hf_offload.memory_budget.tiled_mlp",
+    "apply_tiled_mlp": "hf_offload.tiled.apply",
     "compile_decoder_layers": "hf_offload.regional_compilation",
     "compile_loss": "hf_offload.regional_compilation",
     "TrainingArguments": "hf_offload.callbacks",

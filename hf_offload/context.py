@@ -20,8 +20,6 @@ from .allocator import LongContextCheck
 from .engine import OffloadActivations
 from .memory_budget.controller import MemoryBudgetController
 from .memory_budget.spec import parse_memory_budget
-from .memory_budget.tiled_layer import apply_tiled_layer
-from .memory_budget.tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 from .model import (
     HEAD_PATHS,
     compiled_as_a_whole,
@@ -41,6 +39,8 @@ from .model_hooks import (
     remove_stale_hooks,
 )
 from .options import OffloadOptions, check_option_names
+from .tiled.apply import apply_tiled_layer, apply_tiled_mlp
+from .tiled.integration import default_tokens_per_chunk
 
 __all__ = ["get_act_offloading_ctx_manager"]
 

@@ -8,9 +8,11 @@ Where a new test goes: next to the module it tests, in the file named after it.
   `policy.py`, `host_memory.py` and `stats.py`'s counters share `test_policy.py`; `model.py`, `model_hooks.py` and
   `context.py` share `test_model.py`; `compile_guard.py` and `regional_compilation.py` are `test_compile.py`.
 - `hf_offload/memory_budget/<module>.py`: `memory_budget/test_<module>.py` (spec, profile, simulate, search,
-  calibrate, probes, controller, layer_actions, tiled_mlp; `checks.py` through the modules that use it); the
+  calibrate, probes, controller, layer_actions; `checks.py` through the modules that use it); the
   controller across families of models is `memory_budget/test_controller_families.py`, and what holds for the pure
   modules together (their imports, their doctests) is at the end of `memory_budget/test_search.py`.
+- `hf_offload/tiled/`: an op's file, `tiled/test_mlp_op.py` or `tiled/test_layer_op.py`, tests it on its own and
+  through its entry point on models (`apply.py`, and `integration.py` for that op: finding, cutting, refusing).
 - `callbacks/<module>.py` (installed as `hf_offload.callbacks`): `callbacks/test_<module>.py` (arguments, callback,
   registration, compile_layers, stats_logs, trl: TRL's configurations, trl_takeover: TRL's trainers).
 - `examples/`: `test_examples.py`; `examples/distributed/`: `test_distributed_examples.py` (two gloo processes in the

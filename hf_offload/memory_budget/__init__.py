@@ -8,11 +8,8 @@ One module per purpose, imported one way (each only from those listed before it,
 - `simulate`: the plan as data (`Plan`, action letters, `MeasuredStep`) and the step model (`simulate`).
 - `search`: choosing a plan (`choose_plan`), or refusing the budget (`InfeasibleBudgetError`).
 - `calibrate`: what the plans that ran teach the step model (the scale of its times, the host's time per offload).
-- `tiling`: what the sequence-tiled ops share (chunks, autocast replay, the layers selected, replaced forwards).
-- `tiled_mlp`: a decoder layer's MLP run over chunks of tokens (the plans' `T`/`t`, and the option `tile_mlp=True`).
-- `tiled_layer`: a whole decoder layer run over chunks of tokens, attention on the whole sequence by head groups (the
-  plans' `L`/`l`, and the option `tile_layer=True`).
-- `layer_actions`: a plan's actions set on the decoder layers (`apply_layer_actions`).
+- `layer_actions`: a plan's actions set on the decoder layers (`apply_layer_actions`); the tiled ones (the plans'
+  `T`/`t` and `L`/`l`) through `hf_offload.tiled`, the sequence-tiled ops, which are also a feature of their own.
 - `probes`: one layer measured on the arguments of its own call (`probe_layer`), the link's bandwidth, the meter.
 - `controller`: `MemoryBudgetController`, which profiles the first steps, plans, applies and re-plans.
 

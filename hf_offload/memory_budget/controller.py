@@ -77,6 +77,8 @@ from ..host_memory import HostCaps
 from ..model import find_decoder_layers, find_output_head, first_tensor
 from ..peak import queue_after_backward
 from ..random_state import random_state_untouched
+from ..tiled.apply import apply_tiled_layer, apply_tiled_mlp
+from ..tiled.integration import default_tokens_per_chunk, recorded_outputs
 from ..units import format_bytes
 from .calibrate import Calibration, calibrate
 from .closed_loop import (
@@ -123,8 +125,6 @@ from .simulate import (
     unavailable_tiling,
 )
 from .spec import MemoryBudget
-from .tiled_layer import apply_tiled_layer, recorded_outputs
-from .tiled_mlp import apply_tiled_mlp, default_tokens_per_chunk
 
 __all__ = ["MemoryBudgetController"]
 

@@ -15,11 +15,11 @@ model's code. For each layer, with the engine's offloading context around the mo
   and backward, and backward reloads the outputs and recomputes only the cheap ops (`_SelectiveOffload`);
 * full: a non-reentrant checkpoint, which saves only the layer's input;
 * full with the MLP tiled: the same checkpoint, and the layer's MLP runs over chunks of tokens
-  (`tiled_mlp`), so that its intermediates exist one chunk at a time in the recompute and backward;
+  (`hf_offload.tiled.mlp_op`), so that its intermediates exist one chunk at a time in the recompute and backward;
 * tiled layer: the whole layer runs over chunks of tokens, attention on the whole sequence by head groups
-  (`tiled_layer`). It is its own checkpoint (it saves only its input, through the hooks, and recomputes the layer in
-  backward), set on the layer's `forward`; the layer's checkpointing attributes are those of a full checkpoint, for
-  the calls it runs untiled (at most one chunk of tokens).
+  (`hf_offload.tiled.layer_op`). It is its own checkpoint (it saves only its input, through the hooks, and recomputes
+  the layer in backward), set on the layer's `forward`; the layer's checkpointing attributes are those of a full
+  checkpoint, for the calls it runs untiled (at most one chunk of tokens).
 
 A checkpointed layer's input is saved by the checkpoint itself, before its own hooks take over, so the engine sees
 it: it is offloaded unless the plan keeps it (`offload_input=False`), in which case the checkpoint call runs inside
@@ -60,10 +60,9 @@ from torch.utils.checkpoint import (
 from ..engine import OffloadActivations
 from ..model import find_decoder_layers
 from ..random_state import RandomState, random_state, set_random_state
+from ..tiled.apply import ForwardsReplaced, apply_tiled_layer, apply_tiled_mlp
+from ..tiled.integration import tiled_forward
 from .actions import ACTIONS, FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECTIVE_OFFLOAD, TILED_LAYER
-from .tiled_layer import apply_tiled_layer, tiled_forward
-from .tiled_mlp import apply_tiled_mlp
-from .tiling import ForwardsReplaced
 
 __all__ = [
     "LayerActionLike",

@@ -33,10 +33,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..model import first_tensor
 from ..policy import is_parameter_or_view, parameter_storages
+from ..tiled.integration import layer_bytes_per_token
 from .layer_actions import checkpointing_as, saved_by_selective_checkpoint, selective_checkpoint_function
 from .profile import LayerProfile, in_proportion, in_square, with_square
 from .sharding import gathered_for_probe
-from .tiled_layer import layer_bytes_per_token
 
 __all__ = [
     "PROBE_MAX_TOKENS",
@@ -331,9 +331,9 @@ def probe_layer(layer: nn.Module, args: tuple, kwargs: dict, meter: Meter, tile:
     selection and allocator growth; the bytes are the last run's).
     The two tiled runs separate what a tiled layer's backward needs into a part that grows with the tokens and one
     that grows with the chunk (the chunk's intermediates and their gradients): their difference is the chunk's.
-    Without a memory counter (the CPU test mode) a layer tiled whole is counted by `tiled_layer`'s formulas
-    (`layer_bytes_per_token`) instead. A layer that refuses to be tiled whole (a `ValueError`: an attention function
-    with learned sinks, an argument it cannot cut) is probed without it, and the probe says why.
+    Without a memory counter (the CPU test mode) a layer tiled whole is counted by `tiled.layer_op`'s formulas
+    (`tiled.integration.layer_bytes_per_token`) instead. A layer that refuses to be tiled whole (a `ValueError`: an
+    attention function with learned sinks, an argument it cannot cut) is probed without it, and the probe says why.
 
     The probe runs in an empty `contextvars` context. transformers (5.x) records router logits, attentions and
     hidden states with forward hooks that append to a collector held in a context variable while the model's

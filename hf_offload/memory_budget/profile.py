@@ -52,8 +52,8 @@ class LayerProfile:
         tiled_extra_s: what tiling its MLP adds to a full checkpoint's backward: one more forward of the MLP (the
             recompute runs the tiled forward just to save its input, the backward recomputes each chunk again) and
             the chunks' smaller matrix products.
-        layer_tiled_saved_bytes: what `saved_bytes` becomes with the whole layer tiled (`tiled_layer`): its input and
-            the sequence-long tensors its forward holds at once (the output, attention's query, key, value and
+        layer_tiled_saved_bytes: what `saved_bytes` becomes with the whole layer tiled (`tiled.layer_op`): its input
+            and the sequence-long tensors its forward holds at once (the output, attention's query, key, value and
             output), less one chunk's share (the step's `layer_tile_chunk_bytes`). Used only when the step's
             `layer_tile_tokens` is set.
         layer_tiled_extra_s: what tiling the whole layer adds to a full checkpoint's forward, recompute and backward:
@@ -175,7 +175,7 @@ class StepProfile:
         tiled_backward_working_bytes: `backward_working_bytes` of a layer whose MLP is tiled, less one chunk's share.
         tile_chunk_bytes: one chunk's MLP intermediates and their gradients, at `tile_tokens` tokens: the part of
             a tiled layer's memory that does not grow with the step's tokens.
-        layer_tile_tokens: tokens per chunk of a tiled layer (`tiled_layer`); 0 when tiling whole layers is not an
+        layer_tile_tokens: tokens per chunk of a tiled layer (`tiled.layer_op`); 0 when tiling whole layers is not an
             option (not measured, switched off, or a layer cannot be tiled). Offered only for steps of more tokens.
         layer_tiled_backward_working_bytes: what a tiled layer's backward needs on top of its
             `LayerProfile.layer_tiled_saved_bytes`, less one chunk's share: the output's and the input's gradients,

@@ -15,11 +15,11 @@ Actions, one per decoder layer, each with a one-letter code:
   * full checkpoint (`C` input offloaded, `c` input kept): only the input is saved; the whole forward is
     recomputed in backward.
   * full checkpoint with the MLP tiled (`T` input offloaded, `t` input kept): as `C`/`c`, and the layer's MLP runs
-    over chunks of `StepProfile.tile_tokens` tokens (`tiled_mlp`), so that its intermediates exist for one
+    over chunks of `StepProfile.tile_tokens` tokens (`tiled.mlp_op`), so that its intermediates exist for one
     chunk at a time, in the recompute and the backward too. The only action that is not bitwise exact (the weight
     gradients are summed chunk by chunk), so the planner chooses it only when no plan without it fits.
   * the whole layer tiled (`L` input offloaded, `l` input kept): the layer runs over chunks of
-    `StepProfile.layer_tile_tokens` tokens, attention on the whole sequence one head group at a time (`tiled_layer`),
+    `StepProfile.layer_tile_tokens` tokens, attention on the whole sequence one head group at a time (`tiled.layer_op`),
     in its forward and again in its backward, which recomputes it: a full checkpoint of its own, which saves only
     its input. Not exact either (sums over chunks), and slower than `T`: chosen only when no exact plan and no plan
     with tiled MLPs fits.
@@ -68,7 +68,7 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     whole sequence, which at long context holds more than a chunk's); for `L`/`l` likewise with the `layer_tiled_`
     fields. (A tiled layer's backward at the 8B shape holds
     3X + (Q + KV)(1 + 1/G) + 2A/G bytes per token, X a hidden state, Q a query, KV a key and a value, A attention's
-    output, G head groups: about 40 KiB against about 127 for `T`; the probe measures it, see `tiled_layer`.)
+    output, G head groups: about 40 KiB against about 127 for `T`; the probe measures it, see `tiled.layer_op`.)
     The gradients that exist are `gradient_bytes` less those still to come: the layers' before it
     (`parameter_gradient_bytes`), the late ones (`late_gradient_bytes`: the input embeddings', created after every
     layer's backward), and its own, which its backward creates and `backward_working_bytes` counts (the probe

@@ -4,7 +4,7 @@ tolerance of the untiled model with SDPA and, where flash-attn is installed, Fla
 on top of it.
 
 This file was written without a GPU run: the CPU measurements it rests on are in
-tests/memory_budget/test_tiled_layer.py (tolerances) and benchmarks/tiled_layer_memory.py (bytes per token: the
+tests/tiled/test_layer_op.py (tolerances) and benchmarks/tiled_layer_memory.py (bytes per token: the
 module's count, 39.5 KiB at the 8B shape, matched on CPU to within the softmax statistics). On CUDA the attention
 kernel's backward adds a workspace of its own for one head group (FlashAttention-2 with grouped-query attention:
 about 4 KiB per token at this shape), so about 43.5 KiB is expected; its first run's recorded numbers are the
@@ -31,7 +31,8 @@ from _gpu_models import (
     run_steps,
 )
 
-from hf_offload.memory_budget.tiled_layer import apply_tiled_layer, backward_bytes_per_token
+from hf_offload.tiled.apply import apply_tiled_layer
+from hf_offload.tiled.layer_op import backward_bytes_per_token
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import tiled_layer_memory  # noqa: E402
@@ -41,7 +42,7 @@ MiB = 1 << 20
 TARGET_BYTES_PER_TOKEN = 48 * KiB  # for an 8B layer's recompute and backward
 
 # bf16 tolerance, as max |tiled - untiled| / max |untiled| per tensor (loss, every parameter gradient): on CPU, 74
-# tokens in 5 chunks, seven families measured 5.8e-3 to 7.6e-3 (tests/memory_budget/test_tiled_layer.py), under one
+# tokens in 5 chunks, seven families measured 5.8e-3 to 7.6e-3 (tests/tiled/test_layer_op.py), under one
 # bf16 epsilon (7.8e-3). Asserted here as for the tiled MLP: 3e-2; and against an fp32 run of the same weights, the
 # tiled step's error at most 1.5x the untiled one's.
 BF16_TOLERANCE = 3e-2
@@ -75,7 +76,7 @@ def test_tiled_layer_bytes_per_token_8b(layer_8b, record, nondeterministic):
         f"the tiled layer's backward holds {figures['tiled'] / KiB:.1f} KiB per token, over the target "
         f"{TARGET_BYTES_PER_TOKEN / KiB:.0f} (count without the kernel's workspace: {count / KiB:.1f})"
     )
-    # The count is what the CPU's kernels hold, to the byte (tests/memory_budget/test_tiled_layer.py). On the H100
+    # The count is what the CPU's kernels hold, to the byte (tests/tiled/test_layer_op.py). On the H100
     # (flash attention, torch 2.11) the backward held 32.5 KiB per token, 7 less than the count: the CUDA kernels
     # allocate less than the CPU's around attention. So the count is recorded beside the measurement, not asserted.
     assert 2 * figures["tiled"] <= figures["checkpoint+tiled-mlp"]

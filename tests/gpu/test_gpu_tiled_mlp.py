@@ -6,7 +6,7 @@ stay small next to the MLPs), 1 x 16384 tokens, tiled by 2048. One tokens x inte
 16384 x 4096 x 2 B = 128 MiB, and the untiled MLP saves four of them per layer for backward (gate_proj's output for
 the activation, act(gate) and up_proj's output for their product, the product for down_proj).
 
-The thresholds come from CPU measurements (tests/memory_budget/test_tiled_mlp.py) and a CPU simulation of the peak at
+The thresholds come from CPU measurements (tests/tiled/test_mlp_op.py) and a CPU simulation of the peak at
 1/8 of these sizes (live tensor bytes under a dispatch mode: the saving was 1.00x the expectation below without
 checkpointing and 0.97x with it); this file was written without a GPU run, so its first run's recorded numbers are the
 measurements.
@@ -30,7 +30,7 @@ from _gpu_models import (
     run_steps,
 )
 
-from hf_offload.memory_budget.tiled_mlp import apply_tiled_mlp
+from hf_offload.tiled.apply import apply_tiled_mlp
 
 MiB = 1 << 20
 SHAPE = dict(hidden=1024, intermediate=4096, layers=2, heads=8, kv_heads=4, vocab=1000)
@@ -39,7 +39,7 @@ INTERMEDIATE_BYTES = SEQ * SHAPE["intermediate"] * 2  # one bf16 tokens x interm
 SAVED_PER_LAYER = 4  # gate, act(gate), up, act(gate) * up
 
 # bf16 tolerance, as max |tiled - untiled| / max |untiled| per tensor (loss, every parameter gradient). On CPU, at 74
-# tokens in 10 chunks, the six families measured 4.9e-3 to 6.5e-3 (tests/memory_budget/test_tiled_mlp.py): under one
+# tokens in 10 chunks, the six families measured 4.9e-3 to 6.5e-3 (tests/tiled/test_mlp_op.py): under one
 # bf16 epsilon (7.8e-3), from each chunk's weight gradient being rounded to bf16 before the fp32 sum. Asserted here:
 # 3e-2. And against an fp32 run of the same weights, the tiled step's error at most 1.5x the untiled one's: each chunk's
 # rounding adds to bf16's own (measured on CPU at 256 tokens in 8 chunks: 9.9e-3 tiled, 9.0e-3 untiled).

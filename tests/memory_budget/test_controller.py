@@ -474,7 +474,7 @@ def test_the_second_profiled_step_is_tiled_when_the_memory_held_since_the_first_
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|, as the tiled layer's tolerances are stated (test_tiled_layer.py)."""
+    """max |a - b| / max |b|, as the tiled layer's tolerances are stated (tests/tiled/test_layer_op.py)."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
@@ -486,7 +486,7 @@ def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
     The predicted peak keeps under the budget, and the losses stay within the tiled layer's tolerance of the untiled
     run (fp32: 1e-5 of each tensor's largest value), not bitwise. Without the action, the same budget is refused."""
     from hf_offload.memory_budget.simulate import simulate
-    from hf_offload.memory_budget.tiled_layer import _TiledLayerFunction
+    from hf_offload.tiled.layer_op import _TiledLayerFunction
 
     baseline, roomy, seen, _ = long_run(10 * 2**30, record=tiled_whole)
     assert roomy.memory_plan.code == "K" * LAYERS and not any(map(any, seen))
@@ -575,7 +575,7 @@ def test_layers_whose_whole_call_is_checkpointed_start_before_it_and_are_tiled_w
     first too; and a tiled call runs without a checkpoint around it (the tiled op is one: around it, the op would
     run twice)."""
     from hf_offload.memory_budget.simulate import simulate
-    from hf_offload.memory_budget.tiled_layer import _TiledLayerFunction
+    from hf_offload.tiled.layer_op import _TiledLayerFunction
 
     baseline, roomy, _, _ = long_run(10 * 2**30, record=tiled_whole)
     profile = roomy.budget_controller.profile

@@ -123,9 +123,8 @@ def tiled_whole(model) -> list[bool]:
 def test_layers_tiled_whole_compute_as_the_tiled_layer_does(code):
     """Under the engine, a plan's layers tiled whole compute bitwise as `apply_tiled_layer` on those layers without
     it (the engine copies bytes), and within the tiled layer's tolerance of the untiled model (fp32: 1e-5, see
-    test_tiled_layer.py), not bitwise: sums over chunks. `remove()` gives the layers their own forward back."""
-    from hf_offload.memory_budget.tiled_layer import apply_tiled_layer
-    from hf_offload.memory_budget.tiled_mlp import apply_tiled_mlp
+    tests/tiled/test_layer_op.py), not bitwise: sums over chunks. `remove()` gives the layers their own forward back."""
+    from hf_offload.tiled.apply import apply_tiled_layer, apply_tiled_mlp
 
     model = tiny_llama("sdpa")
     untiled = step(model)

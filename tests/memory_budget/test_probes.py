@@ -182,7 +182,7 @@ def test_a_layer_is_probed_tiled_whole_by_the_formulas_on_cpu(caplog):
     """The CPU test mode has no memory counter: a layer tiled whole is counted by `tiled_layer`'s formulas. Its forward
     holds its input and `forward_bytes_per_token` per token; its backward, on top of that, the rest of
     `backward_bytes_per_token` (which counts the input once) and the weights' gradients."""
-    from hf_offload.memory_budget.tiled_layer import layer_bytes_per_token
+    from hf_offload.tiled.integration import layer_bytes_per_token
 
     probe, said = probed_layer_tiling("llama", caplog, tokens=2 * SIZE["hidden"])
     assert not said and probe.layer_tiling_error is None

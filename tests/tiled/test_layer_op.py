@@ -40,15 +40,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from hf_offload import get_act_offloading_ctx_manager
-from hf_offload.memory_budget.tiled_layer import (
-    MAX_HEAD_GROUPS,
-    TiledLayerHandle,
-    apply_tiled_layer,
-    backward_bytes_per_token,
-    forward_bytes_per_token,
-    layer_bytes_per_token,
-)
 from hf_offload.model import find_decoder_layers
+from hf_offload.tiled.apply import TiledLayerHandle, apply_tiled_layer
+from hf_offload.tiled.integration import layer_bytes_per_token
+from hf_offload.tiled.layer_op import MAX_HEAD_GROUPS, backward_bytes_per_token, forward_bytes_per_token
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import tiled_layer_memory  # noqa: E402

@@ -13,10 +13,11 @@ intermediate each) then exist for one chunk at a time instead of for the whole s
   gradient; its input-gradient slice goes into one preallocated tensor and its weight gradients are added up. Again
   one chunk's intermediates (and their gradients) at a time.
 
-The op (`tiled_mlp`, a `torch.autograd.Function`) is kept apart from the model integration (`apply_tiled_mlp`,
-which swaps the forward of each decoder layer's `mlp` for a tiled one and gives it back on `remove()`), as
-Liger-Kernel keeps its kernels apart from its `apply_liger_kernel_to_*` functions. The idea is Arctic Long Sequence
-Training's TiledMLP; the code is ours.
+This module is the op (`tiled_mlp`, a `torch.autograd.Function`), kept apart from the model integration
+(`integration`: which child of a decoder layer is its MLP, and its tiled forward; `apply.apply_tiled_mlp`, which swaps
+the forward of each decoder layer's `mlp` for a tiled one and gives it back on `remove()`), as Liger-Kernel keeps its
+kernels apart from its `apply_liger_kernel_to_*` functions. The idea is Arctic Long Sequence Training's TiledMLP;
+the code is ours.
 
 When it helps
 -------------
@@ -43,7 +44,7 @@ accumulation, rounded once) and the tiled one as a sum of per-chunk products (a 
 product rounded to the weight's dtype before the sum). The chunks' products may also pick different kernels than the
 whole-sequence product, so outputs and input gradients can differ in their last bits too. Losses and gradients agree
 only within a tolerance (on CPU, relative to a tensor's largest element: at most 4.5e-7 in fp32 and 6.5e-3 in bf16
-for six model families; tests/memory_budget/test_tiled_mlp.py). Keep it off unless the MLP's intermediates are what
+for six model families; tests/tiled/test_mlp_op.py). Keep it off unless the MLP's intermediates are what
 stands between a run and the memory it has. With `tokens_per_chunk` at least the number of tokens of a call, the tiled
 forward simply calls the MLP: bitwise equal, no overhead.
 
@@ -74,35 +75,13 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
-from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..engine import NoOpManager
-from ..model import unwrap_model
 from ..random_state import random_state, random_state_untouched, set_random_state
-from .tiling import (
-    LOW_PRECISION,
-    ForwardsReplaced,
-    autocast_states,
-    check_tokens_per_chunk,
-    chunk_bounds,
-    selected_decoder_layers,
-)
+from .chunks import LOW_PRECISION, autocast_states, chunk_bounds
 
-__all__ = ["tiled_mlp", "apply_tiled_mlp", "TiledMLPHandle"]
-
-# The child of a decoder layer that holds its MLP: `mlp` for Llama, Qwen2, Qwen3, Mistral, Gemma (1-3), Phi3,
-# GPT-2, Phi, Falcon and OLMo (checked in transformers 5.23's modeling files).
-_MLP_NAMES: tuple[str, ...] = ("mlp",)
-
-# A mixture-of-experts block under `mlp` (Mixtral, Qwen3-MoE) routes each token on its own, but transformers records
-# its router logits with forward hooks on the router, for the load-balancing loss: per chunk, those would keep only
-# the last chunk's logits. Recognised by a descendant called `experts`, and refused.
-_EXPERTS_NAME = "experts"
-
-# --------------------------------------------------------------------------------------------------------------------
-# The op
-# --------------------------------------------------------------------------------------------------------------------
+__all__ = ["tiled_mlp"]
 
 
 class _TiledMLPFunction(torch.autograd.Function):
@@ -240,108 +219,3 @@ def tiled_mlp(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
     if x.numel() // max(x.shape[-1], 1) <= tokens_per_chunk:
         return forward(x)
     return _TiledMLPFunction.apply(forward, tokens_per_chunk, x, *params)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Model integration
-# --------------------------------------------------------------------------------------------------------------------
-
-
-class _TiledForward:
-    """The `forward` installed on one tiled MLP (an instance attribute, which `nn.Module.__call__` finds first).
-
-    Hooks on the MLP itself keep running once per call, around the whole tiled forward; hooks inside it (on
-    `up_proj`, a LoRA layer's) run once per chunk, in forward and again in backward. Calls the tiling is not
-    meant for (keyword arguments, more than one argument, a non-tensor, fewer than two dimensions) and calls of
-    at most `tokens_per_chunk` tokens go to the previous forward unchanged.
-
-    The module is held strongly (its previous, bound `forward` holds it anyway): `copy.deepcopy` of a tiled model
-    then maps both to the copy, and the copy tiles its own MLP.
-    """
-
-    def __init__(self, module: nn.Module, previous: Callable[..., Any], tokens_per_chunk: int) -> None:
-        self.module = module
-        self.previous = previous
-        self.tokens_per_chunk = tokens_per_chunk
-        self.active = True
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.active or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
-            return self.previous(*args, **kwargs)
-        # The trainable parameters are looked up per call: a LoRA adapter added, or a weight frozen, after
-        # `apply_tiled_mlp` is seen. `parameters()` yields each shared parameter once.
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        return tiled_mlp(self.previous, args[0], self.tokens_per_chunk, params)
-
-
-class TiledMLPHandle(ForwardsReplaced):
-    """What `apply_tiled_mlp` changed; `remove()` gives every tiled module its previous `forward` back."""
-
-
-def default_tokens_per_chunk(model: nn.Module) -> int:
-    """Tokens per chunk when the user names none: the model's hidden size (`config.hidden_size`; 4096 without one).
-
-    The rule of Arctic Long Sequence Training: a chunk's matrix products are then at least hidden x hidden x
-    intermediate, large enough to run at full speed, and its intermediates small (112 MiB per tokens x intermediate
-    tensor for an 8B shape).
-    """
-    hidden = getattr(getattr(unwrap_model(model), "config", None), "hidden_size", None)
-    return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) and hidden > 0 else 4096
-
-
-def apply_tiled_mlp(model: nn.Module, tokens_per_chunk: int, layers: Iterable[int] | None = None) -> TiledMLPHandle:
-    """Run the MLP of each decoder layer (or of `layers`) over chunks of `tokens_per_chunk` tokens.
-
-    Each MLP (the child `mlp` of a decoder layer found by `hf_offload.model.find_decoder_layers`) gets a tiled
-    `forward` as an instance attribute; the model's code and its weights are untouched, and `remove()` on the
-    returned handle restores them exactly. Every check runs before anything is changed: a call that raises leaves
-    the model as it was.
-
-    Works for a model wrapped by PEFT, DDP, DeepSpeed or `torch.compile` (it is unwrapped first), for LoRA layers
-    inside the MLP (only the adapter weights are trainable, so only they get gradients), for bf16/fp16/fp32 and for
-    autocast. Gradients agree with the untiled model within rounding, not bitwise (see the module docstring).
-
-    Args:
-        model: the model, bare or wrapped.
-        tokens_per_chunk: tokens per chunk, over all of a call's leading dimensions (batch x sequence). Calls with at
-            most this many tokens run the MLP unchanged. A few thousand keeps the chunks' matrix products efficient;
-            Arctic Long Sequence Training picks about the hidden size.
-        layers: indices into the decoder layers (forward order; negative counts from the end); None for all.
-
-    Returns:
-        A `TiledMLPHandle` whose `remove()` undoes this call.
-
-    Raises:
-        ValueError: `tokens_per_chunk` is not a positive int; the model has no decoder layers; a layer index is out of
-            range; a selected layer has no MLP child, has a mixture-of-experts block there, or is already tiled.
-
-    Example:
-
-    ```python
-    handle = apply_tiled_mlp(model, tokens_per_chunk=4096)
-    loss = model(**batch).loss  # each MLP holds one chunk of intermediates at a time
-    loss.backward()
-    handle.remove()  # the model computes exactly as before
-    ```
-    """
-    tokens_per_chunk = check_tokens_per_chunk(tokens_per_chunk)
-    chosen: list[tuple[str, nn.Module]] = []
-    for index, layer_name, layer in selected_decoder_layers(model, layers, "apply_tiled_mlp finds the MLPs in "
-                                                            "transformers' decoder layers"):  # fmt: skip
-        found = [(attr, layer._modules[attr]) for attr in _MLP_NAMES if layer._modules.get(attr) is not None]
-        if not found:
-            raise ValueError(f"decoder layer {index} ({layer_name!r}, {type(layer).__name__}) has no MLP: looked for "
-                             f"a child module named {' or '.join(map(repr, _MLP_NAMES))}")  # fmt: skip
-        attr, mlp = found[0]
-        name = f"{layer_name}.{attr}"
-        if any(sub.rsplit(".", 1)[-1] == _EXPERTS_NAME for sub, _ in mlp.named_modules()):
-            raise ValueError(f"{name} ({type(mlp).__name__}) is a mixture-of-experts block: its router's outputs are "
-                             "recorded per call, so it cannot be tiled")  # fmt: skip
-        current = mlp.__dict__.get("forward")
-        if isinstance(current, _TiledForward) and current.active:
-            raise ValueError(f"{name} is already tiled: remove() the earlier handle first")
-        chosen.append((name, mlp))
-    handle = TiledMLPHandle()
-    for name, mlp in chosen:
-        handle.replace(name, mlp, _TiledForward(mlp, mlp.forward, tokens_per_chunk))
-    return handle

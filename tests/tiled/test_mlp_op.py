@@ -26,8 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hf_offload import get_act_offloading_ctx_manager
-from hf_offload.memory_budget.tiled_mlp import TiledMLPHandle, apply_tiled_mlp, tiled_mlp
 from hf_offload.model import find_decoder_layers
+from hf_offload.tiled.apply import TiledMLPHandle, apply_tiled_mlp
+from hf_offload.tiled.mlp_op import tiled_mlp
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS = 128, 64, 96, 2
 BATCH, SEQ, CHUNK = 2, 37, 8
