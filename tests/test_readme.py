@@ -88,8 +88,9 @@ def test_the_layout_names_every_module():
     layout = section("Layout")
     for module in sorted((ROOT / "hf_offload").glob("*.py")):
         assert f"hf_offload/{module.name}" in layout, module.name
-    for module in sorted((ROOT / "hf_offload" / "memory_budget").glob("*.py")):
-        assert f"  {module.name} " in layout or module.name == "__init__.py", module.name
+    for package in ("engine", "memory_budget"):
+        for module in sorted((ROOT / "hf_offload" / package).glob("*.py")):
+            assert f"  {module.name} " in layout or module.name == "__init__.py", module.name
     for module in sorted((ROOT / "callbacks").glob("*.py")):
         assert f"  {module.name} " in layout, module.name
     for example in sorted((ROOT / "examples").glob("*.py")):
