@@ -11,14 +11,18 @@ concerns, a module each, whose docstrings hold the decisions about streams, even
   * `prefetch.py`: the backward: unpacks, reloads, the prefetch points and the rules learned from the steps: when a
     reload starts (a new prefetch rule goes here).
   * `regions.py`: what is not offloaded here: `NoOpManager`, `exempt`, `set_aside`, standing aside and rejoining.
+  * `settings.py`: `EngineSettings`, what a memory plan sets in the engine in one call (`apply_settings`).
 """
 
 from .offload import OffloadActivations
 from .prefetch import default_prefetch_window_bytes
 from .regions import NoOpManager, top_saved_tensors_pack_hook
+from .settings import CopyWindows, EngineSettings
 from .streams import _SideStream as _SideStream  # for the tests' stand-in streams
 
 __all__ = [
+    "CopyWindows",
+    "EngineSettings",
     "NoOpManager",
     "OffloadActivations",
     "default_prefetch_window_bytes",

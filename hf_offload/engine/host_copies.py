@@ -246,8 +246,8 @@ class _HostCopies:
     def cap_tail(self, max_bytes: int | None) -> None:
         """Bound the tail (the last offload candidates of the forward, kept on the GPU) for the steps to come.
 
-        Used by a memory plan chosen because its measured steps met the budget: its later steps must not keep more
-        of the tail than those did, and the tail only grows.
+        Used by a memory plan (`apply_settings`) chosen because its measured steps met the budget: its later steps
+        must not keep more of the tail than those did, and the tail only grows.
 
         Args:
             max_bytes: the bound, in bytes; None (or anything above it) restores the option `forward_window_bytes`.
@@ -269,8 +269,8 @@ class _HostCopies:
         return self._host_pool().caps(growable=not hard and self.options.memory_budget is not None)
 
     def set_host_cap(self, cap_bytes: int) -> None:
-        """Makes `cap_bytes` the pool's cap (a memory plan's: at most `host_caps().most_bytes`); the reserve is still
-        checked at each growth."""
+        """Makes `cap_bytes` the pool's cap (a memory plan's, through `apply_settings`: at most
+        `host_caps().most_bytes`); the reserve is still checked at each growth."""
         self._host_pool().cap_bytes = cap_bytes
 
     def _pinned_bytes(self) -> int:

@@ -4,12 +4,13 @@ engine's modules.
 Autograd calls the pack hook for every tensor the forward saves for backward, and the unpack hook when backward needs
 one. This module holds what every part shares: the options, the step's phases (a forward begins at its first pack,
 its tail at the head's region, its backward at the first unpack or prefetch point: `_begin_step`, `_forward_ends`,
-`_begin_backward`), the statistics, the peak watch (`hf_offload.peak`) and the public API. Each concern is a module
-of the package, and a part of the class:
+`_begin_backward`), the statistics, the peak watch (`hf_offload.peak`), a memory plan's settings (`apply_settings`)
+and the public API. Each concern is a module of the package, and a part of the class:
   * `streams`: the compute stream and the side streams, per device;
   * `host_copies`: the host copies and their lifetimes, the forward window, the tail and the pinned pool;
   * `prefetch`: the backward: unpacks, reloads and what starts them ahead;
-  * `regions`: what is not offloaded here: exempt regions, `NoOpManager`, `set_aside`, standing aside.
+  * `regions`: what is not offloaded here: exempt regions, `NoOpManager`, `set_aside`, standing aside;
+  * `settings`: `EngineSettings`, what a memory plan sets in the engine, in one call (`apply_settings`).
 
 The parts are mixins rather than objects that this class calls: they share one step's state under one lock, and the
 hooks that run for every saved tensor cost no call more than in one class. State that stands apart is an object of its
@@ -23,6 +24,7 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +38,7 @@ from ..stats import StatsRecorder
 from .host_copies import _first_unfinished, _HostCopies, _SavedTensor, _Step
 from .prefetch import _Prefetch, default_prefetch_window_bytes
 from .regions import _kept, _OpenRegion, _Regions, top_saved_tensors_pack_hook
+from .settings import EngineSettings
 from .streams import _Streams
 
 if TYPE_CHECKING:  # `memory_plan`'s annotation only
@@ -88,9 +91,12 @@ class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tenso
         # The second step's phases, measured on the device's peak counter (`hf_offload.peak`); not under a memory
         # budget, whose controller resets that counter in its own profiled steps.
         self._peak_watch = StepPeakWatch(DevicePeakCounter(self.device_type).read_and_reset)
-        # The memory budget's controller (`hf_offload.memory_budget.controller`), attached by
-        # `get_act_offloading_ctx_manager` when `memory_budget` is set: its `plan` is the per-layer plan in force.
-        self.budget_controller: Any = None
+        # Under a memory budget (`attach_budget`): its controller, which `budget_controller` returns, and what is told
+        # of a training step that did not complete. The engine calls nothing else of it.
+        self._budget_controller: Any = None
+        self._step_faulted: Callable[[], None] | None = None
+        # The memory plan whose settings are in force (`apply_settings`), for `memory_plan`.
+        self._plan: Any = None
         # The windows in force: the options', until a memory plan sizes them for its layers (`use_windows`).
         self.forward_window_bytes = options.forward_window_bytes
         self.prefetch_window_bytes = options.prefetch_window_bytes
@@ -135,9 +141,29 @@ class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tenso
 
     @property
     def memory_plan(self) -> Plan | None:
-        """The memory budget's plan in force (`hf_offload.memory_budget.simulate.Plan`); None without a budget or
-        before the profiled steps are over."""
-        return None if self.budget_controller is None else self.budget_controller.plan
+        """The memory budget's plan in force (`hf_offload.memory_budget.simulate.Plan`): the plan of the settings the
+        budget gave last (`apply_settings`); None without a budget or before the profiled steps are over."""
+        return self._plan
+
+    @property
+    def budget_controller(self) -> Any:
+        """The memory budget's controller (`hf_offload.memory_budget.controller`), attached by
+        `get_act_offloading_ctx_manager` when `memory_budget` is set (`attach_budget`); None without a budget."""
+        return self._budget_controller
+
+    def attach_budget(self, controller: Any, step_faulted: Callable[[], None]) -> None:
+        """Put the engine under a memory budget, whose side decides what moves (`apply_settings`).
+
+        The engine's own peak watch (`min_peak_reduction`) measures nothing then: the budget's controller resets the
+        device's peak counter in its own profiled steps.
+
+        Args:
+            controller: what `budget_controller` returns; the engine calls nothing of it.
+            step_faulted: called when an exception leaves the outermost region of a training step: a step that did
+                not complete is no measurement.
+        """
+        self._budget_controller = controller
+        self._step_faulted = step_faulted
 
     @property
     def budget(self) -> Any:
@@ -172,12 +198,40 @@ class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tenso
         self._parameters = [weakref.ref(tensor) for tensor in (*model.parameters(), *model.buffers())]
         self._refresh_parameter_pointers()
 
+    def apply_settings(self, settings: EngineSettings) -> None:
+        """Take a memory plan's settings, all at once: the pinned pool's cap, the tail's bound, the copy windows,
+        whether offloading stands aside, and the plan they are of (`memory_plan`).
+
+        The one call through which the memory budget sets the engine (`memory_budget.plan_application`): the engine
+        knows nothing of plans or of the controller that makes them. A plan that moves nothing (every layer kept, or
+        checkpointed with its input kept) has the engine stand aside (`"planned"`), unless it stands aside already for
+        another reason; a plan that moves something has it rejoin, if a plan had it stand aside.
+
+        Args:
+            settings: the plan's [`EngineSettings`]; a setting it leaves None stays as it is.
+
+        Raises:
+            ValueError: a window outside the rule of the option of the same name.
+        """
+        if settings.host_cap_bytes is not None:
+            self.set_host_cap(settings.host_cap_bytes)
+        if settings.tail_cap_bytes is not None:
+            self.cap_tail(settings.tail_cap_bytes)
+        if settings.windows is not None:
+            self.use_windows(*settings.windows)
+        if settings.stand_aside:
+            if self._standing_aside is None:
+                self.stand_aside("planned")
+        elif self._standing_aside == "planned":
+            self.rejoin()
+        self._plan = settings.plan
+
     def use_windows(self, forward_window_bytes: int, prefetch_window_bytes: int | None,
                     head_prefetch_window_bytes: int | None = None) -> None:  # fmt: skip
         """Size the copy windows for the steps to come.
 
-        Used by a memory plan, which knows how many bytes it lets leave and come back at once. The tail stays
-        bounded by the option `forward_window_bytes`: it is held through the head's peak.
+        Used by a memory plan (`apply_settings`), which knows how many bytes it lets leave and come back at once. The
+        tail stays bounded by the option `forward_window_bytes`: it is held through the head's peak.
 
         Args:
             forward_window_bytes: the forward copies in flight, in bytes (> 0).
@@ -284,8 +338,8 @@ class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tenso
         if faulted:
             if self._stats.step is not region.step_at_entry:
                 self._stats.discard_step()  # a step that did not complete is no step, and its partial counts none
-            if self.budget_controller is not None and region.training and not self._regions:
-                self.budget_controller.step_faulted()  # nor is it a measurement
+            if self._step_faulted is not None and region.training and not self._regions:
+                self._step_faulted()  # nor is it a measurement
         elif not region.hooks_pushed and region.training:
             # Standing aside, no pack hook ran, so no step began: a training region's step is counted here.
             self._stats.begin_step(stood_aside=region.stood_aside)
@@ -347,7 +401,7 @@ class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tenso
         own graph)."""
         if self._step.end_of_forward is not None:  # a forward that never reached its end teaches nothing
             self._planner.end_forward(_first_unfinished(self._step.end_of_forward))
-        if self.budget_controller is None and self._standing_aside is None:  # nothing to measure while it stands aside
+        if self._budget_controller is None and self._standing_aside is None:  # nothing to measure while it stands aside
             report = self._peak_watch.step_begins()
             if report is not None:
                 self._peak_measured(report)
