@@ -2,7 +2,9 @@
 
 It builds the engine (`OffloadActivations`), tells it the model's parameters, installs the hooks of `model_hooks` where
 `model`'s lookups find the tail, the Liger modules and the blocks, and, as the options ask, tiles the MLPs or attaches
-the memory budget's controller. Calling it again on one model replaces the previous context's hooks.
+the memory budget's controller. It hands each part its options: the engine and the controller are given the same
+`OffloadOptions`, and the controller sets the engine only through its settings (`OffloadActivations.apply_settings`).
+Calling it again on one model replaces the previous context's hooks.
 """
 
 from __future__ import annotations
@@ -151,10 +153,10 @@ def get_act_offloading_ctx_manager(
         if given:
             raise TypeError(f"get_act_offloading_ctx_manager takes either options=OffloadOptions(...) or individual "
                             f"options, not both (given: {', '.join(given)})")  # fmt: skip
-        engine = OffloadActivations(options=options)
     else:
         check_option_names(kwargs, "get_act_offloading_ctx_manager")
-        engine = OffloadActivations(**trl_options, **kwargs)
+        options = OffloadOptions(**trl_options, **kwargs)
+    engine = OffloadActivations(options=options)
     unwrapped = unwrap_model(model)
     _remove_previous_installation(unwrapped)
     engine.update_model_params(model)
@@ -179,14 +181,13 @@ def get_act_offloading_ctx_manager(
     if layers:
         engine.track_hook(layers[0].register_forward_pre_hook(LongContextCheck(engine), with_kwargs=True))
     install_step_tokens_hook(engine, unwrapped)
-    if engine.options.tile_mlp is True:
+    if options.tile_mlp is True:
         engine.track_hook(apply_tiled_mlp(unwrapped, default_tokens_per_chunk(unwrapped)))
-    if engine.options.tile_layer is True:
+    if options.tile_layer is True:
         engine.track_hook(apply_tiled_layer(unwrapped, default_tokens_per_chunk(unwrapped)))
-    if engine.options.memory_budget is not None and engine.active:
-        engine.budget_controller = MemoryBudgetController(
-            unwrapped, engine, parse_memory_budget(engine.options.memory_budget)
-        )
+    if options.memory_budget is not None and engine.active:
+        controller = MemoryBudgetController(unwrapped, engine, parse_memory_budget(options.memory_budget), options)
+        engine.attach_budget(controller, controller.step_faulted)
     if compiled_as_a_whole(model):
         engine.stand_aside_compiled_as_a_whole()
     unwrapped.__dict__[_INSTALLATION_ATTR] = _Installation(weakref.ref(engine), weakref.ref(unwrapped))

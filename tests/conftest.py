@@ -4,7 +4,8 @@
 importing transformers and datasets.
 
 Where a new test goes: next to the module it tests, in the file named after it.
-- `hf_offload/<module>.py`: `test_<module>.py` (engine, options, units, allocator, peak, versions; stats: its summary);
+- `hf_offload/<module>.py`: `test_<module>.py` (options, units, allocator, peak, versions; stats: its summary);
+  the modules of `hf_offload/engine/` share `test_engine.py` (they are parts of one class, driven through it);
   `policy.py`, `host_memory.py` and `stats.py`'s counters share `test_policy.py`; `model.py`, `model_hooks.py` and
   `context.py` share `test_model.py`; `compile_guard.py` and `regional_compilation.py` are `test_compile.py`.
 - `hf_offload/memory_budget/<module>.py`: `memory_budget/test_<module>.py` (spec, profile, simulate, search,

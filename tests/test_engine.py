@@ -6,8 +6,10 @@ events where a test says so (`stand_in_streams`): the CPU has none, and the engi
 
 from __future__ import annotations
 
+import ast
 import gc
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +18,7 @@ import torch.utils.checkpoint as checkpoint
 from stand_in_streams import use_stand_in_streams
 
 from hf_offload import NoOpManager, OffloadActivations
-from hf_offload.engine import top_saved_tensors_pack_hook
+from hf_offload.engine import CopyWindows, EngineSettings, top_saved_tensors_pack_hook
 from hf_offload.host_memory import HostMemory, PinnedHostPool, default_host_memory_reserve
 
 
@@ -647,3 +649,38 @@ def test_only_completed_training_steps_are_counted() -> None:
         step(fail=True)
     totals = engine.consume_stats()
     assert totals["steps"] == totals["steps_stood_aside_cannot_lower_peak"] == 1
+
+
+def test_a_plan_sets_the_engine_in_one_call_and_stands_it_aside_only_for_itself() -> None:
+    engine = cpu_engine()
+    plan = object()  # the engine keeps it for memory_plan and reads nothing of it
+    engine.apply_settings(EngineSettings(stand_aside=True, plan=plan))
+    assert engine.standing_aside == "planned" and engine.memory_plan is plan
+    options = engine.options
+    assert (engine.forward_window_bytes, engine.prefetch_window_bytes) == (options.forward_window_bytes,
+                                                                           options.prefetch_window_bytes)  # fmt: skip
+    engine.apply_settings(EngineSettings(stand_aside=False, windows=CopyWindows(64 * 2**20, None, 1),
+                                         tail_cap_bytes=0, host_cap_bytes=2**20))  # fmt: skip
+    assert engine.standing_aside is None and engine.memory_plan is None
+    assert (engine.forward_window_bytes, engine.prefetch_window_bytes, engine.head_prefetch_window_bytes) == (
+        64 * 2**20, None, 1)  # fmt: skip
+    assert engine._planner.max_tail_bytes == 0 and engine._pool.cap_bytes == 2**20
+    engine.stand_aside("compiled")
+    engine.apply_settings(EngineSettings(stand_aside=False))  # a plan rejoins only where a plan stood aside
+    engine.apply_settings(EngineSettings(stand_aside=True))
+    assert engine.standing_aside == "compiled"
+    with pytest.raises(ValueError, match="forward_window_bytes"):
+        engine.apply_settings(EngineSettings(stand_aside=False, windows=CopyWindows(0, None, None)))
+
+
+def test_the_engine_imports_nothing_of_the_memory_budget_but_annotations() -> None:
+    """The budget sets the engine through `EngineSettings` alone: no module of the engine imports the budget at run
+    time (it would sit below the controller that imports it)."""
+    for module in sorted((Path(__file__).resolve().parents[1] / "hf_offload" / "engine").glob("*.py")):
+        tree = ast.parse(module.read_text())
+        type_checking = [node for node in ast.walk(tree) if isinstance(node, ast.If)
+                         and ast.unparse(node.test) == "TYPE_CHECKING"]  # fmt: skip
+        annotations = {id(child) for node in type_checking for child in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and "memory_budget" in (node.module or ""):
+                assert id(node) in annotations, f"{module.name}:{node.lineno} imports {node.module}"

@@ -88,7 +88,7 @@ def test_the_layout_names_every_module():
     layout = section("Layout")
     for module in sorted((ROOT / "hf_offload").glob("*.py")):
         assert f"hf_offload/{module.name}" in layout, module.name
-    for package in ("memory_budget", "tiled"):
+    for package in ("engine", "memory_budget", "tiled"):
         for module in sorted((ROOT / "hf_offload" / package).glob("*.py")):
             assert f"  {module.name} " in layout or module.name == "__init__.py", module.name
     for module in sorted((ROOT / "callbacks").glob("*.py")):

@@ -72,9 +72,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..allocator import release_unusable_cache
-from ..engine import OffloadActivations, default_prefetch_window_bytes
+from ..engine import CopyWindows, EngineSettings, OffloadActivations, default_prefetch_window_bytes
 from ..host_memory import HostCaps
 from ..model import find_decoder_layers, find_output_head, first_tensor
+from ..options import OffloadOptions
 from ..peak import queue_after_backward
 from ..random_state import random_state_untouched
 from ..tiled.apply import apply_tiled_layer, apply_tiled_mlp
@@ -93,7 +94,7 @@ from .closed_loop import (
 )
 from .host import choose_plan_with_host
 from .measurements import LongestStep, OwnPeakCounter, StepMeasurements
-from .plan_application import LayersUnderPlan
+from .plan_application import LayersUnderPlan, engine_settings
 from .plans_by_length import PlansByLength
 from .probes import (
     NOT_CALLED,
@@ -163,12 +164,14 @@ class MemoryBudgetController:
         model: the unwrapped model (its decoder layers are found with `find_decoder_layers`).
         engine: the offloading context; its device type decides what is measured.
         memory_budget: the user's budget, parsed.
+        options: the context's options (the engine's): the longest step, the tilings allowed, the tail and window.
 
     Raises:
         ValueError: the model has no decoder layers a plan could act on.
     """
 
-    def __init__(self, model: nn.Module, engine: OffloadActivations, memory_budget: MemoryBudget) -> None:
+    def __init__(self, model: nn.Module, engine: OffloadActivations, memory_budget: MemoryBudget,
+                 options: OffloadOptions) -> None:  # fmt: skip
         named = find_decoder_layers(model)
         if not named:
             raise ValueError(f"memory_budget needs a transformers model with decoder layers (GradientCheckpointingLayer"
@@ -186,6 +189,7 @@ class MemoryBudgetController:
         self._model = weakref.ref(model)
         self._engine = weakref.ref(engine)
         self.memory_budget = memory_budget
+        self._options = options
         self._meter = Meter(engine.device_type)
         self._budget_bytes()  # a share of the device, or "auto", without a device fails here
         self.plan: Plan | None = None
@@ -199,7 +203,7 @@ class MemoryBudgetController:
         self._step_tokens = 0  # this step's tokens, in the profile's terms, from the stacks that have started
         self._previous_step_tokens = 0
         self._warned_over_budget = False
-        max_tokens = engine.options.memory_budget_max_tokens
+        max_tokens = options.memory_budget_max_tokens
         self._longest = None if max_tokens is None else LongestStep(max_tokens, "memory_budget_max_tokens", True)
         # The plans made so far, by the tokens each was made for (`_plan_for`), and the generation of what they were
         # made with: it grows when that changes (the memory held between steps grew, the closed loop corrected a plan
@@ -244,8 +248,8 @@ class MemoryBudgetController:
         self._input_elements = 0
         self._tokens_per_elements = (0, 0)
         # Tokens per chunk of a tiled MLP and of a layer tiled whole; 0 where the planner may not tile so.
-        self._tile_tokens = _tile_tokens(model, engine.options.tile_mlp, apply_tiled_mlp, "the MLPs")
-        self._layer_tile_tokens = _tile_tokens(model, engine.options.tile_layer, apply_tiled_layer, "whole layers")
+        self._tile_tokens = _tile_tokens(model, options.tile_mlp, apply_tiled_mlp, "the MLPs")
+        self._layer_tile_tokens = _tile_tokens(model, options.tile_layer, apply_tiled_layer, "whole layers")
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
         self._layers_under_plan = LayersUnderPlan(model, engine, self._layers)
         engine.track_hook(self._layers_under_plan)
@@ -309,7 +313,7 @@ class MemoryBudgetController:
             self._start_measured_step()
         elif self._phase is _Phase.BEFORE_TRAINING:
             self._phase = _Phase.FIRST_STEP
-            self._apply("C" * len(self._layers), windows=None)
+            self._apply("C" * len(self._layers))
             self._first_step_static = self._static_at_step_start
             self._peak_counter.reset()
         elif self._phase is _Phase.FIRST_STEP:
@@ -753,8 +757,9 @@ class MemoryBudgetController:
                             budget_bytes / 2**30, "over it, the lowest plan the model knows of"
                             if planned.predicted.peak_bytes > budget_bytes else "within it", code,
                             peak / 2**30)  # fmt: skip
-                engine.set_host_cap(planned.host_cap_bytes)
-                self._apply(planned.code, _windows(planned, engine), tile_tokens=planned.tile_tokens,
+                # Not the plan in force (`memory_plan`): the profiled steps run it, and the first plan comes after.
+                settings = engine_settings(planned.code, self._windows(planned), host_cap_bytes=planned.host_cap_bytes)
+                self._apply(planned.code, settings, tile_tokens=planned.tile_tokens,
                             layer_tile_tokens=planned.layer_tile_tokens)  # fmt: skip
                 return
         if peak > budget_bytes:  # said, so that a profiled step over the budget can be told apart from a wrong model
@@ -762,7 +767,7 @@ class MemoryBudgetController:
                         "%.2f GiB: %s", code, peak / 2**30, budget_bytes / 2**30,
                         "; ".join(not_lower) or "it is the lowest plan the model knows of")  # fmt: skip
         if code != self._code:
-            self._apply(code, windows=None, **chunk_sizes(profile, code))
+            self._apply(code, **chunk_sizes(profile, code))
 
     def _plan_profiled_steps(self, profile: StepProfile, budget_bytes: int) -> Plan:
         """The plan for a profiled step that the safe plan is predicted not to fit: the planner's for `profile`, with
@@ -929,9 +934,8 @@ class MemoryBudgetController:
         """The most the engine's tail keeps through the head's peak: a forward window of the last offloaded bytes
         (the head's bytes were measured over what the profiled step kept of it). In the CPU test mode copies finish
         at once, and nothing is ever left to keep."""
-        engine = self._engine()
-        if engine is not None and engine.options.keep_tail and self._measured.head_bytes is not None:
-            return engine.options.forward_window_bytes
+        if self._engine() is not None and self._options.keep_tail and self._measured.head_bytes is not None:
+            return self._options.forward_window_bytes
         return 0
 
     def _sized_parameters(self) -> list[tuple[weakref.ref, int]]:
@@ -1185,28 +1189,31 @@ class MemoryBudgetController:
                              "Raise activation_offloading_max_pinned_memory_fraction (or max_pinned_mib), or lower "
                              "activation_offloading_host_memory_reserve_mib, if the host has the room.")  # fmt: skip
 
+    def _windows(self, plan: Plan) -> CopyWindows:
+        """The engine's copy windows under `plan`: its forward window (at least the option's), its prefetch window and
+        the head's (None: the engine's default)."""
+        forward_window = max(plan.forward_window_bytes, self._options.forward_window_bytes)
+        return CopyWindows(forward_window, plan.prefetch_window_bytes or None, plan.head_prefetch_window_bytes or None)
+
     def _put_in_force(self, new_plan: Plan, profile: StepProfile) -> None:
         """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows. From
         a plan whose layers act alike (a plan kept for another length, `_plan_for`), only the windows change: the
         layers are not wrapped anew, and the steps go on counting as that code's for the closed loop, which would
         otherwise start measuring again at each switch and, with lengths varying step to step, never check a plan."""
         previous, self.plan, self._profile = self.plan, new_plan, profile
-        engine = self._engine()
-        if engine is not None:
-            engine.set_host_cap(new_plan.host_cap_bytes)  # the cap it planned with: raised, where it grew the pool
-            # The engine keeps no more of its tail than the plan counted (the tail only grows, and a budget at the
-            # plan's peak would not hold more): a plan chosen by its measured peak, what its measured steps kept; a
-            # predicted one, the copies the model has unfinished as the forward ends. Copies beyond it are drained
-            # before the head (time the model counts), not kept on top of the loss.
-            samples = self._samples.get(new_plan.code) if new_plan.measured is not None else None
-            engine.cap_tail(max(sample.tail_bytes for sample in samples) if samples else new_plan.predicted.tail_bytes)
-        windows = _windows(new_plan, engine)
+        # The engine keeps no more of its tail than the plan counted (the tail only grows, and a budget at the
+        # plan's peak would not hold more): a plan chosen by its measured peak, what its measured steps kept; a
+        # predicted one, the copies the model has unfinished as the forward ends. Copies beyond it are drained
+        # before the head (time the model counts), not kept on top of the loss.
+        samples = self._samples.get(new_plan.code) if new_plan.measured is not None else None
+        tail_cap = max(sample.tail_bytes for sample in samples) if samples else new_plan.predicted.tail_bytes
+        # The pool's cap is the one it planned with: raised, where it grew the pool.
+        settings = engine_settings(new_plan.code, self._windows(new_plan), tail_cap, new_plan.host_cap_bytes, new_plan)
         acts = (new_plan.code, new_plan.tile_tokens, new_plan.layer_tile_tokens)  # what the layers are given
         if previous is not None and (previous.code, previous.tile_tokens, previous.layer_tile_tokens) == acts:
-            if engine is not None:
-                engine.use_windows(*windows)
+            self._layers_under_plan.apply_engine_settings(settings)
         else:
-            self._apply(new_plan.code, windows, tile_tokens=new_plan.tile_tokens,
+            self._apply(new_plan.code, settings, tile_tokens=new_plan.tile_tokens,
                         layer_tile_tokens=new_plan.layer_tile_tokens)  # fmt: skip
         release_unusable_cache(new_plan.predicted.peak_bytes)
 
@@ -1227,20 +1234,16 @@ class MemoryBudgetController:
             self._warned_over_budget = True
             logger.warning(message)
 
-    def _apply(self, code: str, windows: tuple[int, int | None, int | None] | None,
-               tile_tokens: int = 0, layer_tile_tokens: int = 0) -> None:  # fmt: skip
-        """Applies the plan `code`, in the plan's order, to the layers (`LayersUnderPlan.apply`)."""
+    def _apply(self, code: str, settings: EngineSettings | None = None, tile_tokens: int = 0,
+               layer_tile_tokens: int = 0) -> None:  # fmt: skip
+        """Applies the plan `code`, in the plan's order, to the layers and `settings` to the engine
+        (`LayersUnderPlan.apply`); without settings (the profiled steps' plans), the engine's windows and caps stay as
+        they are."""
         if self._engine() is None or self._model() is None:
             return
         self._code, self._applied_at = code, self._forwards
-        self._layers_under_plan.apply(code, self._order, windows, self._layer_starts, tile_tokens, layer_tile_tokens)
-
-
-def _windows(plan: Plan, engine: OffloadActivations | None) -> tuple[int, int | None, int | None]:
-    """The engine's windows under `plan`: its forward window (at least the option's), its prefetch window and the
-    head's (None: the engine's default)."""
-    forward_window = max(plan.forward_window_bytes, engine.options.forward_window_bytes if engine else 1)
-    return forward_window, plan.prefetch_window_bytes or None, plan.head_prefetch_window_bytes or None
+        settings = engine_settings(code) if settings is None else settings
+        self._layers_under_plan.apply(code, self._order, settings, self._layer_starts, tile_tokens, layer_tile_tokens)
 
 
 # A tiling's fields of the step's profile (its chunk's tokens, its backward's working bytes, one chunk's bytes, its

@@ -1,9 +1,10 @@
-"""A plan on the model: the decoder layers given the plan's actions, and the engine told what the plan moves.
+"""A plan on the model: the decoder layers given the plan's actions, and the engine the plan's settings.
 
-`LayersUnderPlan` is the one place a plan reaches the model. Each plan's actions replace the last's
+`LayersUnderPlan` is the one place a plan reaches the model and the engine. Each plan's actions replace the last's
 (`layer_actions.apply_layer_actions`); the engine's `remove_hooks` takes the last off with its hooks, giving every
 layer back its own checkpointing and forward (a refused budget's too: its profiled steps' plan may have tiled the
-layers). A plan that moves nothing has the engine stand aside.
+layers). The engine takes the plan's settings in one call (`engine_settings`, `OffloadActivations.apply_settings`);
+a plan that moves nothing has it stand aside.
 """
 
 from __future__ import annotations
@@ -15,13 +16,27 @@ from typing import Any
 
 from torch import nn
 
-from ..engine import OffloadActivations
+from ..engine import CopyWindows, EngineSettings, OffloadActivations
 from .actions import ACTIONS
 from .layer_actions import AppliedActions, apply_layer_actions, whole_call_layer
+from .simulate import Plan
 
-__all__ = ["LayersUnderPlan"]
+__all__ = ["LayersUnderPlan", "engine_settings"]
 
 LayerStarts = Callable[[int, nn.Module, tuple, dict], None]
+
+
+def engine_settings(code: str, windows: CopyWindows | None = None, tail_cap_bytes: int | None = None,
+                    host_cap_bytes: int | None = None, plan: Plan | None = None) -> EngineSettings:  # fmt: skip
+    """The engine's settings under plan `code` (`OffloadActivations.apply_settings`): `windows`, the tail's and the
+    pinned pool's caps and `plan` as given (None: as they are), and whether the engine stands aside.
+
+    A plan that moves nothing (every layer kept, or checkpointed with its input kept) has the engine stand aside, so
+    that such a step costs what it costs without the library (no saved-tensor hooks pushed, no region around each
+    layer): plain checkpointing, the trial, runs as transformers runs it.
+    """
+    stand_aside = not any(ACTIONS[letter].moves for letter in code)
+    return EngineSettings(stand_aside, windows, tail_cap_bytes, host_cap_bytes, plan)
 
 
 class LayersUnderPlan:
@@ -33,7 +48,7 @@ class LayersUnderPlan:
 
     Args:
         model: the unwrapped model.
-        engine: the offloading context whose windows and standing aside follow the plan.
+        engine: the offloading context whose settings follow the plan (`engine_settings`).
         layers: the decoder layers, in registration order.
     """
 
@@ -46,11 +61,11 @@ class LayersUnderPlan:
         # function, before the call (`_StartsBeforeTheCall`).
         self._whole_call = any(type(layer).__call__ is not nn.Module.__call__ for layer in layers)
 
-    def apply(self, code: str, order: Sequence[int], windows: tuple[int, int | None, int | None] | None,
-              layer_starts: LayerStarts, tile_tokens: int = 0, layer_tile_tokens: int = 0) -> None:  # fmt: skip
+    def apply(self, code: str, order: Sequence[int], settings: EngineSettings, layer_starts: LayerStarts,
+              tile_tokens: int = 0, layer_tile_tokens: int = 0) -> None:  # fmt: skip
         """Gives the layers the actions of plan `code`, in the plan's order (`order[position]` is the registration
-        index of the plan's layer at `position`), and the engine the plan's `windows` (forward, prefetch, head's
-        prefetch; None: as they are). Nothing once the model or the engine is gone.
+        index of the plan's layer at `position`), then the engine the plan's `settings` (`engine_settings`). Nothing
+        once the model or the engine is gone.
 
         `layer_starts` is the controller's pre-hook of layer `index`, `(index, layer, args, kwargs)`: where
         transformers checkpoints a layer's whole call, it runs before the call (`_StartsBeforeTheCall`). Only the
@@ -71,16 +86,14 @@ class LayersUnderPlan:
                     layer._gradient_checkpointing_func = _StartsBeforeTheCall(
                         starts, layer._gradient_checkpointing_func
                     )
-        if windows is not None:
-            engine.use_windows(*windows)
-        # A plan that moves nothing (every layer kept, or checkpointed with its input kept): the engine stands aside,
-        # so that such a step costs what it costs without the library (no saved-tensor hooks pushed, no region around
-        # each layer): plain checkpointing, the trial, runs as transformers runs it.
-        if not any(action.moves for action in actions):
-            if engine.standing_aside is None:
-                engine.stand_aside("planned")
-        elif engine.standing_aside == "planned":
-            engine.rejoin()
+        engine.apply_settings(settings)
+
+    def apply_engine_settings(self, settings: EngineSettings) -> None:
+        """Gives the engine a plan's `settings` alone, where the layers run its actions already (a plan kept for
+        another length whose layers act alike). Nothing once the engine is gone."""
+        engine = self._engine()
+        if engine is not None:
+            engine.apply_settings(settings)
 
     def remove(self) -> None:
         """Takes the plan in force off the layers."""
