@@ -93,7 +93,7 @@ from .closed_loop import (
     peak_correction,
 )
 from .host import choose_plan_with_host
-from .measurements import LongestStep, OwnPeakCounter, StepMeasurements
+from .measurements import LongestStep, OwnPeakCounter, StepMeasurements, first_steps_head_bytes
 from .plan_application import LayersUnderPlan, engine_settings
 from .plans_by_length import PlansByLength
 from .probes import (
@@ -782,7 +782,9 @@ class MemoryBudgetController:
         try:
             return self._choose(profile, budget_bytes, prediction_margin_bytes(budget_bytes), [])
         except InfeasibleBudgetError as error:
-            total, lowest = self._meter.total(), error.lowest_plan.predicted.peak_bytes
+            # Less the head's bytes, which the first step only estimates: a refusal rests on what was measured.
+            total = self._meter.total()
+            lowest = error.lowest_plan.predicted.peak_bytes - profile.head_bytes
             if self._phase is _Phase.FIRST_STEP and total is not None and lowest > total:
                 raise InfeasibleBudgetError(
                     f"hf_offload: memory_budget: the first step, of {profile.tokens} tokens, fits no plan, and the "
@@ -866,8 +868,11 @@ class MemoryBudgetController:
         engine = self._engine()
         probes = [measured.probes[self._kinds[index]] for index in self._order]
         head_bytes = measured.head_bytes
-        if head_bytes is None:  # CPU test mode: what the head and loss saved (nothing known before the second step)
+        if head_bytes is None and self._meter.device is None:  # CPU test mode: what the head and loss saved
             head_bytes = measured.head_saved_bytes or 0
+        elif head_bytes is None:  # before the measured step: the profiled steps' plan leaves the head room
+            model = self._model()
+            head_bytes = 0 if model is None else first_steps_head_bytes(model, measured.step_tokens)
         static_bytes, gradient_bytes = self._static_bytes()
         if self._gradients_accumulate:
             # Every micro-step of a cycle but the first holds all the gradients from its start, where a step without

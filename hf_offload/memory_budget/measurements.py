@@ -1,9 +1,9 @@
 """What the memory budget's controller measures of the run's first steps, and its reads of the device's peak counter.
 
 `StepMeasurements` holds what the first two steps measured (the probes, the head, the step's time, what backward
-left), from which the controller assembles the step's profile; `LongestStep`, the longest step the run will see
-where it is known before training. `OwnPeakCounter` reads and resets the device's peak-memory counter, and tells its
-own resets from anyone else's.
+left), from which the controller assembles the step's profile; `first_steps_head_bytes`, the head's bytes until the
+second step measures them; `LongestStep`, the longest step the run will see where it is known before training.
+`OwnPeakCounter` reads and resets the device's peak-memory counter, and tells its own resets from anyone else's.
 """
 
 from __future__ import annotations
@@ -12,10 +12,42 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch import nn
 
 from .probes import LayerProbe, Meter
 
-__all__ = ["LongestStep", "OwnPeakCounter", "StepMeasurements"]
+__all__ = ["LongestStep", "OwnPeakCounter", "StepMeasurements", "first_steps_head_bytes"]
+
+
+# The output head and loss's bytes per token, before the second step measures them. Liger's fused linear cross-entropy
+# (the model's forward is Liger's) holds the gradient of the final hidden states and a chunk of float32 logits of about
+# as many elements as the hidden states, per hidden unit and token: 8 bytes measured (H100, Llama-3-8B's shape, LoRA,
+# 16,384 tokens: 542,786,560 B, `prediction.profile.head_bytes` of benchmarks/results/
+# 2026-11-25-nvidia-h100-80gb-hbm3-long-context-confirm-bf16-458752.json), up to 12 where the chunk's rows round up to
+# a power of two. Without a fused loss, per token and vocabulary entry: the logits (2 bytes in bf16), their float32
+# copy for the loss (4) and its gradient (4).
+_FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN = 12
+_HEAD_BYTES_PER_TOKEN_AND_VOCABULARY = 10
+
+
+def first_steps_head_bytes(model: nn.Module, tokens: int) -> int:
+    """The output head and loss's peak over what the forward leaves, for a step of `tokens`, estimated from the model's
+    configuration until the second step measures it: where the first step is already long (packing to `max_length`),
+    a plan that counted no head ran into it (at 327,680 tokens an 8B-class model's fused loss holds about 10 GiB).
+
+    Args:
+        model: the unwrapped model; 0 for one whose configuration names no hidden size and vocabulary.
+        tokens: the step's tokens (sequences x length).
+    """
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    hidden, vocabulary = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
+    if not isinstance(hidden, int) or not isinstance(vocabulary, int):
+        return 0
+    if (getattr(type(model).forward, "__module__", "") or "").startswith("liger_kernel"):
+        return tokens * hidden * _FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN
+    return tokens * vocabulary * _HEAD_BYTES_PER_TOKEN_AND_VOCABULARY
 
 
 @dataclasses.dataclass(frozen=True)
