@@ -17,6 +17,8 @@ _LEVELS = frozenset({"pinned_bytes"})
 # One counter per reason a tensor stayed on the accelerator, or offloading stood aside for a step; most are zero in a
 # given run, and zeros only clutter.
 _KEPT_PREFIXES = ("tensors_kept_", "bytes_kept_", "steps_stood_aside_")
+# The disk tier's counters, zero in every run without `disk_offload_dir`: logged only when they are not.
+_DISK_KEYS = ("bytes_spilled_to_disk", "bytes_read_from_disk", "disk_wait_s")
 
 # The entries the console shows, each a figure a person can act on.
 HEADLINE_KEYS = (
@@ -40,11 +42,14 @@ def log_entries(stats: Mapping[str, float], peak_memory_bytes: int | None = None
         Every non-zero counter, the `_per_step` entries (counters divided by the steps of the interval) and the
         headline entries of `HEADLINE_KEYS`.
     """
-    entries = {LOG_PREFIX + key: value for key, value in stats.items() if value or not key.startswith(_KEPT_PREFIXES)}
+    entries = {LOG_PREFIX + key: value for key, value in stats.items()
+               if value or not key.startswith(_KEPT_PREFIXES + _DISK_KEYS)}  # fmt: skip
     steps = stats["steps"]
     if steps:
         entries[LOG_PREFIX + "bytes_offloaded_per_step"] = stats["bytes_offloaded"] / steps
         entries[LOG_PREFIX + "compute_wait_s_per_step"] = stats["compute_wait_s"] / steps
+        if stats.get("bytes_spilled_to_disk"):
+            entries[LOG_PREFIX + "bytes_spilled_to_disk_per_step"] = stats["bytes_spilled_to_disk"] / steps
         entries[HEADLINE_KEYS[0]] = stats["bytes_offloaded"] / steps / MIB
         entries[HEADLINE_KEYS[1]] = round(1000.0 * stats["compute_wait_s"] / steps, 3)
     if peak_memory_bytes is not None:

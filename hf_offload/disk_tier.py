@@ -1,10 +1,11 @@
 """The disk tier: host copies that the pinned pool cannot hold, written to files and read back ahead of need.
 
-Not wired in yet. At 512K tokens an 8B model's 32 layer inputs are 128 GiB, more than a host of 64-90 GB can pin; past
-the pool's cap (or its reserve) those inputs stay on the GPU today. A layer's backward there takes seconds, so a disk
-that reads 1-2 GB/s keeps up with a 4 GiB layer input read far enough ahead. This module is that third tier, on its
-own: what it writes, with which threads, and when each file, buffer and thread ends. The engine will spill the host
-copies the pool refuses through it, and the planner will count its room and bandwidth (`measure_disk_bandwidth`).
+At 512K tokens an 8B model's 32 layer inputs are 128 GiB, more than a host of 64-90 GB can pin; past the pool's cap
+(or its reserve) those inputs stay on the GPU without it. A layer's backward there takes seconds, so a disk that reads
+1-2 GB/s keeps up with a 4 GiB layer input read far enough ahead. This module is that third tier, on its own: what it
+writes, with which threads, and when each file, buffer and thread ends. The engine spills what the pool refuses
+through it with the option `disk_offload_dir` (`engine/disk_copies.py`, experimental); the planner does not count its
+room and bandwidth yet (`measure_disk_bandwidth`).
 
 **Files.** `DiskTier(directory, reserve_bytes)` makes one private run directory, `hf_offload-<pid>-<random>` (mode
 0700, `tempfile.mkdtemp`), under `directory` (the option `disk_offload_dir`; by default `tempfile.gettempdir()`), and

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ DEFAULT_WINDOW_BYTES = 128 * MIB
 DEFAULT_MIN_PEAK_REDUCTION = 0.05
 
 _FLAG, _BYTES, _COUNT, _FRACTION, _DEVICE, _BUDGET = "flag", "bytes", "count", "fraction", "device", "budget"
+_PATH = "path"
 _AUTO_FLAG = "auto_flag"
 AUTO = "auto"
 
@@ -54,8 +56,9 @@ class Rule:
     Args:
         kind: `"flag"` (True or False), `"bytes"` (a size), `"count"` (a whole number), `"fraction"` (a number in
             `(0, maximum]`), `"device"` (a device type string) or `"budget"` (a memory budget, as
-            `spec.parse_memory_budget` reads it) or `"auto_flag"` (`"auto"`, True or False; from the command line
-            also `true` and `false`).
+            `spec.parse_memory_budget` reads it), `"auto_flag"` (`"auto"`, True or False; from the command line
+            also `true` and `false`) or `"path"` (a directory's path, a non-empty string or `os.PathLike`, kept as a
+            string; whether it can hold files is checked where it is used).
         minimum: the smallest size or count allowed (bytes for sizes).
         maximum: the largest fraction allowed.
         optional: whether None is allowed (and, from the command line, the word `none`).
@@ -80,6 +83,8 @@ class Rule:
             return "'auto', 'true' or 'false'" if text else "'auto', True or False"
         if self.kind == _DEVICE:
             return "None, 'cpu' or the available accelerator's type"
+        if self.kind == _PATH:
+            return f"{none}a directory's path (a non-empty string)"
         if self.kind == _FRACTION:
             return f"{none}a number in (0, {self.maximum:g}]"
         if unit == "MiB":
@@ -90,7 +95,7 @@ class Rule:
     def type_text(self, unit: str) -> str:
         """The type of the option's values for its documentation, e.g. "`float`, MiB, or `None`"."""
         text = {_FLAG: "`bool`", _COUNT: "`int`", _FRACTION: "`float`", _DEVICE: "`str`",
-                _BUDGET: "`str` or `int`", _AUTO_FLAG: "`str` or `bool`"}.get(self.kind)  # fmt: skip
+                _BUDGET: "`str` or `int`", _AUTO_FLAG: "`str` or `bool`", _PATH: "`str`"}.get(self.kind)  # fmt: skip
         if text is None:
             text = "`float`, MiB" if unit == "MiB" else "`int`, bytes"
         return text + (", or `None`" if self.optional else "")
@@ -104,7 +109,7 @@ class Rule:
         """
         if self.kind == _FLAG:
             return bool
-        if self.kind == _DEVICE:
+        if self.kind in (_DEVICE, _PATH):
             return str | None
         if self.kind == _BUDGET:
             return int | str | None  # the parser passes the text through (see above)
@@ -154,6 +159,12 @@ class Rule:
             return value
         if self.kind == _DEVICE:
             if not isinstance(value, str) or not _device_type_available(value):
+                raise fail()
+            return value
+        if self.kind == _PATH:
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+            if not isinstance(value, str) or not value.strip():
                 raise fail()
             return value
         if self.kind == _BUDGET:
@@ -352,6 +363,19 @@ class OffloadOptions:
         "the command line): with a memory_budget, 10% of the host's memory, at least 8 GiB and at most a quarter of "
         "it; without one, no reserve (the cap alone). `0`: no reserve.", argument="host_memory_reserve_mib",
         argument_unit="MiB")  # fmt: skip
+    disk_offload_dir: str | None = _option(
+        None, Rule(_PATH, optional=True), "Experimental, not yet measured on a GPU: a directory where activations "
+        "that the pinned host pool has no room for (past its cap or the host's reserve) are written to files and "
+        "read back in backward, instead of staying on the accelerator. Bitwise the same training; each file goes "
+        "once backward has used its tensor, and the run's directory (`hf_offload-<pid>-*` under this one) when the "
+        "context is dropped or the process exits. A directory that cannot hold files is an error when the context "
+        "is built. `None`: no disk tier.", argument="disk_offload_dir")  # fmt: skip
+    disk_reserve_bytes: int | None = _option(
+        None, Rule(_BYTES, optional=True), "Free space the disk tier always leaves on disk_offload_dir's file system; "
+        "past it activations stay on the accelerator (one warning). `None` (`none` on the command line): 10% of "
+        "that file system's size, at least 8 GiB and at most a quarter of it, for the checkpoints, logs and caches "
+        "that share the disk. `0`: no reserve. Only with disk_offload_dir.", argument="disk_reserve_mib",
+        argument_unit="MiB")  # fmt: skip
     device_type: str | None = _option(
         None, Rule(_DEVICE, optional=True), "For testing. The device type whose tensors are offloaded; `None` means "
         "the current accelerator (with none, offloading is inactive and says so once). `'cpu'` moves CPU tensors "
@@ -403,6 +427,10 @@ class OffloadOptions:
             object.__setattr__(self, option.name, rule.check(getattr(self, option.name), option.name))
         check_budget_for_device(self.memory_budget, self.device_type)
         check_host_memory_reserve(self.host_memory_reserve_bytes)
+        if self.disk_reserve_bytes is not None and self.disk_offload_dir is None:
+            raise ValueError(f"disk_reserve_bytes={self.disk_reserve_bytes} needs a disk_offload_dir: it is the free "
+                             "space the disk tier leaves there. Set disk_offload_dir too, or leave disk_reserve_bytes "
+                             "None.")  # fmt: skip
         if self.memory_budget_max_tokens is not None and self.memory_budget is None:
             raise ValueError(f"memory_budget_max_tokens={self.memory_budget_max_tokens} needs a memory_budget: it is "
                              "the longest step the budget's plans must fit. Set memory_budget too, or leave "

@@ -27,6 +27,8 @@ KEPT_REASONS: dict[str, str] = {
     "over_host_cap": "the pinned host pool reached its cap",
     "host_reserve": "growing the pinned host pool would have left less than host_memory_reserve available",
     "pinned_alloc_failed": "allocating pinned host memory failed",
+    "disk_reserve": "the disk tier's reserve of free disk space (disk_reserve) was reached",
+    "disk_failed": "writing it to the disk tier failed",
     "not_on_accelerator": "on another device type",
     "in_backward": "saved during backward (reentrant checkpointing), used at once",
     "unsupported_type": "a tensor subclass (DTensor, quantized, sparse)",
@@ -52,6 +54,9 @@ class OffloadStats:
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.inflight_hits = 0
+        self.bytes_spilled_to_disk = 0  # written to the disk tier (`disk_offload_dir`), of the bytes offloaded
+        self.bytes_read_from_disk = 0
+        self.disk_wait_seconds = 0.0  # the host blocked on the disk tier: a write to free a staging buffer, a read
         self.discarded = False  # a step that did not complete, taken out of the running total (`discard_step`)
         self._wait_seconds = 0.0
         # (start, end) timing events around each stall of the compute stream, not yet read back.
@@ -96,6 +101,9 @@ class OffloadStats:
         out["inflight_hits"] = self.inflight_hits
         out["compute_wait_s"] = self.compute_wait_seconds()
         out["pinned_bytes"] = pinned_bytes
+        out["bytes_spilled_to_disk"] = self.bytes_spilled_to_disk
+        out["bytes_read_from_disk"] = self.bytes_read_from_disk
+        out["disk_wait_s"] = self.disk_wait_seconds
         return out
 
 
@@ -137,7 +145,14 @@ class StatsRecorder:
         total.bytes_offloaded -= step.bytes_offloaded
         total.kept_tensors -= step.kept_tensors
         total.kept_bytes -= step.kept_bytes
-        for kind in ("prefetch_hits", "prefetch_misses", "inflight_hits"):
+        for kind in (
+            "prefetch_hits",
+            "prefetch_misses",
+            "inflight_hits",
+            "bytes_spilled_to_disk",
+            "bytes_read_from_disk",
+            "disk_wait_seconds",
+        ):
             setattr(total, kind, getattr(total, kind) - getattr(step, kind))
 
     def offloaded(self, nbytes: int) -> None:
@@ -149,6 +164,26 @@ class StatsRecorder:
         for stats in self._both():
             stats.kept_tensors[reason] += 1
             stats.kept_bytes[reason] += nbytes
+
+    def unoffloaded(self, reason: str, nbytes: int) -> None:
+        """A tensor counted as offloaded stayed on the device after all (the disk tier refused it, or its write
+        failed): counted as kept, for `reason`, instead."""
+        for stats in self._both():
+            stats.tensors_offloaded -= 1
+            stats.bytes_offloaded -= nbytes
+        self.kept(reason, nbytes)
+
+    def spilled(self, nbytes: int) -> None:
+        for stats in self._both():
+            stats.bytes_spilled_to_disk += nbytes
+
+    def read_from_disk(self, nbytes: int) -> None:
+        for stats in self._both():
+            stats.bytes_read_from_disk += nbytes
+
+    def disk_wait(self, seconds: float) -> None:
+        for stats in self._both():
+            stats.disk_wait_seconds += seconds
 
     def reload(self, kind: str) -> None:
         """kind: 'prefetch_hits', 'prefetch_misses' or 'inflight_hits'."""
@@ -210,6 +245,12 @@ def format_summary(stats: dict[str, int | float], device_type: str = "cuda", pea
         f"  {'host buffer' if test_mode else 'pinned host memory'} held (a pool reused every {step}): "
         f"{format_bytes(stats.get('pinned_bytes', 0))}",
     ]
+    if stats.get("bytes_spilled_to_disk", 0) or stats.get("bytes_read_from_disk", 0):
+        lines.append(
+            f"  of which spilled to disk per {step}: {format_bytes(stats['bytes_spilled_to_disk'] / steps)} "
+            f"written, {format_bytes(stats.get('bytes_read_from_disk', 0) / steps)} read back; the host "
+            f"waited for the disk {1000.0 * stats.get('disk_wait_s', 0.0) / steps:.2f} ms per {step}"
+        )
     aside = [f"{stats[f'steps_stood_aside_{reason}']:.0f} ({KEPT_REASONS[reason]})" for reason in STAND_ASIDE_REASONS
              if stats.get(f"steps_stood_aside_{reason}", 0)]  # fmt: skip
     if aside:

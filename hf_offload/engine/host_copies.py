@@ -151,6 +151,8 @@ class _HostCopies:
             return _kept(tensor)
         block = self._host_pool().allocate(nbytes)
         if block is None:
+            if self._disk is not None:  # the disk tier (`disk_copies`), only with `disk_offload_dir`
+                return self._spill(tensor, storage, start, numel, nbytes, position)
             self._host_refused(nbytes)
             return _kept(tensor)
         lane = self._lane(tensor.device)

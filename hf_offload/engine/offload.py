@@ -9,6 +9,7 @@ and the public API. Each concern is a module of the package, and a part of the c
   * `streams`: the compute stream and the side streams, per device;
   * `host_copies`: the host copies and their lifetimes, the forward window, the tail and the pinned pool;
   * `prefetch`: the backward: unpacks, reloads and what starts them ahead;
+  * `disk_copies`: the disk tier, which takes what the pinned pool refuses (only with `disk_offload_dir`);
   * `regions`: what is not offloaded here: exempt regions, `NoOpManager`, `set_aside`, standing aside;
   * `settings`: `EngineSettings`, what a memory plan sets in the engine, in one call (`apply_settings`).
 
@@ -35,6 +36,7 @@ from ..options import OffloadOptions, check_option_names, current_accelerator_ty
 from ..peak import DevicePeakCounter, PeakReport, StepPeakWatch, queue_after_backward
 from ..policy import kept_reason, parameter_storages
 from ..stats import StatsRecorder
+from .disk_copies import _DiskCopies
 from .host_copies import _first_unfinished, _HostCopies, _SavedTensor, _Step
 from .prefetch import _Prefetch, default_prefetch_window_bytes
 from .regions import _kept, _OpenRegion, _Regions, top_saved_tensors_pack_hook
@@ -51,7 +53,7 @@ logger = logging.getLogger(__name__)
 _IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
 
 
-class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tensors_hooks):
+class OffloadActivations(_Regions, _DiskCopies, _Prefetch, _HostCopies, _Streams, saved_tensors_hooks):
     """Context manager under which tensors saved for backward move to (pinned) host memory and come back.
 
     Compatible with TRL's `OffloadActivations`: its four positional options mean the same thing. In the forward,
@@ -69,7 +71,8 @@ class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tenso
         options: an [`OffloadOptions`] instead of the individual values.
 
     Raises:
-        ValueError: an option outside its rule, named with the values it accepts.
+        ValueError: an option outside its rule, named with the values it accepts; `DiskOffloadDirError` (a
+            ValueError) for a `disk_offload_dir` that cannot hold files.
         TypeError: an unknown option, or `options` together with individual values.
     """
 
@@ -104,6 +107,7 @@ class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tenso
 
         self._init_streams()
         self._init_host_copies()
+        self._init_disk()  # raises for a disk_offload_dir that cannot hold files
         self._stats = StatsRecorder()
         self._parameter_pointers: set[int] = set()
         self._parameters: list[weakref.ref[torch.Tensor]] = []
@@ -264,7 +268,8 @@ class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tenso
         """Remove every module hook installed for this context (by `get_act_offloading_ctx_manager`), and what a memory
         plan or `tile_mlp`/`tile_layer` set on the layers (each gets its own checkpointing and forward back).
         Idempotent. The context offloads nothing afterwards (entering it says so once): without its hooks it would
-        move the head's and the loss's tensors too.
+        move the head's and the loss's tensors too. The disk tier (`disk_offload_dir`) closes, its files and directory
+        removed, if no graph holds a spilled tensor; else when the last one does not.
 
         Example:
 
@@ -278,6 +283,7 @@ class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tenso
             handle.remove()
         self._module_hooks.clear()
         self._removed = True
+        self.close_disk()
 
     def get_stats(self) -> dict[str, int | float]:
         """Return the counters of the most recent step: its forward and, once run, its backward.
@@ -287,7 +293,8 @@ class OffloadActivations(_Regions, _Prefetch, _HostCopies, _Streams, saved_tenso
         Returns:
             `steps`, `tensors_offloaded`, `bytes_offloaded`, `tensors_kept_<reason>` / `bytes_kept_<reason>` for
             each reason of `stats.KEPT_REASONS`, `prefetch_hits`, `prefetch_misses`, `inflight_hits`,
-            `compute_wait_s` and `pinned_bytes`.
+            `compute_wait_s`, `pinned_bytes`, and the disk tier's `bytes_spilled_to_disk`, `bytes_read_from_disk`
+            and `disk_wait_s` (the host's time blocked on it).
 
         Example:
 

@@ -303,7 +303,8 @@ class _Prefetch:
 
 def _reloadable(copy: _HostCopy) -> bool:
     """Whether a copy can be reloaded ahead: its original has left the GPU, and it is neither back nor used up."""
-    return copy.source is None and copy.reloaded is None and not copy.consumed
+    # A prefetched copy is back unless it is a spilled one whose read is still on its way (`disk_copies`).
+    return copy.source is None and copy.reloaded is None and not copy.consumed and not copy.prefetched
 
 
 def _no_prefetch(grad: torch.Tensor) -> None:
