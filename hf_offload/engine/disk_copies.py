@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..disk_tier import DiskTier
-from ..units import GIB
+from ..host_memory import default_host_memory_reserve
 from .host_copies import _HostCopies, _HostCopy
 from .prefetch import _Prefetch
 from .regions import _kept
@@ -69,11 +69,11 @@ def _with_disk(cls: type) -> type:
 
 
 def default_disk_reserve_bytes(directory: str) -> int:
-    """The disk tier's reserve where `disk_reserve_bytes` is None: 10% of the file system's size, at least 8 GiB (a
-    checkpoint, logs, the datasets' caches share the disk; a checkpoint that cannot be written costs more than
-    activations kept on the accelerator), at most a quarter of it (a small scratch disk still takes spills)."""
-    total = shutil.disk_usage(directory).total
-    return min(max(total // 10, 8 * GIB), total // 4)
+    """The disk tier's reserve where `disk_reserve_bytes` is None: the host memory reserve's rule applied to the file
+    system's size (`default_host_memory_reserve`: 10%, at least 8 GiB, at most a quarter). A checkpoint, logs and the
+    datasets' caches share the disk, and a checkpoint that cannot be written costs more than activations kept on the
+    accelerator; a small scratch disk still takes spills."""
+    return default_host_memory_reserve(shutil.disk_usage(directory).total)
 
 
 class _Staging:
