@@ -169,6 +169,12 @@ class StepProfile:
         d2h_bytes_per_s: device-to-host bandwidth.
         h2d_bytes_per_s: host-to-device bandwidth.
         host_cap_bytes: pinned host bytes the pool may hold.
+        disk_cap_bytes: what the disk tier (`disk_offload_dir`) may take of a step's offloaded bytes once the pinned
+            pool is full: the disk's free space less its reserve; 0 without a tier. The bytes a plan offloads past
+            `host_cap_bytes` go there, in forward order, as the engine spills what the pool refuses.
+        disk_write_bytes_per_s, disk_read_bytes_per_s: the disk tier's measured bandwidths
+            (`disk_tier.measure_disk_bandwidth`): a spilled copy goes out at the slower of the link and the disk's
+            writes, and comes back at the slower of the link and its reads. 0 without a tier.
         tokens: tokens per step when this was measured.
         tile_tokens: tokens per chunk of a tiled MLP; 0 when tiling is not an option (not measured, switched off,
             or a layer has no MLP that can be tiled). Tiling is offered only for steps of more tokens than this.
@@ -238,6 +244,9 @@ class StepProfile:
     head_reload_hidden_bytes: int = 0
     call_argument_bytes: int = 0
     quadratic_call_argument_bytes: int = 0
+    disk_cap_bytes: int = 0
+    disk_write_bytes_per_s: float = 0.0
+    disk_read_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -249,7 +258,7 @@ class StepProfile:
                      "layer_tiled_backward_sequence_bytes", "late_gradient_bytes",
                      "optimizer_bytes", "tail_bytes", "peak_correction_bytes",
                      "quadratic_backward_working_bytes", "head_reload_hidden_bytes", "call_argument_bytes",
-                     "quadratic_call_argument_bytes"):  # fmt: skip
+                     "quadratic_call_argument_bytes", "disk_cap_bytes"):  # fmt: skip
             check_bytes("StepProfile", name, getattr(self, name))
         for part, whole in (("quadratic_backward_working_bytes", "backward_working_bytes"),
                             ("quadratic_call_argument_bytes", "call_argument_bytes"),
@@ -261,8 +270,15 @@ class StepProfile:
             check_seconds("StepProfile", name, getattr(self, name))
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
             check_seconds("StepProfile", name, getattr(self, name), positive=True)
+        for name in ("disk_write_bytes_per_s", "disk_read_bytes_per_s"):  # a disk tier needs both measured
+            check_seconds("StepProfile", name, getattr(self, name), positive=bool(self.disk_cap_bytes))
         if not is_int(self.tokens) or self.tokens <= 0:
             raise ValueError(f"StepProfile.tokens must be an int > 0, got {self.tokens!r}")
+
+    @property
+    def offload_room_bytes(self) -> int:
+        """What a step may offload in all: the pinned pool's cap, and the disk tier's room past it."""
+        return self.host_cap_bytes + self.disk_cap_bytes
 
     def scaled(self, tokens: int) -> StepProfile:
         """The same step at another number of tokens.
@@ -270,8 +286,9 @@ class StepProfile:
         Activation bytes grow in proportion to the tokens (rounded up), their quadratic parts (eager attention's
         weights) with the square, static, gradient and optimizer bytes do not,
         nor does a tiled MLP's or layer's chunk (`tile_tokens`, `tile_chunk_bytes`, `layer_tile_tokens`,
-        `layer_tile_chunk_bytes`), the tail's bound or the peak's corrections; times grow in proportion too, except the
-        attention parts, which grow with the square, and the host's time per offloading layer.
+        `layer_tile_chunk_bytes`), the tail's bound, the peak's corrections or the host's and the disk's room; times
+        grow in proportion too, except the attention parts, which grow with the square, and the host's time per
+        offloading layer.
 
         Args:
             tokens: the tokens per step to predict for.

@@ -132,7 +132,7 @@ def _greedy_plans(
         current = letters[i]
         if held[i][target] >= held[i][current]:
             continue  # a fallback for the host cap already went past it
-        room = profile.host_cap_bytes - host_bytes + offloaded[i][current]
+        room = profile.offload_room_bytes - host_bytes + offloaded[i][current]
         if offloaded[i][target] > room:
             fitting = [letter for letter in planned if offloaded[i][letter] <= room]
             target = _next_option(current, fitting, held[i], seconds[i])
@@ -165,12 +165,13 @@ def _offload_prefix_limit(profile: StepProfile, options: list[dict[str, LayerOpt
 
 def safe_code(profile: StepProfile, letters_of: str = "Cc") -> str:
     """The safe plan: every layer fully checkpointed (`Cc`; its MLP tiled, `Tt`; or tiled whole, `Ll`), inputs
-    offloaded from the first layer on while the host has room (`profile.host_cap_bytes`), kept on the device after:
-    what the engine does with a full pinned pool, which a plan that offloads every input would not predict."""
+    offloaded from the first layer on while the host (with a disk tier, the disk too) has room
+    (`profile.offload_room_bytes`), kept on the device after: what the engine does with a full pinned pool, which a
+    plan that offloads every input would not predict."""
     letters, host_bytes = [], 0
     offloaded, kept = letters_of
     for layer in profile.layers:
-        offload = host_bytes + layer.input_bytes <= profile.host_cap_bytes
+        offload = host_bytes + layer.input_bytes <= profile.offload_room_bytes
         host_bytes += layer.input_bytes if offload else 0
         letters.append(offloaded if offload else kept)
     return "".join(letters)
@@ -336,8 +337,8 @@ class _Search:
 
     def fits(self, run: SimulatedStep) -> bool:
         """Whether the model fits the plan: its predicted peak within the budget less the margin, what it offloads
-        within the host cap."""
-        return run.peak_bytes <= self.limit and run.host_bytes <= self.profile.host_cap_bytes
+        within the host cap (and the disk tier's room)."""
+        return run.peak_bytes <= self.limit and run.host_bytes <= self.profile.offload_room_bytes
 
     def as_plan(self, letters: Sequence[str], run: SimulatedStep) -> Plan:
         code = "".join(letters)
@@ -346,6 +347,7 @@ class _Search:
             tokens=self.profile.tokens,
             predicted=prediction_of(code, self.options_of(code), run),
             host_cap_bytes=self.profile.host_cap_bytes,
+            disk_cap_bytes=self.profile.disk_cap_bytes,
             measured=self.by_code.get(code),
             **chunk_sizes(self.profile, code),
             time_scale=self.time_scale,
@@ -355,7 +357,7 @@ class _Search:
         """Whether the plan fits by its measured peak where it ran (`Plan.fits`), else by the model, and the host has
         room for what it offloads."""
         letters, run = candidate
-        return self.as_plan(letters, run).fits(self.margin_bytes) and run.host_bytes <= self.profile.host_cap_bytes
+        return self.as_plan(letters, run).fits(self.margin_bytes) and run.host_bytes <= self.profile.offload_room_bytes
 
     def fastest(self, candidates: list[_Candidate]) -> Plan:
         """The fastest plan, or where a measured one is within `STEP_TIME_NOISE` of it, the simplest of those."""
@@ -597,4 +599,5 @@ def plan_of(profile: StepProfile, code: str, budget_bytes: int, margin_bytes: in
     options = [layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
     run = simulate_step(profile, options, limit=budget_bytes - margin_bytes)
     return Plan(budget_bytes=budget_bytes, tokens=profile.tokens, predicted=prediction_of(code, options, run),
-                host_cap_bytes=profile.host_cap_bytes, **chunk_sizes(profile, code))  # fmt: skip
+                host_cap_bytes=profile.host_cap_bytes, disk_cap_bytes=profile.disk_cap_bytes,
+                **chunk_sizes(profile, code))  # fmt: skip

@@ -81,7 +81,11 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     the model gives its layers, held from before the first layer until the layers' backward.
   * Correction. Every point above is raised by `peak_correction_bytes`: the most a plan that ran peaked above this
     model's prediction of it, which the closed loop measures.
-  * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`.
+  * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`,
+    or with a disk tier `offload_room_bytes`: a layer whose offloaded bytes the pinned pool has no room for goes to
+    the disk (forward order, as the engine spills what the pool refuses), its copy out at the slower of the link and
+    the disk's writes (`disk_write_bytes_per_s`: the engine waits for a staging buffer), its reload at the slower of
+    the link and the disk's reads. Without a tier, or with room on the host, nothing goes there and nothing changes.
   * Step time = `other_s` + the layers' forwards + the drain + `head_s` + the layers' backwards, recomputes and
     stalls + the host's time per offloading layer (`input_offload_s` for `C`, `S`, `T`, `L`; `saved_offload_s` for `O`,
     `X`: what the engine's host work costs a short step that the host, not the GPU, paces; learned from measured
@@ -162,11 +166,12 @@ class Prediction:
         peak_at: where the peak occurs: "forward layer 3", "head" or "backward layer 0" (the earliest if tied).
         step_s: the step's time.
         drain_s: compute's wait for the copies at the end of the forward.
-        host_bytes: bytes on the host at the end of the forward.
+        host_bytes: bytes on the host at the end of the forward (the disk tier's included).
         forward_window_bytes: the most bytes in flight to the host at once, counting a copy from its queueing.
         prefetch_window_bytes: the reloads issued ahead of need, at most (0 when nothing is offloaded).
         tail_bytes: the engine's tail the head counts: the last offloaded bytes kept on the GPU, the most the engine
             may keep while the plan is in force.
+        disk_bytes: of `host_bytes`, those the pinned pool has no room for, on the disk tier.
     """
 
     layers: tuple[PlannedLayer, ...]
@@ -178,6 +183,7 @@ class Prediction:
     forward_window_bytes: int
     prefetch_window_bytes: int
     tail_bytes: int = 0
+    disk_bytes: int = 0
 
     @property
     def code(self) -> str:
@@ -255,6 +261,7 @@ class SimulatedStep(NamedTuple):
     head_base_bytes: int  # the head's point without its reloads
     head_reload_bytes: int  # the reloads the head starts, before `StepProfile.head_reload_hidden_bytes`
     tail_bytes: int  # the engine's tail the head counts (in `head_base_bytes`)
+    disk_bytes: int = 0  # of `host_bytes`, those on the disk tier
 
 
 def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerOption]:
@@ -310,7 +317,8 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     """
     static = profile.static_bytes + profile.peak_correction_bytes + profile.call_argument_bytes
     gathered_in_forward, gathered_in_backward = gathered_parameters(profile)
-    forward = _forward(profile, options, static, gathered_in_forward)
+    spilled = _spilled(profile, options)
+    forward = _forward(profile, options, static, gathered_in_forward, spilled)
     reloads_bytes = sum(option.offloaded for option in options)
     narrowest = max(option.offloaded for option in options)
     head = _head(profile, forward, static, reloads_bytes, narrowest)
@@ -326,7 +334,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         memory += min(window, to_come)
         if memory > peak:
             peak, peak_phase, peak_layer = memory, phase, layer
-    backward = _backward(profile, options, forward.end_s + forward.drain_s, window, narrowest)
+    backward = _backward(profile, options, forward.end_s + forward.drain_s, window, narrowest, spilled)
     return SimulatedStep(
         peak_bytes=peak,
         peak_phase=peak_phase,
@@ -340,7 +348,21 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         head_base_bytes=head.base_bytes,
         head_reload_bytes=head.reload_bytes,
         tail_bytes=head.tail_bytes,
+        disk_bytes=sum(option.offloaded for option, disk in zip(options, spilled) if disk) if spilled else 0,
     )
+
+
+def _spilled(profile: StepProfile, options: Sequence[LayerOption]) -> list[bool] | None:
+    """Per layer, whether what it offloads goes to the disk tier: the pinned pool has no room left for it (forward
+    order, as the engine spills what the pool refuses). None without a tier, where nothing can."""
+    if not profile.disk_cap_bytes:
+        return None
+    spilled, host_bytes = [], 0
+    for option in options:
+        to_host = host_bytes + option.offloaded <= profile.host_cap_bytes
+        host_bytes += option.offloaded if to_host else 0
+        spilled.append(not to_host)
+    return spilled
 
 
 # A point of the step after the forward, where the peak may be: (memory without the reloads, the reloads still to come
@@ -360,10 +382,11 @@ class _Forward(NamedTuple):
     window_bytes: int  # the most bytes in flight to the host at once, counting a copy from its queueing
 
 
-def _forward(profile: StepProfile, options: Sequence[LayerOption], static: int,
-             gathered: Sequence[int]) -> _Forward:  # fmt: skip
+def _forward(profile: StepProfile, options: Sequence[LayerOption], static: int, gathered: Sequence[int],
+             spilled: Sequence[bool] | None) -> _Forward:  # fmt: skip
     """The layers' forwards in order: each layer's memory as it starts, and the copies of what it offloads, queued on
-    one stream as its forward ends."""
+    one stream as its forward ends (those `spilled` to the disk tier at its pace where slower)."""
+    to_disk_bytes_per_s = min(profile.d2h_bytes_per_s, profile.disk_write_bytes_per_s) if spilled else 0.0
     peak, peak_layer = -1, -1
     held_before = 0  # held by the layers before the current one
     now = 0.0  # end of the last forward so far
@@ -379,7 +402,8 @@ def _forward(profile: StepProfile, options: Sequence[LayerOption], static: int,
         while copies and copies[0][0] <= now:
             copying_bytes -= copies.popleft()[1]
         if offloaded:
-            copies_done_at = (copies_done_at if copies_done_at > now else now) + offloaded / profile.d2h_bytes_per_s
+            bytes_per_s = to_disk_bytes_per_s if spilled and spilled[i] else profile.d2h_bytes_per_s
+            copies_done_at = (copies_done_at if copies_done_at > now else now) + offloaded / bytes_per_s
             copies.append((copies_done_at, offloaded))
             copying_bytes += offloaded
             if copying_bytes > forward_window:
@@ -458,10 +482,11 @@ class _Backward(NamedTuple):
 
 
 def _backward(profile: StepProfile, options: Sequence[LayerOption], head_start: float, window: int,
-              narrowest: int) -> _Backward:  # fmt: skip
+              narrowest: int, spilled: Sequence[bool] | None) -> _Backward:  # fmt: skip
     """The head and the layers' backward in time, from the head's start: the reloads come back on one stream, from
-    the last layer to the first, as far ahead as the window allows (the narrowest while the head runs), and a
-    layer's backward waits for its own."""
+    the last layer to the first, as far ahead as the window allows (the narrowest while the head runs; those
+    `spilled` to the disk tier at its pace where slower), and a layer's backward waits for its own."""
+    from_disk_bytes_per_s = min(profile.h2d_bytes_per_s, profile.disk_read_bytes_per_s) if spilled else 0.0
     stalls = [0.0] * len(options)
     reloads = [i for i in range(len(options) - 1, -1, -1) if options[i].offloaded]  # in the order they come back
     reload_done = [0.0] * len(options)
@@ -475,7 +500,8 @@ def _backward(profile: StepProfile, options: Sequence[LayerOption], head_start: 
             nbytes = options[layer].offloaded
             if outstanding and outstanding + nbytes > ahead:
                 return
-            h2d_free_at = (h2d_free_at if h2d_free_at > at else at) + nbytes / profile.h2d_bytes_per_s
+            bytes_per_s = from_disk_bytes_per_s if spilled and spilled[layer] else profile.h2d_bytes_per_s
+            h2d_free_at = (h2d_free_at if h2d_free_at > at else at) + nbytes / bytes_per_s
             reload_done[layer] = h2d_free_at
             outstanding += nbytes
             next_reload += 1
@@ -601,6 +627,7 @@ def prediction_of(code: str, options: Sequence[LayerOption], run: SimulatedStep)
         forward_window_bytes=run.forward_window_bytes,
         prefetch_window_bytes=run.prefetch_window_bytes,
         tail_bytes=run.tail_bytes,
+        disk_bytes=run.disk_bytes,
     )
 
 
@@ -668,6 +695,7 @@ class Plan:
         host_default_cap_bytes: where the plan grew the pinned pool past its cap (`host_growth`), that cap; else 0.
         host_growth: why the plan grew the pinned pool past its cap, to `host_cap_bytes` (`host.choose_plan_with_host`);
             empty when it did not.
+        disk_cap_bytes: the disk tier's room the plan had past the pinned pool (`StepProfile.disk_cap_bytes`).
         measured: what this plan measured when it ran before (scaled to `tokens`); None if it never ran. Where
             the measurement and the prediction disagree, the measurement is what `choose_plan` chose by.
         time_scale: the measured plans' median ratio of measured to predicted step time, by which `choose_plan` scaled
@@ -687,6 +715,7 @@ class Plan:
     measured: MeasuredStep | None = None
     time_scale: float = 1.0
     trial: bool = False
+    disk_cap_bytes: int = 0
 
     @property
     def expected_step_s(self) -> float:
@@ -742,11 +771,12 @@ class Plan:
 
     @property
     def inputs_kept_for_host(self) -> list[int]:
-        """The checkpointed layers that keep their input on the GPU because the host's pinned cap is full: their
-        input would have fit the budget's plan offloaded, but not the host."""
+        """The checkpointed layers that keep their input on the GPU because the host's pinned cap (and the disk tier's
+        room past it) is full: their input would have fit the budget's plan offloaded, but not the host."""
         kept = [i for i, layer in enumerate(self.layers) if layer.code in "sctl"]
         smallest = min((self.layers[i].held_bytes for i in kept), default=0)
-        full = self.host_cap_bytes and self.predicted.host_bytes + smallest > self.host_cap_bytes
+        room = self.host_cap_bytes + self.disk_cap_bytes
+        full = self.host_cap_bytes and self.predicted.host_bytes + smallest > room
         return kept if full else []
 
     def format_table(self) -> str:
@@ -772,6 +802,10 @@ class Plan:
             lines.append(f"Host: {format_bytes(predicted.host_bytes)} pinned of a {format_bytes(self.host_cap_bytes)} "
                          f"cap (default {format_bytes(self.host_default_cap_bytes)}), grown because "
                          f"{self.host_growth}")  # fmt: skip
+        if predicted.disk_bytes:
+            lines.append(f"Disk: {format_bytes(predicted.disk_bytes)} of what the step offloads goes to the disk tier "
+                         f"(room {format_bytes(self.disk_cap_bytes)}): the pinned pool's cap of "
+                         f"{format_bytes(self.host_cap_bytes)} is full")  # fmt: skip
         if self.tiled_layers:
             lines.append(
                 f"The MLPs of {len(self.tiled_layers)} layers run in chunks of {self.tile_tokens} tokens: "
@@ -784,9 +818,11 @@ class Plan:
                 "within rounding, not bitwise)"
             )
         if self.inputs_kept_for_host:
+            disk = f" and the disk tier's room of {format_bytes(self.disk_cap_bytes)}" if self.disk_cap_bytes else ""
             lines.append(f"{len(self.inputs_kept_for_host)} checkpointed layers keep their input on the GPU: the "
-                         f"host's pinned cap of {format_bytes(self.host_cap_bytes)} is full "
-                         "(max_pinned_memory_fraction, max_pinned_mib, host_memory_reserve_mib)")  # fmt: skip
+                         f"host's pinned cap of {format_bytes(self.host_cap_bytes)}{disk} is full "
+                         "(max_pinned_memory_fraction, max_pinned_mib, host_memory_reserve_mib"
+                         f"{', disk_offload_dir' if not disk else ''})")  # fmt: skip
         # One unit for both byte columns, the one their largest figure reads in (KiB for a tiny model, not 0.00 GiB).
         unit, scale = byte_unit(max((max(layer.held_bytes, layer.offloaded_bytes) for layer in predicted.layers),
                                     default=0))  # fmt: skip

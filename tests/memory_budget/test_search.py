@@ -482,6 +482,51 @@ def test_a_full_host_is_said() -> None:
     assert choose_plan(long_profile(), 60 * GIB).inputs_kept_for_host == []
 
 
+# The disk tier: room past the pinned pool, at the disk's pace
+
+
+def test_with_room_on_the_host_the_disk_tier_moves_nothing_and_costs_nothing() -> None:
+    plain = long_profile()
+    with_disk = long_profile(disk_cap_bytes=200 * GIB, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=2e9)
+    for budget in (60 * GIB, 70 * GIB):
+        chosen = choose_plan(with_disk, budget)
+        assert chosen.predicted.disk_bytes == 0 and "Disk:" not in chosen.format_table()
+        assert chosen.code == choose_plan(plain, budget).code
+        assert simulate(with_disk, chosen.code).step_s == simulate(plain, chosen.code).step_s
+
+
+def test_past_a_full_pinned_pool_the_plan_offloads_to_the_disk_at_its_pace() -> None:
+    # Room for 20 of the 32 inputs on the host: without a disk the last 12 stay on the GPU (`test_a_full_host_is_said`).
+    full_host = long_profile(host_cap_bytes=40 * GIB)
+    with_disk = long_profile(host_cap_bytes=40 * GIB, disk_cap_bytes=100 * GIB, disk_write_bytes_per_s=2e9,
+                             disk_read_bytes_per_s=4e9)  # fmt: skip
+    assert search.safe_code(full_host) == "C" * 20 + "c" * 12 and search.safe_code(with_disk) == "C" * 32
+    result = choose_plan(with_disk, 70 * GIB)
+    # Beyond the 20 inputs the host holds, the plan offloads to the disk where that is faster than keeping.
+    assert result.code.count("T") > 20 and result.inputs_kept_for_host == []
+    on_disk = result.predicted.host_bytes - 40 * GIB
+    assert on_disk > 0 and result.predicted.disk_bytes == on_disk
+    assert (f"Disk: {format_bytes(on_disk)} of what the step offloads goes to the disk tier (room 100.00 GiB)"
+            in result.format_table())  # fmt: skip
+    # The lowest-memory plan is lower with the disk: nothing need stay on the GPU for want of room.
+    lowest = search.safe_code(with_disk, "Tt")
+    assert simulate(with_disk, lowest).peak_bytes < simulate(full_host, search.safe_code(full_host, "Tt")).peak_bytes
+    # The disk is slower than the link: the same plan with every input on the host runs faster.
+    assert simulate(long_profile(), "T" * 32).step_s < simulate(with_disk, "T" * 32).step_s
+    # A disk too small for the rest: the inputs past both stay on the GPU, and the table says both were full.
+    small_disk = dataclasses.replace(with_disk, disk_cap_bytes=8 * GIB)
+    assert search.safe_code(small_disk) == "C" * 24 + "c" * 8
+    small = choose_plan(small_disk, 70 * GIB)
+    assert small.predicted.disk_bytes == 8 * GIB and small.inputs_kept_for_host == list(range(24, 32))
+    assert "the host's pinned cap of 40.00 GiB and the disk tier's room of 8.00 GiB is full" in small.format_table()
+
+
+def test_a_disk_tier_needs_its_bandwidths() -> None:
+    with pytest.raises(ValueError, match="disk_write_bytes_per_s must be a finite number > 0"):
+        long_profile(disk_cap_bytes=GIB)
+    long_profile(disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9)  # measured, but no room: no tier in the plan
+
+
 # Dominance: measured plans beat the model
 
 
