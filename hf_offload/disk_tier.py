@@ -516,6 +516,18 @@ class DiskTier:
         """A warning's text for the last refusal, with its figures."""
         return self._run.refusal_message
 
+    def room_bytes(self) -> int:
+        """What spills may take now before the disk's free space falls to the reserve (queued writes counted): the
+        room a memory plan may count on. 0 once closed, or where the free space cannot be read."""
+        run = self._run
+        with run.lock:
+            if run.closed:
+                return 0
+            try:
+                return max(0, run.free_bytes() - self.reserve_bytes)
+            except OSError:
+                return 0
+
     def spill(self, source: torch.Tensor) -> DiskHandle | None:
         """Queues the write of `source`'s bytes (a contiguous CPU tensor: a pinned staging buffer, a host block) to a
         new file and returns its handle, or None where the disk's free space would fall below the reserve or the tier

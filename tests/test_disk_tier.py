@@ -180,17 +180,19 @@ def test_a_spill_that_would_cross_the_reserve_is_refused(tmp_path, monkeypatch, 
     free = 1 << 20
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1 << 30, (1 << 30) - free, free))
     with DiskTier(tmp_path, 512 * KIB) as tier:
+        assert tier.room_bytes() == 512 * KIB  # what a memory plan may count on
         assert tier.spill(random_tensor(600 * KIB, torch.uint8)) is None
         assert files(tier) == [] and tier.refusal == "reserve" and tier.stats().refusals == {"reserve": 1}
         assert "600.00 KiB" in tier.refusal_message and "512.00 KiB" in tier.refusal_message
         assert "stay where they were" in tier.refusal_message
         # Writes queued and not yet on disk count: the disk still reports 1 MiB free while 400 KiB wait to be written.
         handle = tier.spill(random_tensor(400 * KIB, torch.uint8))
-        assert handle is not None and tier.stats().bytes_pending == 400 * KIB
+        assert handle is not None and tier.stats().bytes_pending == 400 * KIB and tier.room_bytes() == 112 * KIB
         assert tier.spill(random_tensor(200 * KIB, torch.uint8)) is None and tier.stats().refusals == {"reserve": 2}
         gate.set()
         assert handle.written() and tier.stats().bytes_pending == 0
         assert tier.spill(random_tensor(200 * KIB, torch.uint8)) is not None
+    assert tier.room_bytes() == 0  # closed
 
 
 def test_a_disk_whose_free_space_cannot_be_read_is_refused(tmp_path, monkeypatch):
@@ -200,6 +202,7 @@ def test_a_disk_whose_free_space_cannot_be_read_is_refused(tmp_path, monkeypatch
     with DiskTier(tmp_path, 0) as tier:
         monkeypatch.setattr(shutil, "disk_usage", unreadable)
         assert tier.spill(random_tensor(KIB, torch.uint8)) is None and tier.refusal == "disk_usage"
+        assert tier.room_bytes() == 0
         assert "Input/output error" in tier.refusal_message and files(tier) == []
 
 

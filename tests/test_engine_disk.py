@@ -49,7 +49,7 @@ def test_spilled_tensors_come_back_bitwise_and_leave_no_file(tmp_path, checkpoin
         assert stats["tensors_kept_over_host_cap"] == 0  # the disk took what the pool refused
         gc.collect()
         assert files_in(tmp_path) == []  # each file went with its copy
-    run_directory = engine._disk.directory
+    run_directory = engine.disk_tier.directory
     assert run_directory.is_dir()
     del engine
     gc.collect()
@@ -58,7 +58,7 @@ def test_spilled_tensors_come_back_bitwise_and_leave_no_file(tmp_path, checkpoin
 
 def test_without_a_disk_directory_the_pool_refusal_keeps_tensors_on_device(tmp_path) -> None:
     engine = cpu_engine(max_pinned_bytes=8192)
-    assert engine._disk is None
+    assert engine.disk_tier is None
     assert type(engine) is OffloadActivations  # the plain hot paths, not the disk tier's
     assert type(disk_engine(tmp_path, streams=False)).__mro__[1] is OffloadActivations
     grads_of(tiny_mlp(), engine)

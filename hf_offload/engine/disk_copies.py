@@ -28,7 +28,8 @@ Lifetimes, on a GPU:
 In the CPU test mode there are no streams: the span is cloned to the host and spilled at once (at most two clones
 waiting for their writes), and an unpack reads the file back into a new tensor.
 
-Not yet measured on a GPU, nor known to the memory budget's planner: a plan counts the pinned pool only.
+A memory plan counts the tier's room past the pinned pool (`disk_tier`, `DiskTier.room_bytes`) and its measured
+bandwidths (`memory_budget.simulate`'s model of the step).
 """
 
 from __future__ import annotations
@@ -150,6 +151,11 @@ class _DiskCopies:
         # The methods that poll the tier, only on an engine with one: the hooks of an engine without one run the plain
         # methods. A subclass rather than bound methods on the instance, which would make a cycle through it.
         self.__class__ = _with_disk(type(self))
+
+    @property
+    def disk_tier(self) -> DiskTier | None:
+        """The disk tier under the pinned pool (`disk_offload_dir`), or None: a memory plan counts its room."""
+        return self._disk
 
     def close_disk(self) -> None:
         """Closes the disk tier (its writes stop, its files and run directory go) if no graph holds a spilled tensor;
