@@ -3,10 +3,13 @@
 already as long as every other, under `activation_offloading_memory_budget="auto"`.
 
     python benchmarks/long_context_sft.py --tokens 327680 --steps 2 --out $OUT
+    python benchmarks/long_context_sft.py --family qwen3 --tokens 294912 --out $OUT               # Qwen3-8B's shape
+    python benchmarks/long_context_sft.py --max-pinned-gib 24 --disk-offload-dir /nvme/tmp --out $OUT  # a small host
     python benchmarks/long_context_sft.py --tiny --out /tmp/sft     # CPU smoke run: a tiny model, the CPU test mode
 
 The model: an 8B-class shape (hidden 4096, intermediate 14336, 32 layers, 32/8 heads, vocabulary --vocab, 32,768 by
-default: a family whose vocabulary the other long-context benchmarks do not use), random bf16 weights built from a
+default: a family whose vocabulary the other long-context benchmarks do not use; with `--family qwen3`, Qwen3-8B's:
+intermediate 12288, 36 layers, head dimension 128, vocabulary 151,936), random bf16 weights built from a
 config, LoRA r=16 on all linear layers (peft, through `SFTTrainer`'s `peft_config`), Liger's kernels with its fused
 linear cross-entropy, batch 1. The data: random token documents of 1,024-65,536 tokens, already tokenized, packed by
 TRL (`packing_strategy="wrapped"`: blocks of exactly `max_length`). hf-offload is configured through
@@ -15,8 +18,9 @@ TRL (`packing_strategy="wrapped"`: blocks of exactly `max_length`). hf-offload i
 Every step is recorded as it ends, in <out>/long_context_sft[-<tag>].json (a run cut short keeps what it measured): its
 time, the device's peak (`max_memory_allocated`, reset as the step begins: the budget's controller reads its own
 counter, `measurements.OwnPeakCounter`), the least host memory available while it ran (read every 0.5 s), the pinned
-pool's bytes and the plan the layers ran (and the latest plan's table). A step that runs out of memory is recorded
-with the allocator's figures.
+pool's bytes, the disk tier's (`--disk-offload-dir`) and the plan the layers ran (and the latest plan's table). A step
+that runs out of memory is recorded with the allocator's figures. `--max-pinned-gib` caps the pinned pool: a host with
+less memory, stood in for.
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ from harness.scenarios import Scenario  # noqa: E402
 from hf_offload.callbacks.trl import SFTConfig  # noqa: E402
 
 GIB = 2**30
+# The families' shapes: Llama-3-8B's layers with a vocabulary the other long-context benchmarks do not use, and
+# Qwen3-8B's (head dimension 128 whatever the hidden size, as Qwen3's config has it).
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"hidden": 4096, "intermediate": 14336, "layers": 32, "vocab": 32768},
+    "qwen3": {"hidden": 4096, "intermediate": 12288, "layers": 36, "vocab": 151936, "head_dim": 128, "family": "qwen3"},
+}
 
 
 def log(message: str) -> None:
@@ -105,7 +115,10 @@ class _StepRecorder(transformers.TrainerCallback):
             stats = context.get_stats()
             record.update(pinned_gib=stats.get("pinned_bytes", 0) / GIB,
                           offloaded_gib=stats.get("bytes_offloaded", 0) / GIB,
-                          kept_over_host_cap=stats.get("tensors_kept_over_host_cap", 0))  # fmt: skip
+                          kept_over_host_cap=stats.get("tensors_kept_over_host_cap", 0),
+                          spilled_to_disk_gib=stats.get("bytes_spilled_to_disk", 0) / GIB,
+                          read_from_disk_gib=stats.get("bytes_read_from_disk", 0) / GIB,
+                          disk_wait_s=stats.get("disk_wait_s", 0.0))  # fmt: skip
             controller = context.budget_controller
             if controller is not None:
                 record["layers_ran"] = controller.plan.code if controller.plan is not None else controller._code
@@ -147,8 +160,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=327680, help="max_length: every step's tokens")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--family", choices=sorted(_FAMILIES), default="llama")
+    parser.add_argument("--layers", type=int, default=None, help="default: the family's")
+    parser.add_argument("--vocab", type=int, default=None, help="default: the family's")
+    parser.add_argument("--max-pinned-gib", type=float, default=None, help="activation_offloading_max_pinned_mib")
+    parser.add_argument("--disk-offload-dir", default=None, help="activation_offloading_disk_offload_dir")
     parser.add_argument("--memory-budget", default="auto", help="activation_offloading_memory_budget (tiny: 256MiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, hf-offload's CPU test mode")
@@ -158,17 +174,19 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = not args.tiny
+    shape = {key: value for key, value in _FAMILIES[args.family].items() if key not in ("layers", "vocab")}
+    args.layers = args.layers or _FAMILIES[args.family]["layers"]
+    args.vocab = args.vocab or _FAMILIES[args.family]["vocab"]
     if args.tiny:
         args.tokens, args.layers, args.vocab = min(args.tokens, 512), 2, 256
         if args.memory_budget == "auto":  # the CPU test mode has no device memory to take a share of
             args.memory_budget = "256MiB"
         scenario = Scenario(hidden=64, intermediate=128, layers=args.layers, heads=4, kv_heads=2, vocab=args.vocab,
                             seq=args.tokens, batch=1, lora=True, liger=False, force_ckpt=False, steps=args.steps,
-                            warmup=0)  # fmt: skip
+                            warmup=0, family=shape.get("family", "llama"))  # fmt: skip
     else:
-        scenario = Scenario(hidden=4096, intermediate=14336, layers=args.layers, heads=32, kv_heads=8, vocab=args.vocab,
-                            seq=args.tokens, batch=1, lora=True, liger=True, force_ckpt=False, steps=args.steps,
-                            warmup=0)  # fmt: skip
+        scenario = Scenario(layers=args.layers, heads=32, kv_heads=8, vocab=args.vocab, seq=args.tokens, batch=1,
+                            lora=True, liger=True, force_ckpt=False, steps=args.steps, warmup=0, **shape)  # fmt: skip
     path = out / f"long_context_sft{'-' + args.tag if args.tag else ''}.json"
     result: dict[str, Any] = {
         "argv": sys.argv, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "scenario": scenario.describe(),
@@ -191,6 +209,8 @@ def main() -> int:
         max_length=args.tokens, packing=True, packing_strategy="wrapped", bf16=cuda, use_cpu=not cuda,
         activation_offloading=True, activation_offloading_memory_budget=args.memory_budget,
         activation_offloading_device_type=None if cuda else "cpu", save_strategy="no", report_to="none",
+        activation_offloading_max_pinned_mib=None if args.max_pinned_gib is None else args.max_pinned_gib * 1024,
+        activation_offloading_disk_offload_dir=args.disk_offload_dir,
         logging_steps=1, disable_tqdm=True, seed=args.seed, dataloader_num_workers=0,
     )  # fmt: skip
     recorder = _StepRecorder(result, save, cuda)
