@@ -93,7 +93,7 @@ from .closed_loop import (
     peak_correction,
 )
 from .host import choose_plan_with_host
-from .measurements import LongestStep, OwnPeakCounter, StepMeasurements, first_steps_head_bytes
+from .measurements import HeldMemory, LongestStep, OwnPeakCounter, StepMeasurements, first_steps_head_bytes
 from .plan_application import LayersUnderPlan, engine_settings
 from .plans_by_length import PlansByLength
 from .probes import (
@@ -116,7 +116,7 @@ from .search import (
     safe_code,
     smallest_budget,
 )
-from .sharding import gradient_shard_nbytes, local_nbytes
+from .sharding import gradient_shard_nbytes
 from .simulate import (
     MeasuredStep,
     Plan,
@@ -191,6 +191,7 @@ class MemoryBudgetController:
         self.memory_budget = memory_budget
         self._options = options
         self._meter = Meter(engine.device_type)
+        self.held_memory = HeldMemory(model, self._meter)
         self._budget_bytes()  # a share of the device, or "auto", without a device fails here
         self.plan: Plan | None = None
         self._profile: StepProfile | None = None
@@ -218,10 +219,7 @@ class MemoryBudgetController:
         self._over_checked = -1  # `_applied_at` of the plan whose measurement a step over the budget ended
         self._timed_step_start: Any = None
         self._floor_at_timed_start = 0  # the counter's largest read when the timed step began
-        # `_static_bytes`, summed, as this training forward began (read once a step: a plan made within the forward,
-        # at a layer's start, would count what the step has made so far), and as the timed step began.
-        self._static_at_step_start = 0
-        self._static_at_timed_start = 0
+        self._static_at_timed_start = 0  # `HeldMemory.at_step_start` as the timed step began
         self._corrections = 0
         self._trialled: set[str] = set()  # the codes of the plans run as trials
         self.calibration = Calibration()  # what the measured plans taught the model, as of rank 0's last plan
@@ -230,13 +228,9 @@ class MemoryBudgetController:
         self._first_step_codes: set[str] = set()
         self._first_step_static = 0
         self._first_step_read = False  # whether the first step's backward will read the counter as it ends
-        self._parameter_refs: list[tuple[weakref.ref, int]] | None = None  # `_sized_parameters`
         # The steps of the optimizers that train this model since the controller began (taken off with the context's
         # hooks, or with the controller): whether the optimizer's state can exist yet (`_first_plan_waits`).
         self._optimizer_steps = _OwnOptimizerSteps(model)
-        # Whether a training forward began with gradients held (gradient accumulation): plans then hold them all
-        # through the step (`_profile_now`).
-        self._gradients_accumulate = False
         engine.track_hook(self._optimizer_steps.handle)
         # Under torch.distributed: the ranks' agreement (made at the first plan, which every rank reaches at once),
         # the host caps they agreed on at the latest plan, and how this rank estimates its step's tokens before its
@@ -305,8 +299,7 @@ class MemoryBudgetController:
         self._forwards += 1
         self._previous_step_tokens, self._step_tokens = self._step_tokens, 0
         self._input_elements = _input_elements(args, kwargs)
-        self._static_at_step_start = sum(self._static_bytes())
-        self._gradients_accumulate = self._gradients_accumulate or self._gradients_held()
+        self.held_memory.step_begins()
         if self._measured_step_faulted:  # the measured profiled step did not complete: this one is measured instead
             self._measured_step_faulted = False
             self._forwards = 2
@@ -314,7 +307,7 @@ class MemoryBudgetController:
         elif self._phase is _Phase.BEFORE_TRAINING:
             self._phase = _Phase.FIRST_STEP
             self._apply("C" * len(self._layers))
-            self._first_step_static = self._static_at_step_start
+            self._first_step_static = self.held_memory.at_step_start
             self._peak_counter.reset()
         elif self._phase is _Phase.FIRST_STEP:
             self._phase = _Phase.MEASURED_STEP
@@ -355,7 +348,7 @@ class MemoryBudgetController:
     def _start_measured_step(self) -> None:
         """The second profiled step, which the profile is measured from, begins."""
         self._measured.held_at_step_start = self._meter.allocated()
-        self._measured.static_at_step_start = self._static_at_step_start
+        self._measured.static_at_step_start = self.held_memory.at_step_start
         self._measured.step_start = self._meter.mark()
         self._peak_counter.reset()
 
@@ -434,17 +427,13 @@ class MemoryBudgetController:
         accumulate together."""
         if self._optimizer_steps.count or self._forwards > 3 + _FIRST_PLAN_WAIT_FORWARDS:
             return False
-        if not self._gradients_held():
+        if not self.held_memory.gradients_held():
             return False
         if self._forwards == 3:
             logger.info("hf_offload: memory_budget: gradients accumulate over micro-steps and no optimizer has stepped "
                         "yet; the first plan waits for the optimizer's first step, whose state it must count, and the "
                         "steps run the profiled steps' plan until then")  # fmt: skip
         return True
-
-    def _gradients_held(self) -> bool:
-        """Whether trained parameters hold gradients as this forward starts: micro-steps accumulate them."""
-        return self._gradients()[1]
 
     def _agreement(self) -> RankAgreement | None:
         """The ranks' agreement, None when this process trains alone; made at its first use, the first plan."""
@@ -485,7 +474,7 @@ class MemoryBudgetController:
         measured = self._measured
         counter_at_backward_end = measured.backward_end_peak
         peak = self._peak_counter.since_own_reset()
-        static_bytes, gradient_bytes = self._static_bytes()
+        static_bytes, gradient_bytes = self.held_memory.static_bytes()
         after_backward = [measured.backward_end_allocated or 0]
         if peak is not None and counter_at_backward_end is not None and peak > counter_at_backward_end:
             after_backward.append(peak)
@@ -541,7 +530,7 @@ class MemoryBudgetController:
         if to_check and (trial or self._corrections < MAX_CORRECTIONS):
             self._timed_step_start = self._meter.mark()
             self._floor_at_timed_start = self._peak_counter.floor
-            self._static_at_timed_start = self._static_at_step_start
+            self._static_at_timed_start = self.held_memory.at_step_start
 
     def _close_the_loop(self) -> None:
         """At a training forward's start: records the step that just ended if it ran one plan all through and was
@@ -851,16 +840,6 @@ class MemoryBudgetController:
 
     # ------------------------------------------------------------------ planning
 
-    def _static_bytes(self) -> tuple[int, int]:
-        """Memory held through the step (what is allocated between steps), and the gradients backward will create
-        (none exist in the forward unless a gradient accumulation step kept them, and then they are held)."""
-        pending_gradients = self._gradients()[0]
-        allocated = self._meter.allocated()
-        if allocated is None:  # CPU test mode: count what must be held
-            parameters = [p for p in (ref() for ref, _ in self._sized_parameters()) if p is not None]
-            allocated = local_nbytes(parameters) + local_nbytes(p.grad for p in parameters if p.grad is not None)
-        return allocated, pending_gradients
-
     def _profile_now(self, tokens: int) -> StepProfile:
         """The measured step, scaled to `tokens`: each probe grown to the call it was cut from first, where the
         step's own measurements (head, step time) were taken."""
@@ -873,8 +852,8 @@ class MemoryBudgetController:
         elif head_bytes is None:  # before the measured step: the profiled steps' plan leaves the head room
             model = self._model()
             head_bytes = 0 if model is None else first_steps_head_bytes(model, measured.step_tokens)
-        static_bytes, gradient_bytes = self._static_bytes()
-        if self._gradients_accumulate:
+        static_bytes, gradient_bytes = self.held_memory.static_bytes()
+        if self.held_memory.gradients_accumulate:
             # Every micro-step of a cycle but the first holds all the gradients from its start, where a step without
             # them creates them layer by layer in backward. A plan made at a cycle's first micro-step (the first after
             # the optimizer's step) for the gradients it creates ran the others over the budget by the gradients'
@@ -943,38 +922,13 @@ class MemoryBudgetController:
             return self._options.forward_window_bytes
         return 0
 
-    def _sized_parameters(self) -> list[tuple[weakref.ref, int]]:
-        """The model's parameters, held weakly as the model is, with the bytes this rank holds of each; listed once
-        per plan: `model.parameters()` walks every submodule (0.8-2 ms on a 36-layer model), and every training
-        forward counts the gradients still to come (`_gradients`), which at short lengths the host bounds. New
-        parameters are memory held, which makes the plan, and so this list, anew."""
-        if self._parameter_refs is None:
-            model = self._model()
-            parameters = list(model.parameters()) if model is not None else []
-            self._parameter_refs = [(weakref.ref(p), local_nbytes([p])) for p in parameters]
-        return self._parameter_refs
-
-    def _gradients(self) -> tuple[int, bool]:
-        """The bytes of the gradients the trained parameters have yet to get, and whether any of them holds one. One
-        pass over the sized parameters: sizing them each step cost 0.5 ms on a 36-layer model (CPU)."""
-        pending, held = 0, False
-        for ref, nbytes in self._sized_parameters():
-            parameter = ref()
-            if parameter is None or not parameter.requires_grad:
-                continue
-            if parameter.grad is None:
-                pending += nbytes
-            else:
-                held = True
-        return pending, held
-
     def _static_grew(self) -> bool:
         """Whether the memory held as this step began (with the gradients pending) grew past what the plan in force
         was made with, beyond the allocator's noise."""
         if self._profile is None:
             return False
         planned = self._profile.static_bytes + self._profile.gradient_bytes
-        return self._static_at_step_start > planned * (1 + STATIC_GROWTH_TOLERANCE)
+        return self.held_memory.at_step_start > planned * (1 + STATIC_GROWTH_TOLERANCE)
 
     def _plan_and_apply(self, tokens: int) -> None:
         """Plans for `tokens` per step with the memory held now, on rank 0, and applies the plan on every rank.
@@ -986,7 +940,7 @@ class MemoryBudgetController:
             InfeasibleBudgetError: for the first plan, made for the profiled steps' tokens: the budget is below the
                 smallest peak any plan reaches (naming it and what dominates it).
         """
-        self._parameter_refs = None
+        self.held_memory.forget_parameters()
         profile, budget_bytes, margin_bytes = self._planning_inputs(tokens)
         first = self.plan is None
 
@@ -1168,8 +1122,9 @@ class MemoryBudgetController:
     def _measured_plans(self, profile: StepProfile) -> list[MeasuredStep]:
         """What each plan run so far measured, scaled to `profile` (`closed_loop.measured_plans`), its peaks grown by
         what the memory held grew since their steps began."""
-        return measured_plans(self._samples, profile, self._profile_now, self._budget_bytes(),
-                              self._static_at_step_start, self._gradients_accumulate, self._trialled)  # fmt: skip
+        held = self.held_memory
+        return measured_plans(self._samples, profile, self._profile_now, self._budget_bytes(), held.at_step_start,
+                              held.gradients_accumulate, self._trialled)  # fmt: skip
 
     def _use(self, new_plan: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
         """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows, and

@@ -462,7 +462,8 @@ def test_the_second_profiled_step_is_tiled_when_the_memory_held_since_the_first_
     # Planned in the third step with every gradient held, as a step that began with gradients held makes plans
     # (gradient accumulation); the first step, before any were held, creates them in backward.
     held = roomy.budget_controller.profile
-    gradients = sum(nbytes for ref, nbytes in roomy.budget_controller._sized_parameters() if ref().requires_grad)
+    sized = roomy.budget_controller.held_memory.sized_parameters()
+    gradients = sum(nbytes for ref, nbytes in sized if ref().requires_grad)
     assert held.gradient_bytes == 0
     profile = dataclasses.replace(held, static_bytes=held.static_bytes - gradients, gradient_bytes=gradients)
     first, second, second_tiled = (simulate(p, letter * LAYERS).peak_bytes for p, letter in
@@ -818,14 +819,14 @@ def test_a_measured_peak_grows_with_the_memory_held_since_its_step(monkeypatch):
         return next(step.peak_bytes for step in controller._measured_plans(profile) if step.code == "CCCC")
 
     assert safe_peak() == measured_peak  # nothing grew
-    counted = controller._static_bytes
+    counted = controller.held_memory.static_bytes
     held = sum(counted())
     growth = {"bytes": held // 100}  # under the 2% that plans anew: the step's own, in its peak already
 
     def grown() -> tuple[int, int]:
         return counted()[0] + growth["bytes"], counted()[1]
 
-    monkeypatch.setattr(controller, "_static_bytes", grown)
+    monkeypatch.setattr(controller.held_memory, "static_bytes", grown)
     train(model, context, steps=1)  # read as a step begins
     assert safe_peak() == measured_peak
     growth["bytes"] = held // 10  # the optimizer's state
@@ -851,7 +852,7 @@ def test_the_first_steps_peak_is_read_as_its_backward_ends_and_measures_the_plan
 
     monkeypatch.setattr(controller._peak_counter, "read_at_backward_end", read_at_backward_end)
     held = []
-    model.model.layers[0].register_forward_pre_hook(lambda *_: held.append(controller._static_at_step_start))
+    model.model.layers[0].register_forward_pre_hook(lambda *_: held.append(controller.held_memory.at_step_start))
     train(model, context, steps=2)
     assert reads[:1] == [1] and reads.count(1) == 1
     (first,) = [sample for sample in controller._samples["C" * LAYERS] if sample.through_backward]
@@ -864,7 +865,7 @@ def test_the_first_steps_peak_stands_for_its_plan_only_where_no_later_step_measu
     it, and under gradient accumulation it counts for nothing (the later micro-steps hold every gradient)."""
     _, context, _, _ = long_run(10 * 2**30)
     controller = context.budget_controller
-    tokens, held = controller._measured.step_tokens, controller._static_at_step_start
+    tokens, held = controller._measured.step_tokens, controller.held_memory.at_step_start
     at = controller._profile_now(tokens)
     floor = optimizer_step_bytes(at)
     code = "c" * LAYERS  # a plan no step ran
@@ -882,7 +883,7 @@ def test_the_first_steps_peak_stands_for_its_plan_only_where_no_later_step_measu
     later = [Sample(tokens, 0.5, 1000, static_bytes=held) for _ in range(3)]
     controller._samples = {code: [first(floor), *later]}
     assert controller._measured_plans(at) == [MeasuredStep(code, 0.5, 1000)]
-    controller._samples, controller._gradients_accumulate = {code: [first(floor)]}, True
+    controller._samples, controller.held_memory.gradients_accumulate = {code: [first(floor)]}, True
     assert controller._measured_plans(at) == []
 
 
