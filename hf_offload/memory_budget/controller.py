@@ -83,18 +83,23 @@ from ..tiled.integration import default_tokens_per_chunk, recorded_outputs
 from ..units import format_bytes
 from .calibrate import Calibration, calibrate
 from .closed_loop import (
-    MAX_CORRECTIONS,
-    MEASURED_STEPS,
     STATIC_GROWTH_TOLERANCE,
-    TRIAL_MEASURED_STEPS,
     Sample,
     head_reload_hidden,
-    measured_plans,
     peak_correction,
 )
 from .host import choose_plan_with_host
-from .measurements import HeldMemory, LongestStep, OwnPeakCounter, StepMeasurements, first_steps_head_bytes
+from .measurements import (
+    HeldMemory,
+    LongestStep,
+    OwnPeakCounter,
+    StepMeasurements,
+    budget_bytes,
+    first_steps_head_bytes,
+    tail_kept,
+)
 from .plan_application import LayersUnderPlan, engine_settings
+from .plan_checks import PlanChecks
 from .plans_by_length import PlansByLength
 from .probes import (
     NOT_CALLED,
@@ -106,12 +111,10 @@ from .probes import (
     probe_layer,
 )
 from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
-from .ranks import RankAgreement, runs_alone
+from .ranks import RanksOfThisRun, runs_alone
 from .search import (
-    STEP_TIME_NOISE,
     InfeasibleBudgetError,
     choose_plan,
-    plan_of,
     prediction_margin_bytes,
     safe_code,
     smallest_budget,
@@ -192,7 +195,11 @@ class MemoryBudgetController:
         self._options = options
         self._meter = Meter(engine.device_type)
         self.held_memory = HeldMemory(model, self._meter)
+        # The collaborators below hold this, not the controller: none of them refers to it, so that a dropped context
+        # is freed as soon as it is dropped.
+        self._budget_bytes = functools.partial(budget_bytes, memory_budget, self._meter)
         self._budget_bytes()  # a share of the device, or "auto", without a device fails here
+        self._ranks = RanksOfThisRun()  # under torch.distributed, the ranks' agreement
         self.plan: Plan | None = None
         self._profile: StepProfile | None = None
         self._measured = StepMeasurements()
@@ -211,19 +218,12 @@ class MemoryBudgetController:
         # or ended its trial, a step peaked above its plan's prediction), and a plan of an earlier one is not reused.
         self._plans = PlansByLength()
         self._generation = 0
-        # The closed loop: per plan code, its clean steps; the code the layers run now, and the forward that
-        # applied it; the step being timed (its start mark), and the corrections made so far.
-        self._samples: dict[str, list[Sample]] = {}
+        # The code the layers run now, and the forward that applied it.
         self._code = ""
         self._applied_at = 0
-        self._over_checked = -1  # `_applied_at` of the plan whose measurement a step over the budget ended
-        self._timed_step_start: Any = None
-        self._floor_at_timed_start = 0  # the counter's largest read when the timed step began
-        self._static_at_timed_start = 0  # `HeldMemory.at_step_start` as the timed step began
-        self._corrections = 0
-        self._trialled: set[str] = set()  # the codes of the plans run as trials
-        self.calibration = Calibration()  # what the measured plans taught the model, as of rank 0's last plan
         self._peak_counter = OwnPeakCounter(self._meter)
+        self.plan_checks = PlanChecks(engine, self._meter, self._peak_counter, self.held_memory, self._budget_bytes,
+                                      self._ranks.agreement)  # fmt: skip
         # The codes the first step's layers ran, and the memory held as it began (`_record_first_step`).
         self._first_step_codes: set[str] = set()
         self._first_step_static = 0
@@ -232,12 +232,9 @@ class MemoryBudgetController:
         # hooks, or with the controller): whether the optimizer's state can exist yet (`_first_plan_waits`).
         self._optimizer_steps = _OwnOptimizerSteps(model)
         engine.track_hook(self._optimizer_steps.handle)
-        # Under torch.distributed: the ranks' agreement (made at the first plan, which every rank reaches at once),
-        # the host caps they agreed on at the latest plan, and how this rank estimates its step's tokens before its
-        # layers run: in proportion to its forward's input elements (`_estimated_step_tokens`), from a step whose
-        # tokens and input elements it knows.
-        self._ranks: RankAgreement | None = None
-        self._ranks_known = False
+        # Under torch.distributed: the host caps the ranks agreed on at the latest plan, and how this rank estimates
+        # its step's tokens before its layers run: in proportion to its forward's input elements
+        # (`_estimated_step_tokens`), from a step whose tokens and input elements it knows.
         self._agreed_host_caps: HostCaps | None = None
         self._input_elements = 0
         self._tokens_per_elements = (0, 0)
@@ -264,10 +261,16 @@ class MemoryBudgetController:
         return self._profile
 
     @property
+    def calibration(self) -> Calibration:
+        """What the measured plans taught the model, as of rank 0's last plan."""
+        return self.plan_checks.calibration
+
+    @property
     def measurements(self) -> dict[str, list[dict[str, Any]]]:
         """Per plan code, the steps the closed loop measured of it (`tokens` in the profile's terms, `seconds`,
         `peak_bytes`, `profiled`, `tail_bytes`): the profiled step, the trial's and the plans' checked steps."""
-        return {code: [dataclasses.asdict(sample) for sample in samples] for code, samples in self._samples.items()}
+        samples_by_code = self.plan_checks.samples.items()
+        return {code: [dataclasses.asdict(sample) for sample in samples] for code, samples in samples_by_code}
 
     def expect_longest_step(self, tokens: int, source: str) -> None:
         """Tells the first plan the longest step the run may see, learned from a trainer's configuration (`source`,
@@ -280,10 +283,6 @@ class MemoryBudgetController:
         """
         if self._longest is None:
             self._longest = LongestStep(tokens, source, strict=False)
-
-    def _budget_bytes(self) -> int:
-        """The user's budget in bytes, on this device."""
-        return self.memory_budget.resolve(self._meter.total())
 
     # ------------------------------------------------------------------ hooks
 
@@ -331,7 +330,7 @@ class MemoryBudgetController:
             self._first_plan()
         else:
             self._close_the_loop()
-            ranks = self._agreement()
+            ranks = self._ranks.agreement()
             if ranks is None:
                 if self._static_grew():
                     self._generation += 1
@@ -360,7 +359,7 @@ class MemoryBudgetController:
         loop times is not recorded."""
         if self._phase is _Phase.MEASURED_STEP:
             self._measured_step_faulted = True
-        self._timed_step_start = None
+        self.plan_checks.step_faulted()
 
     def _first_plan(self) -> None:
         """Makes the first plan at a training forward's start, for the profiled steps' tokens (under torch.distributed,
@@ -368,13 +367,13 @@ class MemoryBudgetController:
         if self._first_plan_waits():
             return
         tokens = self._measured.step_tokens
-        ranks = self._agreement()
+        ranks = self._ranks.agreement()
         if ranks is not None:
             tokens = ranks.largest([max(tokens, self._estimated_step_tokens())])[0]
         self._check_longest_step(tokens)
         self._plan_and_apply(tokens)
         self._phase = _Phase.PLANNED
-        self._start_timing()
+        self.plan_checks.start_timing(self.plan, self._applied_at, self._forwards)
 
     def _check_longest_step(self, tokens: int) -> None:
         """Where the run's longest step is known (`_longest`) and longer than the `tokens` the first plan is for:
@@ -390,7 +389,7 @@ class MemoryBudgetController:
         step_tokens = longest.tokens
         if last_stack in measured.stack_tokens:  # in the profile's terms (the first stack's tokens)
             step_tokens = in_proportion(measured.step_tokens, measured.stack_tokens[last_stack], longest.tokens)
-        ranks = self._agreement()
+        ranks = self._ranks.agreement()
         if ranks is not None:  # each rank's stacks scale from its own first step: every rank must decide alike
             step_tokens = ranks.largest([step_tokens])[0]
         if step_tokens <= tokens:
@@ -434,12 +433,6 @@ class MemoryBudgetController:
                         "yet; the first plan waits for the optimizer's first step, whose state it must count, and the "
                         "steps run the profiled steps' plan until then")  # fmt: skip
         return True
-
-    def _agreement(self) -> RankAgreement | None:
-        """The ranks' agreement, None when this process trains alone; made at its first use, the first plan."""
-        if not self._ranks_known:
-            self._ranks, self._ranks_known = RankAgreement.of_this_run(), True
-        return self._ranks
 
     def _estimated_step_tokens(self) -> int:
         """This step's tokens in the profile's terms, as estimated before its layers run: in proportion to its input
@@ -488,10 +481,10 @@ class MemoryBudgetController:
         predicted = self._model_prediction(
             measured.step_tokens, self._code, default_prefetch_window_bytes(max(inputs)) if window is None else window
         )
-        sample = Sample(measured.step_tokens, measured.step_s, peak, profiled=True, tail_bytes=self._tail_kept(),
-                         peak_exact=peak is not None, static_bytes=measured.static_at_step_start,
-                         **predicted)  # fmt: skip
-        self._samples.setdefault(self._code, []).append(sample)
+        sample = Sample(measured.step_tokens, measured.step_s, peak, profiled=True,
+                        tail_bytes=tail_kept(self._engine()), peak_exact=peak is not None,
+                        static_bytes=measured.static_at_step_start, **predicted)  # fmt: skip
+        self.plan_checks.record(self._code, sample)
 
     def _first_step_backward_reached(self, grad: torch.Tensor) -> None:
         """Backward reached a layer's input in the first step: the counter is read as that backward ends."""
@@ -507,73 +500,25 @@ class MemoryBudgetController:
         if peak is None or len(self._first_step_codes) != 1:
             return
         (code,) = self._first_step_codes
-        self._samples.setdefault(code, []).append(Sample(self._measured.step_tokens, None, peak,
-                                                          tail_bytes=self._tail_kept(), peak_exact=True,
-                                                          static_bytes=self._first_step_static,
-                                                          through_backward=True))  # fmt: skip
-
-    def _tail_kept(self) -> int:
-        """What the engine's tail kept in its latest step (the one that just ended, or the one whose head runs)."""
-        engine = self._engine()
-        return int(engine.get_stats().get("bytes_kept_tail", 0)) if engine is not None else 0
-
-    def _steps_to_measure(self) -> int:
-        """How many steps after its first the plan in force is timed before it is checked (a trial's are fewer)."""
-        return TRIAL_MEASURED_STEPS if self.plan is not None and self.plan.trial else MEASURED_STEPS
-
-    def _start_timing(self) -> None:
-        """Times the step that starts now if its plan's check is to come: it is one of the steps measured after the
-        plan's first step (`_steps_to_measure`), and corrections are left (or the plan is a trial)."""
-        self._timed_step_start = None
-        to_check = self._applied_at < self._forwards <= self._applied_at + self._steps_to_measure()
-        trial = self.plan is not None and self.plan.trial
-        if to_check and (trial or self._corrections < MAX_CORRECTIONS):
-            self._timed_step_start = self._meter.mark()
-            self._floor_at_timed_start = self._peak_counter.floor
-            self._static_at_timed_start = self.held_memory.at_step_start
+        self.plan_checks.record(code, Sample(self._measured.step_tokens, None, peak,
+                                             tail_bytes=tail_kept(self._engine()), peak_exact=True,
+                                             static_bytes=self._first_step_static, through_backward=True))  # fmt: skip
 
     def _close_the_loop(self) -> None:
-        """At a training forward's start: records the step that just ended if it ran one plan all through and was
-        not that plan's first, and checks the plan (or ends its trial) once it has enough such steps."""
-        ended = self._forwards - 1
-        if self._timed_step_start is not None and ended > self._applied_at and self._previous_step_tokens:
-            seconds = self._meter.seconds(self._timed_step_start, self._meter.mark())
-            # The peak counter is not reset after the profiled steps (that would hide peaks from whoever measures
-            # them over the run, as the benchmarks do): it holds the largest peak since the second step's head, an
-            # upper bound of this step's. Within the budget it proves the step was. A read above every read before
-            # the step is the step's own peak, exactly, whatever the budget: unless the memory held between steps
-            # grew in it (optimizer state created at its end, which the next plan counts as static).
-            peak = self._peak_counter.since_own_reset()
-            exact = peak is not None and peak > self._floor_at_timed_start and not self._static_grew()
-            if peak is not None and peak > self._budget_bytes() and not exact:
-                peak = None
-            window = (self.plan.prefetch_window_bytes or None) if self.plan is not None else None
-            predicted = self._model_prediction(self._previous_step_tokens, self._code, window)
-            self._samples.setdefault(self._code, []).append(Sample(self._previous_step_tokens, seconds, peak,
-                                                                    tail_bytes=self._tail_kept(), peak_exact=exact,
-                                                                    static_bytes=self._static_at_timed_start,
-                                                                    **predicted))  # fmt: skip
-            # A step above what its plan counted (its prediction raised by the correction then): the plans kept for
-            # other lengths were made with a correction now known to be short. Alone only: under torch.distributed
-            # each rank measures its own peaks, and the ranks must reuse the same plans.
-            counted = predicted["predicted_peak_bytes"]
-            if exact and counted is not None and self._profile is not None and self._agreement() is None:
-                if peak > counted + self._profile.peak_correction_bytes:
-                    self._generation += 1
-            # A step over the budget ends the plan's measurement there (alone: under torch.distributed every rank
-            # checks at the same step). Waiting for the others ran a plan that peaked 103 MB above its prediction, up
-            # to 41 MB over the budget, for three steps instead of one (a zoo shape the planner was never tuned on,
-            # 5 layers offloaded whole, H200).
-            first_over = (exact and peak > self._budget_bytes() and self._over_checked != self._applied_at
-                          and self._agreement() is None)  # fmt: skip
-            if first_over:
-                self._over_checked = self._applied_at
-            if ended == self._applied_at + self._steps_to_measure() or first_over:
-                if self.plan.trial:
-                    self._end_trial()
-                else:
-                    self._check_plan()
-        self._start_timing()
+        """At a training forward's start: records the step that just ended, and checks the plan (or ends its trial)
+        once it has enough such steps (`PlanChecks.step_ended`); then times the step that starts if it checks a
+        plan."""
+        above_counted, due = self.plan_checks.step_ended(self.plan, self._code, self._applied_at, self._forwards,
+                                                         self._previous_step_tokens, self._static_grew(),
+                                                         self._profile, self._model_prediction)  # fmt: skip
+        if above_counted:
+            self._generation += 1
+        if due:
+            if self.plan.trial:
+                self._end_trial()
+            else:
+                self._check_plan()
+        self.plan_checks.start_timing(self.plan, self._applied_at, self._forwards)
 
     def _layer_starts(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         self._warn_if_compiled()
@@ -600,7 +545,7 @@ class MemoryBudgetController:
             self._step_tokens = max(
                 self._step_tokens, in_proportion(measured.step_tokens, measured.stack_tokens[stack], tokens)
             )
-            if self._agreement() is None:
+            if self._ranks.agreement() is None:
                 # A step's tokens are known whole as its only stack starts; with several, a later one may be longer
                 # than the first, and plans for a shorter step would be applied and replaced within it.
                 self._plan_for(self._step_tokens, shorter_plans=len(self._stack_starts) == 1)
@@ -791,7 +736,7 @@ class MemoryBudgetController:
     def _last_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
         tensor = first_tensor(output)
         profiled = self._phase is _Phase.MEASURED_STEP
-        if not (profiled or self._timed_step_start is not None) or not self._training_forward(layer):
+        if not (profiled or self.plan_checks.timing) or not self._training_forward(layer):
             return
         if tensor is None or not tensor.requires_grad:
             return
@@ -805,7 +750,9 @@ class MemoryBudgetController:
                 # the head began: the forward leaves more than the plan's layers hold (the last hidden states, about
                 # two layer inputs on every zoo shape), and a plan that keeps every input measured that much above
                 # the model that counted the head from there.
-                measured.head_bytes = None if peak is None else peak - measured.held_at_step_start - self._tail_kept()
+                measured.head_bytes = (
+                    None if peak is None else peak - measured.held_at_step_start - tail_kept(self._engine())
+                )
                 self._peak_counter.floor = peak or 0
                 queue_after_backward(self._profiled_backward_ends)
             queue_after_backward(self._peak_counter.read_at_backward_end)
@@ -895,8 +842,9 @@ class MemoryBudgetController:
             code = measured.safe_code
             safe = simulate(profile, "C" * len(self._layers) if unavailable_tiling(profile, code) else code)
             profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
-        profile = dataclasses.replace(profile, peak_correction_bytes=peak_correction(self._samples, tokens)[0],
-                                      head_reload_hidden_bytes=head_reload_hidden(self._samples, tokens))  # fmt: skip
+        samples = self.plan_checks.samples
+        profile = dataclasses.replace(profile, peak_correction_bytes=peak_correction(samples, tokens)[0],
+                                      head_reload_hidden_bytes=head_reload_hidden(samples, tokens))  # fmt: skip
         return profile if tokens == profile.tokens else profile.scaled(tokens)
 
     def _model_prediction(self, tokens: int, code: str, window: int | None) -> dict[str, int | None]:
@@ -946,14 +894,15 @@ class MemoryBudgetController:
 
         def make_plan() -> Plan:
             measured = self._measured_plans(profile)
-            calibrated = self._calibrated(profile, measured)
+            calibrated = self.plan_checks.calibrated(profile, measured)
             try:
                 plan = self._choose(calibrated, budget_bytes, margin_bytes, measured)
             except InfeasibleBudgetError as error:
                 if first:
                     raise
                 return error.lowest_plan
-            return (self._trial(calibrated, plan, measured, budget_bytes, margin_bytes) if first else None) or plan
+            trial = self.plan_checks.trial(calibrated, plan, measured, budget_bytes, margin_bytes) if first else None
+            return trial or plan
 
         self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
 
@@ -1002,7 +951,7 @@ class MemoryBudgetController:
 
     def _on_every_rank(self, make_plan: Callable[[], Plan]) -> Plan:
         """`make_plan()`, or under torch.distributed rank 0's plan on every rank (`RankAgreement.rank_zeros_plan`)."""
-        ranks = self._agreement()
+        ranks = self._ranks.agreement()
         return make_plan() if ranks is None else ranks.rank_zeros_plan(make_plan)
 
     def _planning_inputs(self, tokens: int) -> tuple[StepProfile, int, int]:
@@ -1015,7 +964,7 @@ class MemoryBudgetController:
 
     def _agree_on_host_caps(self) -> None:
         """Under torch.distributed, before each plan: the host caps that every rank's pool can count on."""
-        ranks, engine = self._agreement(), self._engine()
+        ranks, engine = self._ranks.agreement(), self._engine()
         if ranks is not None and engine is not None:
             self._agreed_host_caps = ranks.smallest_host_caps(engine.host_caps())
 
@@ -1025,106 +974,31 @@ class MemoryBudgetController:
         Only while the engine lives."""
         return self._agreed_host_caps or self._engine().host_caps()
 
-    def _calibrated(self, profile: StepProfile, measured: list[MeasuredStep]) -> StepProfile:
-        """`profile` with what the measured plans teach the model (`calibrate`), which is kept for the log."""
-        calibrated, self.calibration = calibrate(profile, measured)
-        return calibrated
-
-    def _trial(self, profile: StepProfile, plan: Plan, measured: list[MeasuredStep], budget_bytes: int,
-               margin_bytes: int) -> Plan | None:  # fmt: skip
-        """The closed loop's trial before the first plan: every layer fully checkpointed with its input kept, where
-        it is predicted to fit (with the margin, as any plan), was not measured yet, and the plan chosen is another
-        that does not keep every layer (nothing is faster than that). The profiled steps measured the same with the
-        inputs offloaded; the two differ by what the host spends on offloading, which the model of the GPU's time
-        has not, and which made plans slower than plain checkpointing on short steps (`calibrate`). None when no
-        trial is to run."""
-        code = "c" * len(profile.layers)
-        if plan.code in (code, "K" * len(profile.layers)) or any(step.code == code for step in measured):
-            return None
-        trial = plan_of(profile, code, budget_bytes, margin_bytes)
-        if not trial.fits(margin_bytes):
-            return None
-        return dataclasses.replace(trial, trial=True, time_scale=plan.time_scale)
-
     def _check_plan(self) -> None:
-        """The closed loop's check of the plan in force, after its `MEASURED_STEPS` clean steps: plans again, for
-        the same tokens, with every plan's measurements, and switches (a correction, logged with its figures) when
-        the plan in force ran `STEP_TIME_NOISE` slower than the answer is expected to run, or peaked over the
-        budget in one of its steps (whatever its speed: on two H200s, FSDP2 with ranks of different lengths, the plan
-        made for the longest step peaked 1.3% over the budget there, 2.7% above its prediction, and was kept for
-        being faster than the plan that fitted). Rank 0 decides."""
+        """The closed loop's check of the plan in force (`PlanChecks.checked_plan`), which it replaces where the check
+        answers another: a correction."""
         profile, budget_bytes, margin_bytes = self._planning_inputs(self.plan.tokens)
         in_force = self.plan
-
-        def make_plan() -> Plan:
-            measured = self._measured_plans(profile)
-            ran = next((step for step in measured if step.code == in_force.code), None)
-            # None: its steps were all shorter than one tiled chunk (the model has no such step); no time: none timed
-            if ran is None or ran.step_s is None:
-                return in_force
-            calibrated = self._calibrated(profile, measured)
-            over = ran.peak_bytes is not None and ran.peak_bytes > budget_bytes
-            try:
-                last = self._corrections + 1 == MAX_CORRECTIONS  # then keep the best measured plan
-                better = self._choose(calibrated, budget_bytes, margin_bytes, measured, measured_only=last)
-            except InfeasibleBudgetError as error:
-                if not over:  # no plan is predicted to fit now, the one in force ran within: growth re-plans handle it
-                    return in_force
-                better = error.lowest_plan  # `_use` warns that it runs over the budget
-            expected_s = better.expected_step_s
-            if better.code == in_force.code or (not over and ran.step_s <= expected_s * (1 + STEP_TIME_NOISE)):
-                return in_force
-            logger.info("hf_offload: closed loop, correction %d of at most %d: plan %r ran in %.2f ms a step (the "
-                        "fastest of %d steps at %d tokens, predicted %.2f ms)%s; plan %r replaces it, %s %.2f ms%s; "
-                        "learned: %s",
-                        self._corrections + 1, MAX_CORRECTIONS, in_force.code, ran.step_s * 1000,
-                        len(self._samples[in_force.code]), profile.tokens, in_force.predicted.step_s * 1000,
-                        f" and peaked at {ran.peak_bytes} bytes, over the budget of {budget_bytes}" if over else "",
-                        better.code,
-                        "measured at" if better.time_measured else "expected at", expected_s * 1000,
-                        "" if better.measured is None or better.measured.peak_bytes is None
-                        else f" with a peak of {better.measured.peak_bytes} bytes",
-                        self.calibration.describe())  # fmt: skip
-            return better
-
-        new_plan = self._on_every_rank(make_plan)
+        new_plan = self._on_every_rank(functools.partial(self.plan_checks.checked_plan, in_force, profile, budget_bytes,
+                                                         margin_bytes, self._profile_now, self._choose))  # fmt: skip
         if new_plan.code != in_force.code:
-            self._corrections += 1
+            self.plan_checks.correction_made()
             self._generation += 1  # what the model learned made this plan: the plans kept are from before
             self._use(new_plan, profile, budget_bytes, margin_bytes)
 
     def _end_trial(self) -> None:
-        """The trial's steps are measured: plans with them (not a correction), and says in one line of the log what
-        was measured and learned."""
+        """The trial's steps are measured: the plan made with them (`PlanChecks.after_trial`) is put in force."""
         trial = self.plan
-        self._trialled.add(trial.code)
+        self.plan_checks.trial_ends(trial)
         profile, budget_bytes, margin_bytes = self._planning_inputs(trial.tokens)
-
-        def make_plan() -> Plan:
-            measured = self._measured_plans(profile)
-            calibrated = self._calibrated(profile, measured)
-            try:
-                plan = self._choose(calibrated, budget_bytes, margin_bytes, measured)
-            except InfeasibleBudgetError as error:  # the trial ran over the budget, and the safe plan too
-                plan = error.lowest_plan
-            times = ", ".join(f"{step.code!r} " + ("its peak only" if step.step_s is None else
-                                                    f"{step.step_s * 1000:.2f} ms") for step in measured)  # fmt: skip
-            logger.info("hf_offload: closed loop, trial of plain checkpointing (every input kept) over %d steps at %d "
-                        "tokens: measured %s; learned: %s; plan %r, %s %.2f ms", TRIAL_MEASURED_STEPS,
-                        profile.tokens, times, self.calibration.describe(), plan.code,
-                        "measured at" if plan.time_measured else "expected at",
-                        plan.expected_step_s * 1000)  # fmt: skip
-            return plan
-
+        make_plan = functools.partial(self.plan_checks.after_trial, profile, budget_bytes, margin_bytes,
+                                      self._profile_now, self._choose)  # fmt: skip
         self._generation += 1  # the plans kept before the trial were made without what it measured
         self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
 
     def _measured_plans(self, profile: StepProfile) -> list[MeasuredStep]:
-        """What each plan run so far measured, scaled to `profile` (`closed_loop.measured_plans`), its peaks grown by
-        what the memory held grew since their steps began."""
-        held = self.held_memory
-        return measured_plans(self._samples, profile, self._profile_now, self._budget_bytes(), held.at_step_start,
-                              held.gradients_accumulate, self._trialled)  # fmt: skip
+        """What each plan run so far measured, scaled to `profile` (`PlanChecks.measured_plans`)."""
+        return self.plan_checks.measured_plans(profile, self._profile_now)
 
     def _use(self, new_plan: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
         """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows, and
@@ -1138,7 +1012,7 @@ class MemoryBudgetController:
         if profile.peak_correction_bytes:
             logger.info("hf_offload: closed loop: plan %r peaked above the model's prediction of it; the predicted "
                         "peaks above are raised by %d bytes (its excess, in proportion to this step's tokens where "
-                        "they are more)", peak_correction(self._samples, profile.tokens)[1],
+                        "they are more)", peak_correction(self.plan_checks.samples, profile.tokens)[1],
                         profile.peak_correction_bytes)  # fmt: skip
         engine = self._engine()
         if new_plan.inputs_kept_for_host:
@@ -1165,7 +1039,7 @@ class MemoryBudgetController:
         # plan's peak would not hold more): a plan chosen by its measured peak, what its measured steps kept; a
         # predicted one, the copies the model has unfinished as the forward ends. Copies beyond it are drained
         # before the head (time the model counts), not kept on top of the loss.
-        samples = self._samples.get(new_plan.code) if new_plan.measured is not None else None
+        samples = self.plan_checks.samples.get(new_plan.code) if new_plan.measured is not None else None
         tail_cap = max(sample.tail_bytes for sample in samples) if samples else new_plan.predicted.tail_bytes
         # The pool's cap is the one it planned with: raised, where it grew the pool.
         settings = engine_settings(new_plan.code, self._windows(new_plan), tail_cap, new_plan.host_cap_bytes, new_plan)

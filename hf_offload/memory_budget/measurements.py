@@ -16,10 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine import OffloadActivations
 from .probes import LayerProbe, Meter
 from .sharding import local_nbytes
+from .spec import MemoryBudget
 
-__all__ = ["HeldMemory", "LongestStep", "OwnPeakCounter", "StepMeasurements", "first_steps_head_bytes"]
+__all__ = [
+    "HeldMemory",
+    "LongestStep",
+    "OwnPeakCounter",
+    "StepMeasurements",
+    "budget_bytes",
+    "first_steps_head_bytes",
+    "tail_kept",
+]
 
 
 # The output head and loss's bytes per token, before the second step measures them. Liger's fused linear cross-entropy
@@ -51,6 +61,17 @@ def first_steps_head_bytes(model: nn.Module, tokens: int) -> int:
     if (getattr(type(model).forward, "__module__", "") or "").startswith("liger_kernel"):
         return tokens * hidden * _FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN
     return tokens * vocabulary * _HEAD_BYTES_PER_TOKEN_AND_VOCABULARY
+
+
+def tail_kept(engine: OffloadActivations | None) -> int:
+    """What the engine's tail kept in its latest step (the one that just ended, or the one whose head runs); 0 once
+    the engine is gone."""
+    return int(engine.get_stats().get("bytes_kept_tail", 0)) if engine is not None else 0
+
+
+def budget_bytes(memory_budget: MemoryBudget, meter: Meter) -> int:
+    """The user's budget in bytes, on the device `meter` measures."""
+    return memory_budget.resolve(meter.total())
 
 
 @dataclasses.dataclass(frozen=True)

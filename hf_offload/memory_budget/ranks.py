@@ -22,7 +22,7 @@ from ..host_memory import HostCaps
 from .search import InfeasibleBudgetError
 from .simulate import Plan
 
-__all__ = ["RankAgreement"]
+__all__ = ["RanksOfThisRun", "RankAgreement"]
 
 
 class RankAgreement:
@@ -79,6 +79,21 @@ class RankAgreement:
             text, budget_bytes, minimum_bytes, lowest = message[0]["refused"]
             raise InfeasibleBudgetError(text, budget_bytes, minimum_bytes, Plan.from_dict(lowest))
         return Plan.from_dict(message[0]["plan"])
+
+
+class RanksOfThisRun:
+    """The ranks' agreement of this run (`RankAgreement.of_this_run`), made at its first use: the first plan, which
+    every rank reaches at once (making it can be a collective)."""
+
+    def __init__(self) -> None:
+        self._agreement: RankAgreement | None = None
+        self._known = False
+
+    def agreement(self) -> RankAgreement | None:
+        """The ranks' agreement, None when this process trains alone."""
+        if not self._known:
+            self._agreement, self._known = RankAgreement.of_this_run(), True
+        return self._agreement
 
 
 def runs_alone() -> bool:

@@ -17,6 +17,7 @@ import transformers
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 from hf_offload.host_memory import HostMemory
 from hf_offload.memory_budget import controller as controller_module
+from hf_offload.memory_budget import plan_checks as plan_checks_module
 from hf_offload.memory_budget import probes
 from hf_offload.memory_budget.calibrate import Calibration
 from hf_offload.memory_budget.closed_loop import Sample
@@ -772,6 +773,7 @@ def test_corrections_are_bounded_and_then_steps_are_no_longer_timed(monkeypatch,
     monkeypatch.setattr(controller_module, "choose_plan", another_plan)
     # What the slow steps would teach the model (every time scaled up) is not what this test is about.
     monkeypatch.setattr(controller_module, "calibrate", lambda profile, measured: (profile, Calibration()))
+    monkeypatch.setattr(plan_checks_module, "calibrate", lambda profile, measured: (profile, Calibration()))
     with caplog.at_level(logging.INFO, logger="hf_offload"):
         train(model, context, steps=16)
         timed = len(marks)
@@ -855,7 +857,7 @@ def test_the_first_steps_peak_is_read_as_its_backward_ends_and_measures_the_plan
     model.model.layers[0].register_forward_pre_hook(lambda *_: held.append(controller.held_memory.at_step_start))
     train(model, context, steps=2)
     assert reads[:1] == [1] and reads.count(1) == 1
-    (first,) = [sample for sample in controller._samples["C" * LAYERS] if sample.through_backward]
+    (first,) = [sample for sample in controller.plan_checks.samples["C" * LAYERS] if sample.through_backward]
     assert (first.seconds, first.peak_bytes, first.static_bytes) == (None, 12345, held[0])
 
 
@@ -875,15 +877,15 @@ def test_the_first_steps_peak_stands_for_its_plan_only_where_no_later_step_measu
         return Sample(tokens, None, peak, peak_exact=True, static_bytes=before,
                                          through_backward=True)  # fmt: skip
 
-    controller._samples = {code: [first(floor)]}
+    controller.plan_checks.samples = {code: [first(floor)]}
     (step,) = controller._measured_plans(at)
     assert (step.code, step.step_s, step.peak_bytes) == (code, None, floor + held - before)
-    controller._samples = {code: [first(1)]}  # under the optimizer's step: that point stands
+    controller.plan_checks.samples = {code: [first(1)]}  # under the optimizer's step: that point stands
     assert controller._measured_plans(at)[0].peak_bytes == floor
     later = [Sample(tokens, 0.5, 1000, static_bytes=held) for _ in range(3)]
-    controller._samples = {code: [first(floor), *later]}
+    controller.plan_checks.samples = {code: [first(floor), *later]}
     assert controller._measured_plans(at) == [MeasuredStep(code, 0.5, 1000)]
-    controller._samples, controller.held_memory.gradients_accumulate = {code: [first(floor)]}, True
+    controller.plan_checks.samples, controller.held_memory.gradients_accumulate = {code: [first(floor)]}, True
     assert controller._measured_plans(at) == []
 
 
@@ -1134,7 +1136,7 @@ def test_what_the_heads_peak_hides_of_its_reloads_is_learned_from_exact_peaks():
     def measured(peak: int, exact: bool = True, at: int = tokens) -> None:
         sample = Sample(at, 0.1, peak, peak_exact=exact, predicted_peak_bytes=base + reload_bytes,
                                            head_base_bytes=base, head_reload_bytes=reload_bytes)  # fmt: skip
-        controller._samples.setdefault("head test", []).append(sample)
+        controller.plan_checks.samples.setdefault("head test", []).append(sample)
 
     measured(base + reload_bytes - 5000, exact=False)
     assert controller._profile_now(tokens).head_reload_hidden_bytes == 0
@@ -1172,7 +1174,7 @@ def test_what_offloading_costs_the_host_is_learned_and_the_plan_keeps_its_inputs
     plan = context.memory_plan
     assert not plan.trial and not set(plan.code) & set("CSTOX")
     assert controller.calibration.input_offload_s > 0.01
-    trial_s = statistics.median(sample.seconds for sample in controller._samples["cccc"])
+    trial_s = statistics.median(sample.seconds for sample in controller.plan_checks.samples["cccc"])
     assert plan.expected_step_s <= trial_s
 
 
