@@ -56,13 +56,10 @@ tested without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
 import logging
-import math
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -72,46 +69,27 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..allocator import release_unusable_cache
-from ..engine import CopyWindows, EngineSettings, OffloadActivations, default_prefetch_window_bytes
-from ..host_memory import HostCaps
+from ..engine import CopyWindows, EngineSettings, OffloadActivations
 from ..model import find_decoder_layers, find_output_head, first_tensor
 from ..options import OffloadOptions
 from ..peak import queue_after_backward
-from ..random_state import random_state_untouched
-from ..tiled.apply import apply_tiled_layer, apply_tiled_mlp
-from ..tiled.integration import default_tokens_per_chunk, recorded_outputs
 from ..units import format_bytes
 from .calibrate import Calibration, calibrate
 from .closed_loop import (
     STATIC_GROWTH_TOLERANCE,
-    Sample,
-    head_reload_hidden,
     peak_correction,
 )
 from .host import choose_plan_with_host
-from .measurements import (
-    HeldMemory,
-    LongestStep,
-    OwnPeakCounter,
-    StepMeasurements,
-    budget_bytes,
-    first_steps_head_bytes,
-    tail_kept,
-)
+from .measurements import HeldMemory, LongestStep, OwnPeakCounter, budget_bytes
 from .plan_application import LayersUnderPlan, engine_settings
 from .plan_checks import PlanChecks
 from .plans_by_length import PlansByLength
 from .probes import (
-    NOT_CALLED,
-    LayerProbe,
     Meter,
-    call_argument_storages,
-    layer_kind,
-    measure_link_bandwidth,
-    probe_layer,
 )
 from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
-from .ranks import RanksOfThisRun, runs_alone
+from .profiled_steps import ProfiledSteps
+from .ranks import AgreedHostCaps, RanksOfThisRun, runs_alone
 from .search import (
     InfeasibleBudgetError,
     choose_plan,
@@ -119,14 +97,11 @@ from .search import (
     safe_code,
     smallest_budget,
 )
-from .sharding import gradient_shard_nbytes
 from .simulate import (
     MeasuredStep,
     Plan,
     chunk_sizes,
     simulate,
-    simulated_step,
-    unavailable_tiling,
 )
 from .spec import MemoryBudget
 
@@ -134,11 +109,6 @@ __all__ = ["MemoryBudgetController"]
 
 logger = logging.getLogger(__name__)
 
-# What the host spends on each layer that offloads, at least, before anything is measured: the engine's hooks take
-# about 4 us more per tensor offloaded than kept (6 against 2 us, docs/DESIGN.md), a checkpoint sends one tensor and a
-# whole layer 15-25. Enough that a plan keeping an input rather than offloading it for nothing is the faster.
-_INPUT_OFFLOAD_HOST_S = 1e-5
-_SAVED_OFFLOAD_HOST_S = 1e-4
 # The first plan waits for the optimizer's first step at most this many forwards after the profiled ones: an
 # optimizer that is no `torch.optim.Optimizer` calls no step hook, and the safe plan is the slowest.
 _FIRST_PLAN_WAIT_FORWARDS = 64
@@ -179,16 +149,7 @@ class MemoryBudgetController:
         if not named:
             raise ValueError(f"memory_budget needs a transformers model with decoder layers (GradientCheckpointingLayer"
                              f"); {type(model).__name__} has none")  # fmt: skip
-        self._names = [name for name, _ in named]
         self._layers = [layer for _, layer in named]
-        self._stacks = [name.rpartition(".")[0] for name in self._names]
-        # Probed once per kind and stack: layers of one class in two stacks see different tokens and arguments.
-        self._kinds = [(stack, *layer_kind(layer)) for stack, layer in zip(self._stacks, self._layers)]
-        # The plan's and the profile's layer i is `self._layers[self._order[i]]`: the first step's call order, the
-        # layers it did not call last. Until that step is over, the registration order.
-        self._order = list(range(len(self._layers)))
-        self._called: list[int] = []
-        self._stack_starts: set[int] = set()  # each stack's first layer called
         self._model = weakref.ref(model)
         self._engine = weakref.ref(engine)
         self.memory_budget = memory_budget
@@ -202,12 +163,9 @@ class MemoryBudgetController:
         self._ranks = RanksOfThisRun()  # under torch.distributed, the ranks' agreement
         self.plan: Plan | None = None
         self._profile: StepProfile | None = None
-        self._measured = StepMeasurements()
         self._phase = _Phase.BEFORE_TRAINING
         self._forwards = 0  # training forwards so far: the steps a plan has run, and how long the first plan waited
         self._measured_step_faulted = False  # `step_faulted` in the measured profiled step
-        self._probing = False
-        self._probes_finished = False
         self._step_tokens = 0  # this step's tokens, in the profile's terms, from the stacks that have started
         self._previous_step_tokens = 0
         self._warned_over_budget = False
@@ -224,10 +182,6 @@ class MemoryBudgetController:
         self._peak_counter = OwnPeakCounter(self._meter)
         self.plan_checks = PlanChecks(engine, self._meter, self._peak_counter, self.held_memory, self._budget_bytes,
                                       self._ranks.agreement)  # fmt: skip
-        # The codes the first step's layers ran, and the memory held as it began (`_record_first_step`).
-        self._first_step_codes: set[str] = set()
-        self._first_step_static = 0
-        self._first_step_read = False  # whether the first step's backward will read the counter as it ends
         # The steps of the optimizers that train this model since the controller began (taken off with the context's
         # hooks, or with the controller): whether the optimizer's state can exist yet (`_first_plan_waits`).
         self._optimizer_steps = _OwnOptimizerSteps(model)
@@ -235,12 +189,12 @@ class MemoryBudgetController:
         # Under torch.distributed: the host caps the ranks agreed on at the latest plan, and how this rank estimates
         # its step's tokens before its layers run: in proportion to its forward's input elements
         # (`_estimated_step_tokens`), from a step whose tokens and input elements it knows.
-        self._agreed_host_caps: HostCaps | None = None
+        self._host_caps = AgreedHostCaps(engine)
         self._input_elements = 0
         self._tokens_per_elements = (0, 0)
-        # Tokens per chunk of a tiled MLP and of a layer tiled whole; 0 where the planner may not tile so.
-        self._tile_tokens = _tile_tokens(model, options.tile_mlp, apply_tiled_mlp, "the MLPs")
-        self._layer_tile_tokens = _tile_tokens(model, options.tile_layer, apply_tiled_layer, "whole layers")
+        self.profiled_steps = ProfiledSteps(model, engine, [name for name, _ in named], self._layers, options,
+                                            self._meter, self.held_memory, self._peak_counter, self.plan_checks,
+                                            self._host_caps, self._budget_bytes)  # fmt: skip
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
         self._layers_under_plan = LayersUnderPlan(model, engine, self._layers)
         engine.track_hook(self._layers_under_plan)
@@ -302,29 +256,23 @@ class MemoryBudgetController:
         if self._measured_step_faulted:  # the measured profiled step did not complete: this one is measured instead
             self._measured_step_faulted = False
             self._forwards = 2
-            self._start_measured_step()
+            self.profiled_steps.start_measured_step()
         elif self._phase is _Phase.BEFORE_TRAINING:
             self._phase = _Phase.FIRST_STEP
             self._apply("C" * len(self._layers))
-            self._first_step_static = self.held_memory.at_step_start
-            self._peak_counter.reset()
+            self.profiled_steps.first_step_begins()
         elif self._phase is _Phase.FIRST_STEP:
             self._phase = _Phase.MEASURED_STEP
-            self._record_first_step()
-            if not self._probes_finished:
+            self.profiled_steps.record_first_step()
+            if not self.profiled_steps.probes_finished:
                 self._finish_probes()
             else:  # decided in the first step, before the optimizer made its state: decided again with it
-                self._apply_safe_plan(self._measured.step_tokens)
+                self._apply_safe_plan(self.profiled_steps.measured.step_tokens)
             self._take_call_order()
-            self._start_measured_step()
+            self.profiled_steps.start_measured_step()
         elif self._phase is _Phase.MEASURED_STEP:
             self._phase = _Phase.WAITING
-            self._measured.step_s = self._meter.seconds(self._measured.step_start, self._meter.mark())
-            self._measured.safe_code = self._code
-            engine = self._engine()
-            if self._meter.device is None and engine is not None:  # the last step's statistics: the second's
-                self._measured.head_saved_bytes = int(engine.get_stats()["bytes_kept_exempt"])
-            self._record_profiled_step()
+            self.profiled_steps.measured_step_ends(self._code)
             self._first_plan()
         elif self._phase is _Phase.WAITING:
             self._first_plan()
@@ -344,13 +292,6 @@ class MemoryBudgetController:
             else:
                 self._plan_for(tokens)
 
-    def _start_measured_step(self) -> None:
-        """The second profiled step, which the profile is measured from, begins."""
-        self._measured.held_at_step_start = self._meter.allocated()
-        self._measured.static_at_step_start = self.held_memory.at_step_start
-        self._measured.step_start = self._meter.mark()
-        self._peak_counter.reset()
-
     def step_faulted(self) -> None:
         """The training step under way did not complete: an exception left the region it ran in (one that a caller
         caught, or a retrying helper such as `auto_find_batch_size`). A step that did not complete is no measurement:
@@ -366,7 +307,7 @@ class MemoryBudgetController:
         the longest step of the ranks: the profiled ones, or this one), unless it waits (`_first_plan_waits`)."""
         if self._first_plan_waits():
             return
-        tokens = self._measured.step_tokens
+        tokens = self.profiled_steps.measured.step_tokens
         ranks = self._ranks.agreement()
         if ranks is not None:
             tokens = ranks.largest([max(tokens, self._estimated_step_tokens())])[0]
@@ -384,8 +325,8 @@ class MemoryBudgetController:
         longest = self._longest
         if longest is None:
             return
-        measured = self._measured
-        last_stack = self._stacks[self._called[-1]] if self._called else None
+        measured, called = self.profiled_steps.measured, self.profiled_steps.called
+        last_stack = self.profiled_steps.stacks[called[-1]] if called else None
         step_tokens = longest.tokens
         if last_stack in measured.stack_tokens:  # in the profile's terms (the first stack's tokens)
             step_tokens = in_proportion(measured.step_tokens, measured.stack_tokens[last_stack], longest.tokens)
@@ -457,60 +398,14 @@ class MemoryBudgetController:
                              "costs the speed compiling was for. Use memory_budget without torch.compile, or "
                              "torch.compile without memory_budget.")  # fmt: skip
 
-    def _record_profiled_step(self) -> None:
-        """The second profiled step is the safe plan's first measurement. Its peak, where counted, is the larger of
-        the two phases' counters (reset at the head), with the tail the engine kept in it: the plan, chosen by this
-        measurement, keeps no more of it (`_use`), so its later steps peak where this one did.
-
-        What the step needed after backward is measured where the counter shows it: when the step's peak rose after
-        the end of backward, it is the optimizer step's; else at least what backward left allocated."""
-        measured = self._measured
-        counter_at_backward_end = measured.backward_end_peak
-        peak = self._peak_counter.since_own_reset()
-        static_bytes, gradient_bytes = self.held_memory.static_bytes()
-        after_backward = [measured.backward_end_allocated or 0]
-        if peak is not None and counter_at_backward_end is not None and peak > counter_at_backward_end:
-            after_backward.append(peak)
-        measured.optimizer_bytes = max(0, max(after_backward) - static_bytes - gradient_bytes)
-        if peak is not None:
-            peak = max(peak, measured.forward_peak or 0)
-        # The safe plan ran with the engine's own prefetch window, sized per step from its largest copy.
-        inputs = [layer.input_bytes for layer in self._profile_now(measured.step_tokens).layers]
-        engine = self._engine()
-        window = engine.prefetch_window_bytes if engine is not None else None
-        predicted = self._model_prediction(
-            measured.step_tokens, self._code, default_prefetch_window_bytes(max(inputs)) if window is None else window
-        )
-        sample = Sample(measured.step_tokens, measured.step_s, peak, profiled=True,
-                        tail_bytes=tail_kept(self._engine()), peak_exact=peak is not None,
-                        static_bytes=measured.static_at_step_start, **predicted)  # fmt: skip
-        self.plan_checks.record(self._code, sample)
-
-    def _first_step_backward_reached(self, grad: torch.Tensor) -> None:
-        """Backward reached a layer's input in the first step: the counter is read as that backward ends."""
-        queue_after_backward(self._peak_counter.read_at_backward_end)
-
-    def _record_first_step(self) -> None:
-        """The first step's peak as its backward ended, as a measurement of the plan its layers ran (where they all
-        ran one: `C` on every layer, unless the budget had it tiled already). The second step's plan is decided again
-        with the optimizer's state and may tile where plain checkpointing is predicted not to fit, so no later step
-        need run `C`: on a 7B shape the tiled plan then stayed at 1.87x plain checkpointing under a budget at plain
-        checkpointing's measured peak, which the model put within its margin. The first step had run it."""
-        peak = self._peak_counter.take_at_backward_end()
-        if peak is None or len(self._first_step_codes) != 1:
-            return
-        (code,) = self._first_step_codes
-        self.plan_checks.record(code, Sample(self._measured.step_tokens, None, peak,
-                                             tail_bytes=tail_kept(self._engine()), peak_exact=True,
-                                             static_bytes=self._first_step_static, through_backward=True))  # fmt: skip
-
     def _close_the_loop(self) -> None:
         """At a training forward's start: records the step that just ended, and checks the plan (or ends its trial)
         once it has enough such steps (`PlanChecks.step_ended`); then times the step that starts if it checks a
         plan."""
-        above_counted, due = self.plan_checks.step_ended(self.plan, self._code, self._applied_at, self._forwards,
-                                                         self._previous_step_tokens, self._static_grew(),
-                                                         self._profile, self._model_prediction)  # fmt: skip
+        checks, predict = self.plan_checks, self.profiled_steps.model_prediction
+        above_counted, due = checks.step_ended(self.plan, self._code, self._applied_at, self._forwards,
+                                               self._previous_step_tokens, self._static_grew(), self._profile,
+                                               predict)  # fmt: skip
         if above_counted:
             self._generation += 1
         if due:
@@ -522,25 +417,18 @@ class MemoryBudgetController:
 
     def _layer_starts(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         self._warn_if_compiled()
-        if self._probing or not self._training_forward(layer) or not args or not isinstance(args[0], torch.Tensor):
+        profiled = self.profiled_steps
+        if profiled.probing or not self._training_forward(layer) or not args or not isinstance(args[0], torch.Tensor):
             return  # the probes call the layers too
         tokens = args[0].shape[:-1].numel()
-        measured, stack = self._measured, self._stacks[index]
+        measured, stack = profiled.measured, profiled.stacks[index]
         if self._phase is _Phase.FIRST_STEP:
             if not measured.step_tokens:
-                measured.step_tokens, measured.device = tokens, args[0].device
                 self._tokens_per_elements = (tokens, self._input_elements)
-            measured.stack_tokens.setdefault(stack, tokens)
-            measured.call_arguments.update(call_argument_storages(args, kwargs))
-            if index not in self._called:
-                self._called.append(index)
-            if not self._probes_finished and self._kinds[index] not in measured.probes:
-                self._probe(index, layer, args, kwargs)
-            self._first_step_codes.add(self._code)  # as this layer runs: the probes may have tiled the safe plan
-            if not self._first_step_read and args[0].requires_grad:  # read as the step's backward ends
-                self._first_step_read = True
-                args[0].register_hook(self._first_step_backward_reached)
-        elif self.plan is not None and index in self._stack_starts and stack in measured.stack_tokens:
+            if profiled.layer_called(index, layer, args, kwargs):  # every kind of layer is probed
+                self._finish_probes()
+            profiled.layer_runs(self._code, args[0])  # after the probes, which may have tiled the safe plan
+        elif self.plan is not None and index in profiled.stack_starts and stack in measured.stack_tokens:
             # The stack's layers have not run yet: plan for this step if it grew past the plan's tokens.
             self._step_tokens = max(
                 self._step_tokens, in_proportion(measured.step_tokens, measured.stack_tokens[stack], tokens)
@@ -548,7 +436,7 @@ class MemoryBudgetController:
             if self._ranks.agreement() is None:
                 # A step's tokens are known whole as its only stack starts; with several, a later one may be longer
                 # than the first, and plans for a shorter step would be applied and replaced within it.
-                self._plan_for(self._step_tokens, shorter_plans=len(self._stack_starts) == 1)
+                self._plan_for(self._step_tokens, shorter_plans=len(profiled.stack_starts) == 1)
                 return
             if self._step_tokens <= self.plan.tokens:
                 return
@@ -564,85 +452,20 @@ class MemoryBudgetController:
                                  "agree on before the step's layers run. Later steps are predicted from this one; "
                                  "this one may have exceeded the budget.")  # fmt: skip
 
-    def _probe(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Probes the kind of layer `index` on the arguments of its call, from its pre-hook; once every kind is
-        probed, finishes the profiled steps' set-up."""
-        engine, model = self._engine(), self._model()
-        tile = tile_layer = None
-        if self._tile_tokens and model is not None:
-            tile = functools.partial(apply_tiled_mlp, model, layers=[index])
-        if self._layer_tile_tokens and model is not None:
-            # The probe runs outside the step's output recorders; a tiled layer refuses to run inside them.
-            recorded = recorded_outputs()
-            if recorded:
-                self._no_layer_tiling(f"this forward records {', '.join(recorded)} inside its layers")
-            else:
-                tile_layer = functools.partial(apply_tiled_layer, model, layers=[index])
-        self._probing = True
-        start = time.perf_counter()
-        try:
-            with random_state_untouched(args[0].device), engine.set_aside() if engine else contextlib.nullcontext():
-                probe = probe_layer(layer, args, kwargs, self._meter, tile, tile_layer)
-        finally:
-            self._probing = False
-        self._measured.probes[self._kinds[index]] = probe
-        # What a long first step's plan rests on, said where the step's own time would dwarf the probe's.
-        at_step = probe.profile.scaled(probe.tokens, probe.step_tokens) if probe.tokens else probe.profile
-        logger.info("hf_offload: probed %s on %d of its call's %d tokens in %.2f s: at that call it saves %s "
-                    "(input %s), its backward works in %s more; forward %.1f ms, backward %.1f ms", self._names[index],
-                    probe.tokens, probe.step_tokens, time.perf_counter() - start, format_bytes(at_step.saved_bytes),
-                    format_bytes(at_step.input_bytes), format_bytes(probe.working_at_step()[0]),
-                    at_step.forward_s * 1e3, at_step.backward_s * 1e3)  # fmt: skip
-        if probe.mlp_tiling_error is not None:
-            logger.info("hf_offload: the planner cannot tile the MLPs: %s: %s", self._names[index],
-                        probe.mlp_tiling_error)  # fmt: skip
-            self._tile_tokens = 0
-        if probe.layer_tiling_error is not None:
-            self._no_layer_tiling(f"{self._names[index]}: {probe.layer_tiling_error}")
-        if probe.quadratic_error is not None:
-            logger.info("hf_offload: %s was probed at one length only, so all its bytes are scaled in proportion to "
-                        "the tokens (eager attention's grow with their square): %s", self._names[index],
-                        probe.quadratic_error)  # fmt: skip
-        if self._measured.probes.keys() >= set(self._kinds):
-            self._finish_probes()
-
-    def _no_layer_tiling(self, reason: str) -> None:
-        """The planner does not tile whole layers in this run, and says why in the log."""
-        logger.info("hf_offload: the planner cannot tile whole layers: %s", reason)
-        self._layer_tile_tokens = 0
-
     def _finish_probes(self) -> None:
-        """Once every kind of layer is probed, or the first step is over: the kinds that did not run get an empty
-        profile, the link is measured, and the safe plan is tiled if it must be."""
-        measured, engine = self._measured, self._engine()
-        self._probes_finished = True
-        idle = [index for index, kind in enumerate(self._kinds) if kind not in measured.probes]
-        if idle:
-            logger.info(
-                "hf_offload: %s did not run in the first step: the plan counts nothing for them",
-                ", ".join(self._names[index] for index in idle),
-            )
-            measured.probes.update({self._kinds[index]: NOT_CALLED for index in idle})
-        pin_memory = engine is not None and engine.use_pin_memory
-        allocated = self._meter.allocated()
-        room = None if allocated is None else self._budget_bytes() - allocated
-        with engine.set_aside() if engine is not None else contextlib.nullcontext():
-            measured.d2h_bytes_per_s, measured.h2d_bytes_per_s = measure_link_bandwidth(self._meter, measured.device,
-                                                                                         pin_memory, room)  # fmt: skip
-        self._apply_safe_plan(measured.step_tokens)
+        """Once every kind of layer is probed, or the first step is over: the probes are finished and the link
+        measured (`ProfiledSteps.finish_probes`), and the profiled steps' plan decided."""
+        self.profiled_steps.finish_probes()
+        self._apply_safe_plan(self.profiled_steps.measured.step_tokens)
 
     def _take_call_order(self) -> None:
-        """After the first step: the plan's order becomes the order it called the layers in, and the head's phase is
-        timed from the end of the last layer it called."""
-        engine = self._engine()
-        self._order = self._called + [index for index in range(len(self._layers)) if index not in self._called]
-        if self._order != sorted(self._order):
-            logger.info("hf_offload: the model calls its decoder layers in another order than it registers them: "
-                        "the plan follows the calls (%s)", self._order)  # fmt: skip
-        self._stack_starts = {next(i for i in self._order if self._stacks[i] == stack) for stack in set(self._stacks)}
-        if engine is not None and self._called:
-            engine.track_hook(self._layers[self._called[-1]].register_forward_hook(self._last_layer_ends))
-            engine.track_hook(self._layers[self._called[0]].register_forward_hook(self._first_layer_ends))
+        """After the first step: the plan's order becomes the order it called the layers in
+        (`ProfiledSteps.take_call_order`), and the head's phase is timed from the end of the last layer it called."""
+        engine, called = self._engine(), self.profiled_steps.called
+        self.profiled_steps.take_call_order()
+        if engine is not None and called:
+            engine.track_hook(self._layers[called[-1]].register_forward_hook(self._last_layer_ends))
+            engine.track_hook(self._layers[called[0]].register_forward_hook(self._first_layer_ends))
 
     def _apply_safe_plan(self, tokens: int) -> None:
         """The profiled steps' plan, once the probes are in, for the step's own tokens, before the layers it decides
@@ -659,7 +482,7 @@ class MemoryBudgetController:
         step. Decided again as the second step begins, with the memory held then: the optimizer's state, made by the
         first step's optimizer step (on an H200, 16 layers of S1's shape, AdamW: the first step peaked at 8.29 GiB,
         the second at 8.92, over a budget of 8.80 GiB that a tiled plan met at 8.69)."""
-        profile = self._profile_now(tokens)
+        profile = self.profiled_steps.profile_now(tokens)
         budget_bytes = self._budget_bytes()
         code = safe_code(profile)
         peak = simulate(profile, code).peak_bytes
@@ -729,9 +552,7 @@ class MemoryBudgetController:
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._phase is not _Phase.MEASURED_STEP or not self._training_forward(module):
             return
-        self._measured.forward_peak = self._meter.peak()
-        self._peak_counter.reset()
-        self._measured.head_start = self._meter.mark()
+        self.profiled_steps.head_starts()
 
     def _last_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
         tensor = first_tensor(output)
@@ -743,132 +564,22 @@ class MemoryBudgetController:
 
         def head_done(grad: torch.Tensor) -> None:  # backward reaches the last layer: the head's part is over
             if profiled:
-                measured = self._measured
-                measured.head_s = self._meter.seconds(measured.head_start, self._meter.mark())
-                peak = self._meter.peak()
-                # Over the memory held between steps and the tail the engine kept, not over what was allocated as
-                # the head began: the forward leaves more than the plan's layers hold (the last hidden states, about
-                # two layer inputs on every zoo shape), and a plan that keeps every input measured that much above
-                # the model that counted the head from there.
-                measured.head_bytes = (
-                    None if peak is None else peak - measured.held_at_step_start - tail_kept(self._engine())
-                )
-                self._peak_counter.floor = peak or 0
-                queue_after_backward(self._profiled_backward_ends)
+                self.profiled_steps.head_done()
             queue_after_backward(self._peak_counter.read_at_backward_end)
 
         tensor.register_hook(head_done)
 
-    def _profiled_backward_ends(self) -> None:
-        measured = self._measured
-        measured.backward_end_peak, measured.backward_end_allocated = self._meter.peak(), self._meter.allocated()
-
     def _first_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
-        """In the second profiled step: when backward reaches the first layer called, the gradients that do not exist
-        yet, other than the layers' own, come after every layer's backward (the input embeddings')."""
+        """In the second profiled step: when backward reaches the first layer called, the gradients not created yet
+        are counted (`ProfiledSteps.first_layer_reached`)."""
         tensor = first_tensor(output)
         if self._phase is not _Phase.MEASURED_STEP or not self._training_forward(layer):
             return
         if tensor is None or not tensor.requires_grad:
             return
-
-        def first_layer_reached(grad: torch.Tensor) -> None:
-            model = self._model()
-            if model is None:
-                return
-            in_layers = {id(p) for decoder_layer in self._layers for p in decoder_layer.parameters()}
-            self._measured.late_gradient_bytes = sum(
-                p.numel() * p.element_size()
-                for p in model.parameters()
-                if p.requires_grad and p.grad is None and id(p) not in in_layers
-            )
-
-        tensor.register_hook(first_layer_reached)
+        tensor.register_hook(self.profiled_steps.first_layer_reached)
 
     # ------------------------------------------------------------------ planning
-
-    def _profile_now(self, tokens: int) -> StepProfile:
-        """The measured step, scaled to `tokens`: each probe grown to the call it was cut from first, where the
-        step's own measurements (head, step time) were taken."""
-        measured = self._measured
-        engine = self._engine()
-        probes = [measured.probes[self._kinds[index]] for index in self._order]
-        head_bytes = measured.head_bytes
-        if head_bytes is None and self._meter.device is None:  # CPU test mode: what the head and loss saved
-            head_bytes = measured.head_saved_bytes or 0
-        elif head_bytes is None:  # before the measured step: the profiled steps' plan leaves the head room
-            model = self._model()
-            head_bytes = 0 if model is None else first_steps_head_bytes(model, measured.step_tokens)
-        static_bytes, gradient_bytes = self.held_memory.static_bytes()
-        if self.held_memory.gradients_accumulate:
-            # Every micro-step of a cycle but the first holds all the gradients from its start, where a step without
-            # them creates them layer by layer in backward. A plan made at a cycle's first micro-step (the first after
-            # the optimizer's step) for the gradients it creates ran the others over the budget by the gradients'
-            # part at the peak: 143 MB of 1.53 GB (H200, a medium Llama, four micro-steps).
-            static_bytes, gradient_bytes = static_bytes + gradient_bytes, 0
-        working_bytes, quadratic_working_bytes = max(probe.working_at_step() for probe in probes)
-        layers = []
-        for index, probe in zip(self._order, probes):
-            layer = probe.profile.scaled(probe.tokens, probe.step_tokens)
-            shard = gradient_shard_nbytes(self._layers[index])
-            layers.append(layer if shard is None else dataclasses.replace(layer, parameter_gradient_bytes=shard))
-        profile = StepProfile(
-            layers=tuple(layers),
-            static_bytes=static_bytes,
-            gradient_bytes=gradient_bytes,
-            head_bytes=max(head_bytes, 0),
-            backward_working_bytes=working_bytes,
-            quadratic_backward_working_bytes=quadratic_working_bytes,
-            head_s=measured.head_s or 0.0,
-            other_s=0.0,
-            d2h_bytes_per_s=measured.d2h_bytes_per_s,
-            h2d_bytes_per_s=measured.h2d_bytes_per_s,
-            host_cap_bytes=self._host_caps().default_bytes if engine is not None else 0,
-            tokens=measured.step_tokens,
-            **_tiled_fields(probes, self._tile_tokens, *_MLP_TILING),
-            **_tiled_fields(probes, self._layer_tile_tokens, *_LAYER_TILING),
-            late_gradient_bytes=min(measured.late_gradient_bytes, gradient_bytes),
-            call_argument_bytes=sum(nbytes for nbytes, _ in measured.call_arguments.values()),
-            quadratic_call_argument_bytes=sum(nbytes for nbytes, square in measured.call_arguments.values() if square),
-            optimizer_bytes=measured.optimizer_bytes,
-            tail_bytes=self._tail_bound_bytes(),
-            input_offload_s=_INPUT_OFFLOAD_HOST_S,
-            saved_offload_s=_SAVED_OFFLOAD_HOST_S,
-        )  # fmt: skip
-        if measured.step_s is not None:  # the rest of the step: what the model of the safe step does not explain
-            # Of the plan that step ran: on a 7B shape whose profiled steps tiled every layer whole, the tiling's time
-            # taken for the rest of the step (229 ms of a 459 ms step against `C`'s model) made plain checkpointing
-            # look as slow as the tiled plan, which stayed (1.87x plain checkpointing, at a budget that fits it).
-            code = measured.safe_code
-            safe = simulate(profile, "C" * len(self._layers) if unavailable_tiling(profile, code) else code)
-            profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
-        samples = self.plan_checks.samples
-        profile = dataclasses.replace(profile, peak_correction_bytes=peak_correction(samples, tokens)[0],
-                                      head_reload_hidden_bytes=head_reload_hidden(samples, tokens))  # fmt: skip
-        return profile if tokens == profile.tokens else profile.scaled(tokens)
-
-    def _model_prediction(self, tokens: int, code: str, window: int | None) -> dict[str, int | None]:
-        """The model's prediction of plan `code` at `tokens`, with prefetch window `window`, as `Sample`'s fields:
-        its peak and its head's point without reloads, both without the peak's correction, and the reloads the head
-        counts; only a None peak for a code the profile cannot run (a tiled MLP in a step of one chunk)."""
-        profile = self._profile_now(tokens)
-        try:
-            run = simulated_step(profile, code, window)
-        except ValueError:
-            return {"predicted_peak_bytes": None}
-        return {
-            "predicted_peak_bytes": run.peak_bytes - profile.peak_correction_bytes,
-            "head_base_bytes": run.head_base_bytes - profile.peak_correction_bytes,
-            "head_reload_bytes": run.head_reload_bytes,
-        }
-
-    def _tail_bound_bytes(self) -> int:
-        """The most the engine's tail keeps through the head's peak: a forward window of the last offloaded bytes
-        (the head's bytes were measured over what the profiled step kept of it). In the CPU test mode copies finish
-        at once, and nothing is ever left to keep."""
-        if self._engine() is not None and self._options.keep_tail and self._measured.head_bytes is not None:
-            return self._options.forward_window_bytes
-        return 0
 
     def _static_grew(self) -> bool:
         """Whether the memory held as this step began (with the gradients pending) grew past what the plan in force
@@ -942,7 +653,7 @@ class MemoryBudgetController:
         Raises:
             InfeasibleBudgetError: as `choose_plan`, with the most host the pool may take.
         """
-        caps = self._host_caps() if self._engine() is not None else None
+        caps = self._host_caps.caps() if self._engine() is not None else None
         return choose_plan_with_host(
             lambda candidate: choose_plan(candidate, budget_bytes, margin_bytes, measured, measured_only=measured_only),
             profile, caps.most_bytes if caps is not None else profile.host_cap_bytes,
@@ -957,30 +668,19 @@ class MemoryBudgetController:
     def _planning_inputs(self, tokens: int) -> tuple[StepProfile, int, int]:
         """What every plan starts from: the host caps agreed across ranks, then the profile scaled to `tokens`, the
         budget in bytes and the prediction's margin within it."""
-        self._agree_on_host_caps()
-        profile = self._profile_now(tokens)
+        self._host_caps.agree(self._ranks.agreement())
+        profile = self.profiled_steps.profile_now(tokens)
         budget_bytes = self._budget_bytes()
         return profile, budget_bytes, prediction_margin_bytes(budget_bytes)
-
-    def _agree_on_host_caps(self) -> None:
-        """Under torch.distributed, before each plan: the host caps that every rank's pool can count on."""
-        ranks, engine = self._ranks.agreement(), self._engine()
-        if ranks is not None and engine is not None:
-            self._agreed_host_caps = ranks.smallest_host_caps(engine.host_caps())
-
-    def _host_caps(self) -> HostCaps:
-        """The pinned host memory a plan may count on: this rank's pool's, or under torch.distributed the smallest of
-        the ranks' pools' as agreed before the latest plan (rank 0 plans for every rank, and sets every rank's cap).
-        Only while the engine lives."""
-        return self._agreed_host_caps or self._engine().host_caps()
 
     def _check_plan(self) -> None:
         """The closed loop's check of the plan in force (`PlanChecks.checked_plan`), which it replaces where the check
         answers another: a correction."""
         profile, budget_bytes, margin_bytes = self._planning_inputs(self.plan.tokens)
         in_force = self.plan
-        new_plan = self._on_every_rank(functools.partial(self.plan_checks.checked_plan, in_force, profile, budget_bytes,
-                                                         margin_bytes, self._profile_now, self._choose))  # fmt: skip
+        check = functools.partial(self.plan_checks.checked_plan, in_force, profile, budget_bytes, margin_bytes,
+                                  self.profiled_steps.profile_now, self._choose)  # fmt: skip
+        new_plan = self._on_every_rank(check)
         if new_plan.code != in_force.code:
             self.plan_checks.correction_made()
             self._generation += 1  # what the model learned made this plan: the plans kept are from before
@@ -992,13 +692,13 @@ class MemoryBudgetController:
         self.plan_checks.trial_ends(trial)
         profile, budget_bytes, margin_bytes = self._planning_inputs(trial.tokens)
         make_plan = functools.partial(self.plan_checks.after_trial, profile, budget_bytes, margin_bytes,
-                                      self._profile_now, self._choose)  # fmt: skip
+                                      self.profiled_steps.profile_now, self._choose)  # fmt: skip
         self._generation += 1  # the plans kept before the trial were made without what it measured
         self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
 
     def _measured_plans(self, profile: StepProfile) -> list[MeasuredStep]:
         """What each plan run so far measured, scaled to `profile` (`PlanChecks.measured_plans`)."""
-        return self.plan_checks.measured_plans(profile, self._profile_now)
+        return self.plan_checks.measured_plans(profile, self.profiled_steps.profile_now)
 
     def _use(self, new_plan: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
         """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows, and
@@ -1077,17 +777,8 @@ class MemoryBudgetController:
             return
         self._code, self._applied_at = code, self._forwards
         settings = engine_settings(code) if settings is None else settings
-        self._layers_under_plan.apply(code, self._order, settings, self._layer_starts, tile_tokens, layer_tile_tokens)
-
-
-# A tiling's fields of the step's profile (its chunk's tokens, its backward's working bytes, one chunk's bytes, its
-# backward's whole-sequence phase) and the probe's fields they come from (the working bytes, the chunk's bytes per
-# token, the whole-sequence phase's bytes).
-_MLP_TILING = ("tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes", "tiled_backward_sequence_bytes",
-               "tiled_working_bytes", "chunk_bytes_per_token", "tiled_sequence_bytes")  # fmt: skip
-_LAYER_TILING = ("layer_tile_tokens", "layer_tiled_backward_working_bytes", "layer_tile_chunk_bytes",
-                 "layer_tiled_backward_sequence_bytes", "layer_tiled_working_bytes", "layer_chunk_bytes_per_token",
-                 "layer_tiled_sequence_bytes")  # fmt: skip
+        order = self.profiled_steps.order
+        self._layers_under_plan.apply(code, order, settings, self._layer_starts, tile_tokens, layer_tile_tokens)
 
 
 class _OwnOptimizerSteps:
@@ -1125,43 +816,6 @@ class _OwnOptimizerSteps:
             self._counts[optimizer] = counts
         if counts:
             self.count += 1
-
-
-def _tiled_fields(
-    probes: list[LayerProbe],
-    tile_tokens: int,
-    tokens_field: str,
-    working_field: str,
-    chunk_field: str,
-    sequence_field: str,
-    probe_working: str,
-    probe_per_token: str,
-    probe_sequence: str,
-) -> dict[str, int]:
-    """A tiling's four fields of the step's profile (`StepProfile.tile_tokens`, `tiled_backward_working_bytes`,
-    `tile_chunk_bytes`, `tiled_backward_sequence_bytes`, or those of a layer tiled whole) from the probes: zeros
-    unless every probe measured it (the whole-sequence phase: zero unless one did)."""
-    if not tile_tokens or any(getattr(probe, probe_working) is None for probe in probes):
-        return {tokens_field: 0, working_field: 0, chunk_field: 0, sequence_field: 0}
-    return {tokens_field: tile_tokens,
-            working_field: max(probe.at_step(getattr(probe, probe_working)) for probe in probes),
-            chunk_field: math.ceil(max(getattr(probe, probe_per_token) for probe in probes) * tile_tokens),
-            sequence_field: max(probe.at_step(getattr(probe, probe_sequence) or 0) for probe in probes)}  # fmt: skip
-
-
-def _tile_tokens(model: nn.Module, option: str | bool, apply: Callable[..., Any], what: str) -> int:
-    """Tokens per chunk for the planner's tiling of one kind (`apply_tiled_mlp`, `apply_tiled_layer`): the model's
-    hidden size under the option's "auto", where every decoder layer can be tiled so (checked by tiling and untiling
-    them, which changes nothing when one cannot); else 0, and the log says why."""
-    if option != "auto":
-        return 0
-    tokens = default_tokens_per_chunk(model)
-    try:
-        apply(model, tokens).remove()
-    except ValueError as error:
-        logger.info("hf_offload: the planner cannot tile %s: %s", what, error)
-        return 0
-    return tokens
 
 
 def _input_elements(args: tuple, kwargs: dict[str, Any]) -> int:

@@ -19,6 +19,7 @@ from hf_offload.host_memory import HostMemory
 from hf_offload.memory_budget import controller as controller_module
 from hf_offload.memory_budget import plan_checks as plan_checks_module
 from hf_offload.memory_budget import probes
+from hf_offload.memory_budget import profiled_steps as profiled_steps_module
 from hf_offload.memory_budget.calibrate import Calibration
 from hf_offload.memory_budget.closed_loop import Sample
 from hf_offload.memory_budget.search import plan_of, safe_code
@@ -511,8 +512,8 @@ def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
     # The rest of the step is what the profiled step's time leaves beyond the model of the plan it ran, tiled here:
     # against `C`'s model the tiling's own time counted as the rest of every plan's step.
     controller = context.budget_controller
-    controller._measured.step_s = 10.0  # a step longer than either model: nothing clamped to zero
-    profile = controller._profile_now(controller._measured.step_tokens)
+    controller.profiled_steps.measured.step_s = 10.0  # a step longer than either model: nothing clamped to zero
+    profile = controller.profiled_steps.profile_now(controller.profiled_steps.measured.step_tokens)
     untimed = dataclasses.replace(profile, other_s=0.0)
     assert simulate(untimed, "L" * LAYERS).step_s != simulate(untimed, "C" * LAYERS).step_s
     assert profile.other_s == pytest.approx(10.0 - simulate(untimed, "L" * LAYERS).step_s)
@@ -612,6 +613,7 @@ def test_the_profiled_steps_tile_only_where_tiling_is_predicted_to_lower_the_pea
         return dataclasses.replace(predicted, peak_bytes=predicted.peak_bytes * 10) if "T" in code else predicted
 
     monkeypatch.setattr(module, "simulate", tiling_costs_more)
+    monkeypatch.setattr(profiled_steps_module, "simulate", tiling_costs_more)
     _, _, seen, _ = long_run(1024, steps=2)
     assert seen == [[False] * LAYERS] * 2
 
@@ -667,9 +669,10 @@ def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
     full = long_run(10 * 2**30, steps=3)[1].budget_controller
     monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", 64)
     cut = long_run(10 * 2**30, steps=3)[1].budget_controller
-    [cut_probe], [full_probe] = cut._measured.probes.values(), full._measured.probes.values()  # one kind of layer
-    assert (cut_probe.tokens, cut_probe.step_tokens, cut._measured.step_tokens) == (64, 128, 128)
-    assert (full_probe.tokens, full_probe.step_tokens, full._measured.step_tokens) == (128, 128, 128)
+    cut_measured, full_measured = cut.profiled_steps.measured, full.profiled_steps.measured
+    [cut_probe], [full_probe] = cut_measured.probes.values(), full_measured.probes.values()  # one kind of layer
+    assert (cut_probe.tokens, cut_probe.step_tokens, cut_measured.step_tokens) == (64, 128, 128)
+    assert (full_probe.tokens, full_probe.step_tokens, full_measured.step_tokens) == (128, 128, 128)
     # Scaled back to 128 tokens, the first 32 tokens of each sequence predict the whole, eager attention's scores
     # included: the probe separates what grows with the square of the length (batch x heads x 64 x 64 x fp32, the
     # softmax's output), exactly. What does not grow at all (a few KiB) is scaled in proportion, hence the cut probe's
@@ -817,7 +820,7 @@ def test_a_measured_peak_grows_with_the_memory_held_since_its_step(monkeypatch):
     assert context.memory_plan.code == "CCCC" and context.memory_plan.measured.peak_bytes == measured_peak
 
     def safe_peak() -> int | None:
-        profile = controller._profile_now(controller.profile.tokens)
+        profile = controller.profiled_steps.profile_now(controller.profile.tokens)
         return next(step.peak_bytes for step in controller._measured_plans(profile) if step.code == "CCCC")
 
     assert safe_peak() == measured_peak  # nothing grew
@@ -835,8 +838,8 @@ def test_a_measured_peak_grows_with_the_memory_held_since_its_step(monkeypatch):
     train(model, context, steps=1)
     assert safe_peak() == measured_peak + growth["bytes"]
     with pytest.raises(InfeasibleBudgetError):  # measured with the growth, the safe plan no longer fits
-        controller._choose(controller._profile_now(controller.profile.tokens), budget, 0,
-                           controller._measured_plans(controller._profile_now(controller.profile.tokens)))  # fmt: skip
+        profile = controller.profiled_steps.profile_now(controller.profile.tokens)
+        controller._choose(profile, budget, 0, controller._measured_plans(profile))
 
 
 def test_the_first_steps_peak_is_read_as_its_backward_ends_and_measures_the_plan_it_ran(monkeypatch):
@@ -867,8 +870,8 @@ def test_the_first_steps_peak_stands_for_its_plan_only_where_no_later_step_measu
     it, and under gradient accumulation it counts for nothing (the later micro-steps hold every gradient)."""
     _, context, _, _ = long_run(10 * 2**30)
     controller = context.budget_controller
-    tokens, held = controller._measured.step_tokens, controller.held_memory.at_step_start
-    at = controller._profile_now(tokens)
+    tokens, held = controller.profiled_steps.measured.step_tokens, controller.held_memory.at_step_start
+    at = controller.profiled_steps.profile_now(tokens)
     floor = optimizer_step_bytes(at)
     code = "c" * LAYERS  # a plan no step ran
     before = held - held // 11  # the memory held grew by a tenth since the first step began
@@ -1118,7 +1121,7 @@ def test_the_correction_grows_with_a_longer_step_and_not_with_a_shorter_one(monk
     assert controller.measurements["cccc"][0]["tokens"] == 32
     assert corrections[7] == excess and corrections[8] == 2 * excess
     assert corrections[9] == excess and context.memory_plan.tokens == 32
-    assert controller._profile_now(16).peak_correction_bytes == excess
+    assert controller.profiled_steps.profile_now(16).peak_correction_bytes == excess
 
 
 def test_what_the_heads_peak_hides_of_its_reloads_is_learned_from_exact_peaks():
@@ -1129,8 +1132,8 @@ def test_what_the_heads_peak_hides_of_its_reloads_is_learned_from_exact_peaks():
     peak that is only a bound (not exact) teaches nothing."""
     _, context = planned(budget_for_the_trial())
     controller = context.budget_controller
-    tokens = controller.profile.tokens
-    assert controller._profile_now(tokens).head_reload_hidden_bytes == 0  # no step peaked below its head's point
+    tokens, profile_now = controller.profile.tokens, controller.profiled_steps.profile_now
+    assert profile_now(tokens).head_reload_hidden_bytes == 0  # no step peaked below its head's point
     reload_bytes, base = 1000, controller.profile.static_bytes
 
     def measured(peak: int, exact: bool = True, at: int = tokens) -> None:
@@ -1139,15 +1142,15 @@ def test_what_the_heads_peak_hides_of_its_reloads_is_learned_from_exact_peaks():
         controller.plan_checks.samples.setdefault("head test", []).append(sample)
 
     measured(base + reload_bytes - 5000, exact=False)
-    assert controller._profile_now(tokens).head_reload_hidden_bytes == 0
+    assert profile_now(tokens).head_reload_hidden_bytes == 0
     measured(base + reload_bytes - 300)
-    assert controller._profile_now(tokens).head_reload_hidden_bytes == 300
+    assert profile_now(tokens).head_reload_hidden_bytes == 300
     measured(base + 10, at=2 * tokens)  # 990 hidden in a step twice as long: half of it in this one's
-    assert controller._profile_now(tokens).head_reload_hidden_bytes == 495
+    assert profile_now(tokens).head_reload_hidden_bytes == 495
     measured(base - 50)  # below the point without its reloads: the reloads hid whole, no more is known
-    assert controller._profile_now(tokens).head_reload_hidden_bytes == reload_bytes
-    assert controller._profile_now(2 * tokens).head_reload_hidden_bytes == reload_bytes  # not grown
-    assert controller._profile_now(tokens // 2).head_reload_hidden_bytes == reload_bytes // 2
+    assert profile_now(tokens).head_reload_hidden_bytes == reload_bytes
+    assert profile_now(2 * tokens).head_reload_hidden_bytes == reload_bytes  # not grown
+    assert profile_now(tokens // 2).head_reload_hidden_bytes == reload_bytes // 2
 
 
 def test_what_offloading_costs_the_host_is_learned_and_the_plan_keeps_its_inputs(caplog):
@@ -1165,7 +1168,7 @@ def test_what_offloading_costs_the_host_is_learned_and_the_plan_keeps_its_inputs
 
         def slow_when_offloading(module, args, index=index):
             code = context.memory_plan.code if context.memory_plan is not None else controller._code
-            if code and code[index] in "CST" and torch.is_grad_enabled() and not controller._probing:
+            if code and code[index] in "CST" and torch.is_grad_enabled() and not controller.profiled_steps.probing:
                 spend_cpu_time(0.02)
 
         layer.register_forward_pre_hook(slow_when_offloading)
@@ -1231,14 +1234,14 @@ def test_the_heads_bytes_count_what_the_forward_leaves_besides_the_layers(monkey
     between, left, peak = 2**20, 5 * 2**20, 40 * 2**20
 
     def allocated():
-        measured = controller._measured
+        measured = controller.profiled_steps.measured
         in_forward = controller._forwards == 2 and measured.step_start is not None and measured.head_start is None
         return between + left if in_forward else between
 
     monkeypatch.setattr(controller._meter, "allocated", allocated)
     monkeypatch.setattr(controller._meter, "peak", lambda: peak)
     train(model, context, steps=3)
-    assert controller._measured.head_bytes == peak - between
+    assert controller.profiled_steps.measured.head_bytes == peak - between
 
 
 def test_gradients_that_come_after_every_layer_are_measured():
@@ -1353,7 +1356,7 @@ def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_
     # safe plan offloads the inputs the pool has room for and keeps the others on the device.
     roomy = host_bound_run(monkeypatch, 2**40, steps=1, tile_layer=False)
     controller = roomy.budget_controller
-    profile = controller._profile_now(controller._measured.step_tokens)
+    profile = controller.profiled_steps.profile_now(controller.profiled_steps.measured.step_tokens)
     safe = safe_code(profile)
     assert safe == "C" + "c" * (HOST_LAYERS - 1)
     safe_peak = simulate(profile, safe).peak_bytes
