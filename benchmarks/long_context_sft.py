@@ -108,7 +108,7 @@ class _StepRecorder(transformers.TrainerCallback):
                           kept_over_host_cap=stats.get("tensors_kept_over_host_cap", 0))  # fmt: skip
             controller = context.budget_controller
             if controller is not None:
-                record["layers_ran"] = controller.plan.code if controller.plan is not None else controller._code
+                record["layers_ran"] = controller.plan.code if controller.plan is not None else controller.planner.code
                 if controller.plan is not None:
                     self.result["plan_table"] = controller.plan.format_table()
         self.result["steps"].append(record)

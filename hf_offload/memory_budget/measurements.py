@@ -1,8 +1,9 @@
 """What the memory budget's controller measures of the run's first steps, and its reads of the device's peak counter.
 
 `StepMeasurements` holds what the first two steps measured (the probes, the head, the step's time, what backward
-left), from which the controller assembles the step's profile; `first_steps_head_bytes`, the head's bytes until the
-second step measures them; `LongestStep`, the longest step the run will see where it is known before training.
+left), from which `profiled_steps.ProfiledSteps` assembles the step's profile; `first_steps_head_bytes`, the head's
+bytes until the second step measures them; `LongestStep`, the longest step the run will see where it is known before
+training.
 `OwnPeakCounter` reads and resets the device's peak-memory counter, and tells its own resets from anyone else's.
 `HeldMemory`, the memory held between steps and the gradients still to come, as each training forward begins.
 """
@@ -77,7 +78,7 @@ def budget_bytes(memory_budget: MemoryBudget, meter: Meter) -> int:
 @dataclasses.dataclass(frozen=True)
 class LongestStep:
     """The most tokens a step of the run will hold, known before it trains, which the first plan checks
-    (`MemoryBudgetController._check_longest_step`).
+    (`Planner.check_longest_step`).
 
     Args:
         tokens: per device and micro-step, as the last stack the first step called sees them (a decoder-only model's

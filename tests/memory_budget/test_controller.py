@@ -18,6 +18,7 @@ from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 from hf_offload.host_memory import HostMemory
 from hf_offload.memory_budget import controller as controller_module
 from hf_offload.memory_budget import plan_checks as plan_checks_module
+from hf_offload.memory_budget import planning as planning_module
 from hf_offload.memory_budget import probes
 from hf_offload.memory_budget import profiled_steps as profiled_steps_module
 from hf_offload.memory_budget.calibrate import Calibration
@@ -285,7 +286,7 @@ def test_shorter_steps_get_a_plan_of_their_own_that_keeps_more_and_longer_ones_t
     ]
     # Once what the controller knows changes (a correction, the trial's end, memory held that grew, a step above its
     # plan's prediction), the plans kept from before are made again rather than reused.
-    run.context.budget_controller._generation += 1
+    run.context.budget_controller.planner.generation += 1
     train(run.model, run.context, steps=2, lengths=(16, 8))
     assert run.context.memory_plan.tokens == 16 and run.context.memory_plan is not short_plan
 
@@ -604,7 +605,7 @@ def test_the_profiled_steps_tile_only_where_tiling_is_predicted_to_lower_the_pea
     """On the zoo's Mistral-7B shape the profiled steps of a budget below every plan tiled the MLPs and measured
     16.72 GiB, where untiled they measured 16.51: the refusal then named the higher as the smallest budget known to
     work. Here tiling is predicted to cost memory, and the profiled steps of a budget nothing fits stay untiled."""
-    from hf_offload.memory_budget import controller as module
+    from hf_offload.memory_budget import planning as module
 
     real = module.simulate
 
@@ -773,9 +774,9 @@ def test_corrections_are_bounded_and_then_steps_are_no_longer_timed(monkeypatch,
         return plan_of(profile, code, budget_bytes, margin_bytes)
 
     monkeypatch.setattr(meter, "mark", slow_once_planned)
-    monkeypatch.setattr(controller_module, "choose_plan", another_plan)
+    monkeypatch.setattr(planning_module, "choose_plan", another_plan)
     # What the slow steps would teach the model (every time scaled up) is not what this test is about.
-    monkeypatch.setattr(controller_module, "calibrate", lambda profile, measured: (profile, Calibration()))
+    monkeypatch.setattr(planning_module, "calibrate", lambda profile, measured: (profile, Calibration()))
     monkeypatch.setattr(plan_checks_module, "calibrate", lambda profile, measured: (profile, Calibration()))
     with caplog.at_level(logging.INFO, logger="hf_offload"):
         train(model, context, steps=16)
@@ -821,7 +822,7 @@ def test_a_measured_peak_grows_with_the_memory_held_since_its_step(monkeypatch):
 
     def safe_peak() -> int | None:
         profile = controller.profiled_steps.profile_now(controller.profile.tokens)
-        return next(step.peak_bytes for step in controller._measured_plans(profile) if step.code == "CCCC")
+        return next(step.peak_bytes for step in controller.planner.measured_plans(profile) if step.code == "CCCC")
 
     assert safe_peak() == measured_peak  # nothing grew
     counted = controller.held_memory.static_bytes
@@ -839,7 +840,7 @@ def test_a_measured_peak_grows_with_the_memory_held_since_its_step(monkeypatch):
     assert safe_peak() == measured_peak + growth["bytes"]
     with pytest.raises(InfeasibleBudgetError):  # measured with the growth, the safe plan no longer fits
         profile = controller.profiled_steps.profile_now(controller.profile.tokens)
-        controller._choose(profile, budget, 0, controller._measured_plans(profile))
+        controller.planner.choose(profile, budget, 0, controller.planner.measured_plans(profile))
 
 
 def test_the_first_steps_peak_is_read_as_its_backward_ends_and_measures_the_plan_it_ran(monkeypatch):
@@ -881,15 +882,15 @@ def test_the_first_steps_peak_stands_for_its_plan_only_where_no_later_step_measu
                                          through_backward=True)  # fmt: skip
 
     controller.plan_checks.samples = {code: [first(floor)]}
-    (step,) = controller._measured_plans(at)
+    (step,) = controller.planner.measured_plans(at)
     assert (step.code, step.step_s, step.peak_bytes) == (code, None, floor + held - before)
     controller.plan_checks.samples = {code: [first(1)]}  # under the optimizer's step: that point stands
-    assert controller._measured_plans(at)[0].peak_bytes == floor
+    assert controller.planner.measured_plans(at)[0].peak_bytes == floor
     later = [Sample(tokens, 0.5, 1000, static_bytes=held) for _ in range(3)]
     controller.plan_checks.samples = {code: [first(floor), *later]}
-    assert controller._measured_plans(at) == [MeasuredStep(code, 0.5, 1000)]
+    assert controller.planner.measured_plans(at) == [MeasuredStep(code, 0.5, 1000)]
     controller.plan_checks.samples, controller.held_memory.gradients_accumulate = {code: [first(floor)]}, True
-    assert controller._measured_plans(at) == []
+    assert controller.planner.measured_plans(at) == []
 
 
 def accumulate(model, context, micro_steps: int, accumulation: int, optimizer: bool = True,
@@ -926,7 +927,7 @@ def test_with_gradient_accumulation_the_first_plan_waits_for_the_optimizers_firs
                          after_micro_step=lambda: plans.append(context.memory_plan))  # fmt: skip
     assert_bitwise_equal(results, baseline)
     assert plans[:4] == [None] * 4 and plans[4] is not None
-    assert context.budget_controller._code == plans[-1].code  # the plan's layers, applied
+    assert context.budget_controller.planner.code == plans[-1].code  # the plan's layers, applied
     model = tiny_llama()
     refused = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1KiB")
     forwards = []
@@ -945,7 +946,7 @@ def test_with_gradient_accumulation_plans_hold_every_gradient_through_the_step(a
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
     accumulate(model, context, micro_steps=6, accumulation=accumulation)
-    profile = context.budget_controller._profile
+    profile = context.budget_controller.planner.profile
     gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if accumulation == 1:
         assert profile.gradient_bytes == gradients
@@ -1061,7 +1062,7 @@ def test_a_trial_that_peaks_over_the_budget_is_not_chosen_and_raises_every_predi
     assert plan.code != "cccc"
     assert profile.peak_correction_bytes == over - trial[0]["predicted_peak_bytes"] > 0
     # Plans kept for other lengths would not be reused: made before the trial's step above its prediction and its end.
-    assert controller._generation == 2
+    assert controller.planner.generation == 2
     uncorrected = dataclasses.replace(profile, peak_correction_bytes=0)
     window = plan.prefetch_window_bytes or None
     assert (
@@ -1167,7 +1168,7 @@ def test_what_offloading_costs_the_host_is_learned_and_the_plan_keeps_its_inputs
     for index, layer in enumerate(model.model.layers):
 
         def slow_when_offloading(module, args, index=index):
-            code = context.memory_plan.code if context.memory_plan is not None else controller._code
+            code = context.memory_plan.code if context.memory_plan is not None else controller.planner.code
             if code and code[index] in "CST" and torch.is_grad_enabled() and not controller.profiled_steps.probing:
                 spend_cpu_time(0.02)
 
@@ -1212,12 +1213,12 @@ def test_a_predicted_plan_caps_the_engines_tail_at_what_it_counted(monkeypatch):
     monkeypatch.setattr(controller._meter, "peak", lambda: parameters + 3 * 2**20)  # the head is measured: a bound
     monkeypatch.setattr(controller._meter, "allocated", lambda: parameters)
     train(model, context, steps=3)
-    profile = controller._profile
+    profile = controller.planner.profile
     assert profile.tail_bytes == context.options.forward_window_bytes
     slow = dataclasses.replace(profile, d2h_bytes_per_s=profile.d2h_bytes_per_s / 1e6)
     for measured_at, code in ((profile, "CCCC"), (slow, "OOOO")):
         plan = plan_of(measured_at, code, parameters + 2**30)
-        controller._put_in_force(plan, measured_at)
+        controller.planner.put_in_force(plan, measured_at, controller._forwards)
         assert 0 < plan.predicted.tail_bytes < profile.tail_bytes
         assert context._planner.max_tail_bytes == plan.predicted.tail_bytes
     assert plan_of(profile, "CCCC", parameters + 2**30).predicted.tail_bytes == profile.layers[-1].input_bytes
@@ -1361,14 +1362,14 @@ def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_
     assert safe == "C" + "c" * (HOST_LAYERS - 1)
     safe_peak = simulate(profile, safe).peak_bytes
     with pytest.raises(InfeasibleBudgetError) as lowest:
-        controller._choose(profile, 1, 0, [])
+        controller.planner.choose(profile, 1, 0, [])
     assert lowest.value.minimum_bytes < safe_peak * 0.98
     budget = (lowest.value.minimum_bytes + safe_peak) // 2
     with caplog.at_level(logging.INFO, logger="hf_offload"):
         context = host_bound_run(monkeypatch, budget, steps=1, tile_layer=False)
     controller = context.budget_controller
     assert controller.plan is None  # still profiling: the plan the layers ran is the profiled steps'
-    first_step_code = controller._code
+    first_step_code = controller.planner.code
     assert first_step_code != "C" * HOST_LAYERS and context._pool.cap_bytes > default_cap
     stats = context.get_stats()
     assert stats["tensors_kept_over_host_cap"] == 0 and stats["pinned_bytes"] > default_cap
