@@ -121,7 +121,7 @@ class _StepRecorder(transformers.TrainerCallback):
                           disk_wait_s=stats.get("disk_wait_s", 0.0))  # fmt: skip
             controller = context.budget_controller
             if controller is not None:
-                record["layers_ran"] = controller.plan.code if controller.plan is not None else controller._code
+                record["layers_ran"] = controller.plan.code if controller.plan is not None else controller.planner.code
                 if controller.plan is not None:
                     self.result["plan_table"] = controller.plan.format_table()
         self.result["steps"].append(record)

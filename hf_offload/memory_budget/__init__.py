@@ -11,7 +11,10 @@ One module per purpose, imported one way (each only from those listed before it,
 - `layer_actions`: a plan's actions set on the decoder layers (`apply_layer_actions`); the tiled ones (the plans'
   `T`/`t` and `L`/`l`) through `hf_offload.tiled`, the sequence-tiled ops, which are also a feature of their own.
 - `probes`: one layer measured on the arguments of its own call (`probe_layer`), the link's bandwidth, the meter.
-- `controller`: `MemoryBudgetController`, which profiles the first steps, plans, applies and re-plans.
+- `plan_checks`: the closed loop at run time (`PlanChecks`): which steps are timed, when a plan is checked.
+- `profiled_steps`: the profile's assembly (`ProfiledSteps`): the probes, the measured step, `profile_now`.
+- `planning`: planning at run time (`Planner`): the plan in force, the plans by length, applying a plan.
+- `controller`: `MemoryBudgetController`, which sequences the phases: profile, plan, apply, re-plan, check.
 
 The first six are pure Python (the standard library and `hf_offload.units`): plans are computed and tested without
 torch. This package imports none of its modules, so that `options`, which reads the option with `spec`, loads neither

@@ -1,10 +1,10 @@
 """What the closed loop learns from the steps plans ran: their samples, the plans' measurements, the model's errors.
 
-The controller records each clean step a plan runs as a `Sample` (its tokens, time, peak and the model's prediction
-of it), in a `dict` of samples per plan code. From them this module says what each plan measured, scaled to the
-step being planned (`measured_plans`: `choose_plan`'s `measured`), how far the model's peaks fell short of what
-was measured (`peak_correction`), and how much of the reloads the head's own peak hides (`head_reload_hidden`). The
-controller decides when to record and when to check a plan (`MEASURED_STEPS`, `MAX_CORRECTIONS`,
+`plan_checks.PlanChecks` records each clean step a plan runs as a `Sample` (its tokens, time, peak and the model's
+prediction of it), in a `dict` of samples per plan code. From them this module says what each plan measured, scaled
+to the step being planned (`measured_plans`: `choose_plan`'s `measured`), how far the model's peaks fell short of
+what was measured (`peak_correction`), and how much of the reloads the head's own peak hides (`head_reload_hidden`).
+`PlanChecks` decides when to record and when to check a plan (`MEASURED_STEPS`, `MAX_CORRECTIONS`,
 `TRIAL_MEASURED_STEPS`). Pure Python, like the rest of the planning (`spec`, `profile`, `simulate`, `search`).
 """
 

@@ -1,47 +1,25 @@
 """The memory budget at work: profile the first steps, plan, apply the plan, re-plan when the step grows.
 
 `MemoryBudgetController` is attached by `get_act_offloading_ctx_manager` when `memory_budget` is set. It counts the
-training forwards of the model (grad enabled, model in training mode) and:
+training forwards of the model and sequences the phases (`_Phase`), each the concern of an object it owns:
 
-1. First forward: applies the safe plan (every decoder layer fully checkpointed, its input offloaded: the lowest
-   memory that works without a plan) and, when the first layer of each kind is called, probes it on the very
-   arguments it receives (`probes.probe_layer`, which leaves no trace in the step): the bytes it saves, the bytes a
-   selective checkpoint would keep, the times of its forward, backward and selective recompute, and with
-   `tile_mlp="auto"` the same with its MLP tiled, and with `tile_layer="auto"` the layer tiled whole. Every stack of
-   layers is probed so, each kind in its own call: a vision tower's blocks on theirs, a language model's or a
-   decoder's layers on theirs (with the encoder's states).
-   Once every kind is probed it measures the link's bandwidth; if the safe plan is predicted not to fit the budget
-   and tiling would lower its peak, the safe plan tiles every layer's MLP, or, where even that is predicted not to
-   fit and tiling whole layers is lower still, every layer whole. The safe plan offloads the inputs the pinned pool
-   has room for and keeps the rest on the device; where no safe plan fits, the profiled steps run the planner's plan
-   for the first step's tokens (with the pool grown where that is what fits), decided before the layers it places
-   run: a run whose first step is already long is planned for it, not profiled into running out of memory. Where
-   even the lowest-memory plan is predicted to exceed the device, an `InfeasibleBudgetError` there.
-2. Second forward, still safe: measures the step: memory held before it starts, the head and loss's peak over what
-   the forward leaves, the head's time, and the whole step's time (the rest of the step, embedding and optimizer,
-   is what the model of the safe step does not explain).
-3. Third forward: plans (`search.choose_plan`) for the budget, applies the plan (`layer_actions.apply_layer_actions`)
-   and sizes the engine's windows; a budget no plan fits is an `InfeasibleBudgetError` here. Where gradients
-   accumulate over micro-steps and no optimizer has stepped yet, the first plan waits for the optimizer's first step,
+1. First forward: the safe plan (`planning.Planner.apply_safe_plan`); when the first layer of each kind is called,
+   it is probed on the very arguments it receives, then the link's bandwidth is measured
+   (`profiled_steps.ProfiledSteps`), and the profiled steps' plan is decided again with what the probes measured.
+2. Second forward, still safe: the step the profile is measured from (`ProfiledSteps`): memory held before it
+   starts (`measurements.HeldMemory`), the head's peak and time, the whole step's time.
+3. Third forward: the first plan (`Planner.plan_and_apply`), applied through `plan_application.LayersUnderPlan`. Where
+   gradients accumulate over micro-steps and no optimizer has stepped yet, it waits for the optimizer's first step,
    whose state it must count (`_first_plan_waits`), the steps running the safe plan until then. On every later
    forward it re-plans if the step has more tokens than it planned for (checked as each stack starts, before its
-   layers run; each stack's tokens scale the whole step from the first step's) or the memory held between steps has
-   grown (optimizer state created after a gradient accumulation cycle, where no optimizer step hook told). Such a
-   step that no plan fits runs on the lowest-memory plan, with a warning: never an exception in the middle of
-   training. The plans made are kept by the length they were made for (`plans_by_length`), and a step runs the one
-   made for the shortest length at least its own; a step more than a length step shorter than any gets a plan of its
-   own, which may keep more (`_plan_for`).
-4. The closed loop: the steps a plan runs are measurements (`closed_loop.Sample`: their time; on a device, their
-   peak: exactly in the profiled steps, later an upper bound, as the counter is not reset after them). After the
-   `MEASURED_STEPS` steps that follow the first one on a new plan, the controller plans again with what every plan
-   run so far measured (`closed_loop.measured_plans`, `choose_plan`'s `measured`: the profiled steps measured the
-   safe plan; the first step's peak, the plan it ran), and switches plans when the one in force ran
-   `STEP_TIME_NOISE` slower than the answer, at most `MAX_CORRECTIONS` times (the last among measured plans only),
-   saying so in the log. Measurements at other lengths are scaled by the model (`MeasuredStep.scaled`). Once a plan
-   has passed its check, steps are no longer timed (timing a device step waits for it).
+   layers run; each stack's tokens scale the whole step from the first step's: `Planner.plan_for`, by
+   `plans_by_length`) or the memory held between steps has grown (optimizer state created after a gradient
+   accumulation cycle, where no optimizer step hook told).
+4. The closed loop (`plan_checks.PlanChecks`, on `closed_loop`'s samples): the steps a plan runs are measurements;
+   after a few, the plan is checked against what every plan measured, and corrected.
 
 While profiling, the device's peak-memory counter is reset at the phase boundaries it measures (the first step's
-start among them).
+start among them; `measurements.OwnPeakCounter`).
 
 Under `torch.distributed` every rank runs rank 0's plan, made for the longest of the ranks' steps and the smallest of
 their pinned host caps (`ranks.RankAgreement`). The ranks decide together, at each training forward's start, whether
@@ -49,93 +27,44 @@ to re-plan: a rank cannot know another's step, and one re-planning alone would w
 growth of a step is estimated there, before its layers run, from its input elements (`_estimated_step_tokens`)
 rather than seen as each stack starts.
 
-In the CPU test mode nothing on the host has a peak counter: static memory is counted from the parameters, the
-head's peak from the tensors it saved, and the plan is computed and applied the same way, so its bookkeeping is
-tested without a GPU.
+None of the objects the controller owns refers back to it (the planner holds its layers' pre-hook weakly), so that a
+dropped context is freed as soon as it is dropped.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
 import logging
-import math
-import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..allocator import release_unusable_cache
-from ..engine import CopyWindows, EngineSettings, OffloadActivations, default_prefetch_window_bytes
-from ..host_memory import HostCaps
+from ..engine import OffloadActivations
 from ..model import find_decoder_layers, find_output_head, first_tensor
 from ..options import OffloadOptions
 from ..peak import queue_after_backward
-from ..random_state import random_state_untouched
-from ..tiled.apply import apply_tiled_layer, apply_tiled_mlp
-from ..tiled.integration import default_tokens_per_chunk, recorded_outputs
 from ..units import format_bytes
-from .calibrate import Calibration, calibrate
-from .closed_loop import (
-    MAX_CORRECTIONS,
-    MEASURED_STEPS,
-    STATIC_GROWTH_TOLERANCE,
-    TRIAL_MEASURED_STEPS,
-    Sample,
-    head_reload_hidden,
-    measured_plans,
-    peak_correction,
-)
-from .host import choose_plan_with_host
-from .measurements import LongestStep, OwnPeakCounter, StepMeasurements, first_steps_head_bytes
-from .plan_application import LayersUnderPlan, engine_settings
-from .plans_by_length import PlansByLength
-from .probes import (
-    NOT_CALLED,
-    LayerProbe,
-    Meter,
-    call_argument_storages,
-    layer_kind,
-    measure_link_bandwidth,
-    probe_layer,
-)
-from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_available
-from .ranks import RankAgreement, runs_alone
-from .search import (
-    STEP_TIME_NOISE,
-    InfeasibleBudgetError,
-    choose_plan,
-    plan_of,
-    prediction_margin_bytes,
-    safe_code,
-    smallest_budget,
-)
-from .sharding import gradient_shard_nbytes, local_nbytes
-from .simulate import (
-    MeasuredStep,
-    Plan,
-    chunk_sizes,
-    simulate,
-    simulated_step,
-    unavailable_tiling,
-)
+from .calibrate import Calibration
+from .measurements import HeldMemory, LongestStep, OwnPeakCounter, budget_bytes
+from .plan_application import LayersUnderPlan
+from .plan_checks import PlanChecks
+from .planning import Planner
+from .probes import Meter
+from .profile import StepProfile, in_proportion
+from .profiled_steps import ProfiledSteps
+from .ranks import AgreedHostCaps, RanksOfThisRun
+from .simulate import Plan
 from .spec import MemoryBudget
 
 __all__ = ["MemoryBudgetController"]
 
 logger = logging.getLogger(__name__)
 
-# What the host spends on each layer that offloads, at least, before anything is measured: the engine's hooks take
-# about 4 us more per tensor offloaded than kept (6 against 2 us, docs/DESIGN.md), a checkpoint sends one tensor and a
-# whole layer 15-25. Enough that a plan keeping an input rather than offloading it for nothing is the faster.
-_INPUT_OFFLOAD_HOST_S = 1e-5
-_SAVED_OFFLOAD_HOST_S = 1e-4
 # The first plan waits for the optimizer's first step at most this many forwards after the profiled ones: an
 # optimizer that is no `torch.optim.Optimizer` calls no step hook, and the safe plan is the slowest.
 _FIRST_PLAN_WAIT_FORWARDS = 64
@@ -160,6 +89,9 @@ class MemoryBudgetController:
     (several VLMs define the language model before the vision tower). A stack is the layers of one container
     (`model.visual.blocks`, `model.language_model.layers`); each has its own number of tokens per step.
 
+    It owns, one concern each: `held_memory` (the memory held between steps), `profiled_steps` (what the first steps
+    measure, and the profile), `plan_checks` (the closed loop) and `planner` (the plan in force, the plans by length).
+
     Args:
         model: the unwrapped model (its decoder layers are found with `find_decoder_layers`).
         engine: the offloading context; its device type decides what is measured.
@@ -176,104 +108,76 @@ class MemoryBudgetController:
         if not named:
             raise ValueError(f"memory_budget needs a transformers model with decoder layers (GradientCheckpointingLayer"
                              f"); {type(model).__name__} has none")  # fmt: skip
-        self._names = [name for name, _ in named]
         self._layers = [layer for _, layer in named]
-        self._stacks = [name.rpartition(".")[0] for name in self._names]
-        # Probed once per kind and stack: layers of one class in two stacks see different tokens and arguments.
-        self._kinds = [(stack, *layer_kind(layer)) for stack, layer in zip(self._stacks, self._layers)]
-        # The plan's and the profile's layer i is `self._layers[self._order[i]]`: the first step's call order, the
-        # layers it did not call last. Until that step is over, the registration order.
-        self._order = list(range(len(self._layers)))
-        self._called: list[int] = []
-        self._stack_starts: set[int] = set()  # each stack's first layer called
-        self._model = weakref.ref(model)
         self._engine = weakref.ref(engine)
         self.memory_budget = memory_budget
-        self._options = options
         self._meter = Meter(engine.device_type)
-        self._budget_bytes()  # a share of the device, or "auto", without a device fails here
-        self.plan: Plan | None = None
-        self._profile: StepProfile | None = None
-        self._measured = StepMeasurements()
+        self.held_memory = HeldMemory(model, self._meter)
+        # What the objects below are given is theirs or these, never the controller: none of them refers to it.
+        budget = functools.partial(budget_bytes, memory_budget, self._meter)
+        budget()  # a share of the device, or "auto", without a device fails here
+        self._ranks = RanksOfThisRun()  # under torch.distributed, the ranks' agreement
         self._phase = _Phase.BEFORE_TRAINING
         self._forwards = 0  # training forwards so far: the steps a plan has run, and how long the first plan waited
         self._measured_step_faulted = False  # `step_faulted` in the measured profiled step
-        self._probing = False
-        self._probes_finished = False
         self._step_tokens = 0  # this step's tokens, in the profile's terms, from the stacks that have started
         self._previous_step_tokens = 0
-        self._warned_over_budget = False
         max_tokens = options.memory_budget_max_tokens
         self._longest = None if max_tokens is None else LongestStep(max_tokens, "memory_budget_max_tokens", True)
-        # The plans made so far, by the tokens each was made for (`_plan_for`), and the generation of what they were
-        # made with: it grows when that changes (the memory held between steps grew, the closed loop corrected a plan
-        # or ended its trial, a step peaked above its plan's prediction), and a plan of an earlier one is not reused.
-        self._plans = PlansByLength()
-        self._generation = 0
-        # The closed loop: per plan code, its clean steps; the code the layers run now, and the forward that
-        # applied it; the step being timed (its start mark), and the corrections made so far.
-        self._samples: dict[str, list[Sample]] = {}
-        self._code = ""
-        self._applied_at = 0
-        self._over_checked = -1  # `_applied_at` of the plan whose measurement a step over the budget ended
-        self._timed_step_start: Any = None
-        self._floor_at_timed_start = 0  # the counter's largest read when the timed step began
-        # `_static_bytes`, summed, as this training forward began (read once a step: a plan made within the forward,
-        # at a layer's start, would count what the step has made so far), and as the timed step began.
-        self._static_at_step_start = 0
-        self._static_at_timed_start = 0
-        self._corrections = 0
-        self._trialled: set[str] = set()  # the codes of the plans run as trials
-        self.calibration = Calibration()  # what the measured plans taught the model, as of rank 0's last plan
         self._peak_counter = OwnPeakCounter(self._meter)
-        # The codes the first step's layers ran, and the memory held as it began (`_record_first_step`).
-        self._first_step_codes: set[str] = set()
-        self._first_step_static = 0
-        self._first_step_read = False  # whether the first step's backward will read the counter as it ends
-        self._parameter_refs: list[tuple[weakref.ref, int]] | None = None  # `_sized_parameters`
+        self.plan_checks = PlanChecks(engine, self._meter, self._peak_counter, self.held_memory, budget,
+                                      self._ranks.agreement)  # fmt: skip
         # The steps of the optimizers that train this model since the controller began (taken off with the context's
         # hooks, or with the controller): whether the optimizer's state can exist yet (`_first_plan_waits`).
         self._optimizer_steps = _OwnOptimizerSteps(model)
-        # Whether a training forward began with gradients held (gradient accumulation): plans then hold them all
-        # through the step (`_profile_now`).
-        self._gradients_accumulate = False
         engine.track_hook(self._optimizer_steps.handle)
-        # Under torch.distributed: the ranks' agreement (made at the first plan, which every rank reaches at once),
-        # the host caps they agreed on at the latest plan, and how this rank estimates its step's tokens before its
-        # layers run: in proportion to its forward's input elements (`_estimated_step_tokens`), from a step whose
-        # tokens and input elements it knows.
-        self._ranks: RankAgreement | None = None
-        self._ranks_known = False
-        self._agreed_host_caps: HostCaps | None = None
+        # Under torch.distributed: the host caps the ranks agreed on at the latest plan, and how this rank estimates
+        # its step's tokens before its layers run: in proportion to its forward's input elements
+        # (`_estimated_step_tokens`), from a step whose tokens and input elements it knows.
+        host_caps = AgreedHostCaps(engine)
         self._input_elements = 0
         self._tokens_per_elements = (0, 0)
-        # Tokens per chunk of a tiled MLP and of a layer tiled whole; 0 where the planner may not tile so.
-        self._tile_tokens = _tile_tokens(model, options.tile_mlp, apply_tiled_mlp, "the MLPs")
-        self._layer_tile_tokens = _tile_tokens(model, options.tile_layer, apply_tiled_layer, "whole layers")
+        self.profiled_steps = ProfiledSteps(model, engine, [name for name, _ in named], self._layers, options,
+                                            self._meter, self.held_memory, self._peak_counter, self.plan_checks,
+                                            host_caps, budget)  # fmt: skip
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
-        self._layers_under_plan = LayersUnderPlan(model, engine, self._layers)
-        engine.track_hook(self._layers_under_plan)
+        layers_under_plan = LayersUnderPlan(model, engine, self._layers)
+        engine.track_hook(layers_under_plan)
+        self.planner = Planner(engine, model, layers_under_plan, self._layer_starts, memory_budget, options,
+                               self._meter, self.held_memory, self.profiled_steps, self.plan_checks, host_caps, budget,
+                               self._ranks.agreement)  # fmt: skip
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
             engine.track_hook(layer.register_forward_pre_hook(hook, with_kwargs=True))
         for _, module in find_output_head(model)[-1:]:  # the final norm (or the head): where the head's phase begins
             engine.track_hook(module.register_forward_pre_hook(self._head_starts))
-        engine.warn_once("budget", f"hf_offload: memory_budget={memory_budget} ({format_bytes(self._budget_bytes())}) "
+        engine.warn_once("budget", f"hf_offload: memory_budget={memory_budget} ({format_bytes(budget())}) "
                          "is set, so hf-offload decides per "
                          "decoder layer whether to checkpoint it (whatever activation_checkpointing says): the first "
                          "two steps are profiled under full checkpointing (or, where that is predicted not to fit, "
                          "a plan made for the first step), then the plan is applied")  # fmt: skip
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan in force; None before the first plan."""
+        return self.planner.plan
+
+    @property
     def profile(self) -> StepProfile | None:
         """The measured step the plan in force was made from (scaled to its tokens); None before the first plan."""
-        return self._profile
+        return self.planner.profile
+
+    @property
+    def calibration(self) -> Calibration:
+        """What the measured plans taught the model, as of rank 0's last plan."""
+        return self.plan_checks.calibration
 
     @property
     def measurements(self) -> dict[str, list[dict[str, Any]]]:
         """Per plan code, the steps the closed loop measured of it (`tokens` in the profile's terms, `seconds`,
         `peak_bytes`, `profiled`, `tail_bytes`): the profiled step, the trial's and the plans' checked steps."""
-        return {code: [dataclasses.asdict(sample) for sample in samples] for code, samples in self._samples.items()}
+        samples_by_code = self.plan_checks.samples.items()
+        return {code: [dataclasses.asdict(sample) for sample in samples] for code, samples in samples_by_code}
 
     def expect_longest_step(self, tokens: int, source: str) -> None:
         """Tells the first plan the longest step the run may see, learned from a trainer's configuration (`source`,
@@ -287,11 +191,7 @@ class MemoryBudgetController:
         if self._longest is None:
             self._longest = LongestStep(tokens, source, strict=False)
 
-    def _budget_bytes(self) -> int:
-        """The user's budget in bytes, on this device."""
-        return self.memory_budget.resolve(self._meter.total())
-
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ the phases
 
     def _training_forward(self, module: nn.Module) -> bool:
         """A forward of the training step: not evaluation, and not a checkpoint's recomputation inside backward
@@ -305,59 +205,44 @@ class MemoryBudgetController:
         self._forwards += 1
         self._previous_step_tokens, self._step_tokens = self._step_tokens, 0
         self._input_elements = _input_elements(args, kwargs)
-        self._static_at_step_start = sum(self._static_bytes())
-        self._gradients_accumulate = self._gradients_accumulate or self._gradients_held()
+        self.held_memory.step_begins()
+        planner, profiled = self.planner, self.profiled_steps
         if self._measured_step_faulted:  # the measured profiled step did not complete: this one is measured instead
             self._measured_step_faulted = False
             self._forwards = 2
-            self._start_measured_step()
+            profiled.start_measured_step()
         elif self._phase is _Phase.BEFORE_TRAINING:
             self._phase = _Phase.FIRST_STEP
-            self._apply("C" * len(self._layers))
-            self._first_step_static = self._static_at_step_start
-            self._peak_counter.reset()
+            planner.apply("C" * len(self._layers), self._forwards)
+            profiled.first_step_begins()
         elif self._phase is _Phase.FIRST_STEP:
             self._phase = _Phase.MEASURED_STEP
-            self._record_first_step()
-            if not self._probes_finished:
+            profiled.record_first_step()
+            if not profiled.probes_finished:
                 self._finish_probes()
             else:  # decided in the first step, before the optimizer made its state: decided again with it
-                self._apply_safe_plan(self._measured.step_tokens)
+                planner.apply_safe_plan(profiled.measured.step_tokens, self._forwards, first_step=False)
             self._take_call_order()
-            self._start_measured_step()
+            profiled.start_measured_step()
         elif self._phase is _Phase.MEASURED_STEP:
             self._phase = _Phase.WAITING
-            self._measured.step_s = self._meter.seconds(self._measured.step_start, self._meter.mark())
-            self._measured.safe_code = self._code
-            engine = self._engine()
-            if self._meter.device is None and engine is not None:  # the last step's statistics: the second's
-                self._measured.head_saved_bytes = int(engine.get_stats()["bytes_kept_exempt"])
-            self._record_profiled_step()
+            profiled.measured_step_ends(planner.code)
             self._first_plan()
         elif self._phase is _Phase.WAITING:
             self._first_plan()
         else:
-            self._close_the_loop()
-            ranks = self._agreement()
+            planner.close_the_loop(self._forwards, self._previous_step_tokens)
+            ranks = self._ranks.agreement()
             if ranks is None:
-                if self._static_grew():
-                    self._generation += 1
-                    self._plan_and_apply(self.plan.tokens)
+                if planner.static_grew():
+                    planner.plan_anew(planner.plan.tokens, self._forwards)
                 return
             # Every rank re-plans, or none: for the longest step of the ranks, or for memory held that grew on one.
-            tokens, grew = ranks.largest([self._estimated_step_tokens(), int(self._static_grew())])
+            tokens, grew = ranks.largest([self._estimated_step_tokens(), int(planner.static_grew())])
             if grew:
-                self._generation += 1
-                self._plan_and_apply(max(tokens, self.plan.tokens))
+                planner.plan_anew(max(tokens, planner.plan.tokens), self._forwards)
             else:
-                self._plan_for(tokens)
-
-    def _start_measured_step(self) -> None:
-        """The second profiled step, which the profile is measured from, begins."""
-        self._measured.held_at_step_start = self._meter.allocated()
-        self._measured.static_at_step_start = self._static_at_step_start
-        self._measured.step_start = self._meter.mark()
-        self._peak_counter.reset()
+                planner.plan_for(tokens, self._forwards)
 
     def step_faulted(self) -> None:
         """The training step under way did not complete: an exception left the region it ran in (one that a caller
@@ -367,62 +252,21 @@ class MemoryBudgetController:
         loop times is not recorded."""
         if self._phase is _Phase.MEASURED_STEP:
             self._measured_step_faulted = True
-        self._timed_step_start = None
+        self.plan_checks.step_faulted()
 
     def _first_plan(self) -> None:
         """Makes the first plan at a training forward's start, for the profiled steps' tokens (under torch.distributed,
         the longest step of the ranks: the profiled ones, or this one), unless it waits (`_first_plan_waits`)."""
         if self._first_plan_waits():
             return
-        tokens = self._measured.step_tokens
-        ranks = self._agreement()
+        tokens = self.profiled_steps.measured.step_tokens
+        ranks = self._ranks.agreement()
         if ranks is not None:
             tokens = ranks.largest([max(tokens, self._estimated_step_tokens())])[0]
-        self._check_longest_step(tokens)
-        self._plan_and_apply(tokens)
+        self.planner.check_longest_step(tokens, self._longest)
+        self.planner.plan_and_apply(tokens, self._forwards)
         self._phase = _Phase.PLANNED
-        self._start_timing()
-
-    def _check_longest_step(self, tokens: int) -> None:
-        """Where the run's longest step is known (`_longest`) and longer than the `tokens` the first plan is for:
-        whether a plan fits it. If none does, an `InfeasibleBudgetError` where the user set the length, a warning
-        where a trainer's configuration gave it; otherwise nothing (its plan is made when such a step comes, as for
-        every longer step). Without this, a budget that fits the profiled steps but not the run's longest is found
-        out at the first step that long, perhaps hours in, which then runs over the budget."""
-        longest = self._longest
-        if longest is None:
-            return
-        measured = self._measured
-        last_stack = self._stacks[self._called[-1]] if self._called else None
-        step_tokens = longest.tokens
-        if last_stack in measured.stack_tokens:  # in the profile's terms (the first stack's tokens)
-            step_tokens = in_proportion(measured.step_tokens, measured.stack_tokens[last_stack], longest.tokens)
-        ranks = self._agreement()
-        if ranks is not None:  # each rank's stacks scale from its own first step: every rank must decide alike
-            step_tokens = ranks.largest([step_tokens])[0]
-        if step_tokens <= tokens:
-            return
-        profile, budget_bytes, margin_bytes = self._planning_inputs(step_tokens)
-
-        def make_plan() -> Plan:
-            plans_measured = self._measured_plans(profile)
-            return self._choose(calibrate(profile, plans_measured)[0], budget_bytes, margin_bytes, plans_measured)
-
-        try:
-            self._on_every_rank(make_plan)
-        except InfeasibleBudgetError as error:
-            text = (f"hf_offload: memory_budget: the longest step this run may see, {longest.tokens} tokens "
-                    f"({longest.source}), fits no plan: {error}")  # fmt: skip
-            if longest.strict:
-                raise InfeasibleBudgetError(
-                    text + " Or lower memory_budget_max_tokens to the longest step that must fit (a longer one then "
-                    "runs over the budget, with a warning).", error.budget_bytes, error.minimum_bytes,
-                    error.lowest_plan) from None  # fmt: skip
-            engine = self._engine()
-            if engine is not None:
-                engine.warn_once("longest_step", text + " Training goes on; such a step, if it comes, runs over the "
-                                 "budget (with a warning). memory_budget_max_tokens makes this an error before "
-                                 "training, for the length given.")  # fmt: skip
+        self.plan_checks.start_timing(self.plan, self.planner.applied_at, self._forwards)
 
     def _first_plan_waits(self) -> bool:
         """Whether the first plan waits: gradients are held as this forward starts (micro-steps accumulate) and no
@@ -434,23 +278,13 @@ class MemoryBudgetController:
         accumulate together."""
         if self._optimizer_steps.count or self._forwards > 3 + _FIRST_PLAN_WAIT_FORWARDS:
             return False
-        if not self._gradients_held():
+        if not self.held_memory.gradients_held():
             return False
         if self._forwards == 3:
             logger.info("hf_offload: memory_budget: gradients accumulate over micro-steps and no optimizer has stepped "
                         "yet; the first plan waits for the optimizer's first step, whose state it must count, and the "
                         "steps run the profiled steps' plan until then")  # fmt: skip
         return True
-
-    def _gradients_held(self) -> bool:
-        """Whether trained parameters hold gradients as this forward starts: micro-steps accumulate them."""
-        return self._gradients()[1]
-
-    def _agreement(self) -> RankAgreement | None:
-        """The ranks' agreement, None when this process trains alone; made at its first use, the first plan."""
-        if not self._ranks_known:
-            self._ranks, self._ranks_known = RankAgreement.of_this_run(), True
-        return self._ranks
 
     def _estimated_step_tokens(self) -> int:
         """This step's tokens in the profile's terms, as estimated before its layers run: in proportion to its input
@@ -475,146 +309,28 @@ class MemoryBudgetController:
                              "costs the speed compiling was for. Use memory_budget without torch.compile, or "
                              "torch.compile without memory_budget.")  # fmt: skip
 
-    def _record_profiled_step(self) -> None:
-        """The second profiled step is the safe plan's first measurement. Its peak, where counted, is the larger of
-        the two phases' counters (reset at the head), with the tail the engine kept in it: the plan, chosen by this
-        measurement, keeps no more of it (`_use`), so its later steps peak where this one did.
-
-        What the step needed after backward is measured where the counter shows it: when the step's peak rose after
-        the end of backward, it is the optimizer step's; else at least what backward left allocated."""
-        measured = self._measured
-        counter_at_backward_end = measured.backward_end_peak
-        peak = self._peak_counter.since_own_reset()
-        static_bytes, gradient_bytes = self._static_bytes()
-        after_backward = [measured.backward_end_allocated or 0]
-        if peak is not None and counter_at_backward_end is not None and peak > counter_at_backward_end:
-            after_backward.append(peak)
-        measured.optimizer_bytes = max(0, max(after_backward) - static_bytes - gradient_bytes)
-        if peak is not None:
-            peak = max(peak, measured.forward_peak or 0)
-        # The safe plan ran with the engine's own prefetch window, sized per step from its largest copy.
-        inputs = [layer.input_bytes for layer in self._profile_now(measured.step_tokens).layers]
-        engine = self._engine()
-        window = engine.prefetch_window_bytes if engine is not None else None
-        predicted = self._model_prediction(
-            measured.step_tokens, self._code, default_prefetch_window_bytes(max(inputs)) if window is None else window
-        )
-        sample = Sample(measured.step_tokens, measured.step_s, peak, profiled=True, tail_bytes=self._tail_kept(),
-                         peak_exact=peak is not None, static_bytes=measured.static_at_step_start,
-                         **predicted)  # fmt: skip
-        self._samples.setdefault(self._code, []).append(sample)
-
-    def _first_step_backward_reached(self, grad: torch.Tensor) -> None:
-        """Backward reached a layer's input in the first step: the counter is read as that backward ends."""
-        queue_after_backward(self._peak_counter.read_at_backward_end)
-
-    def _record_first_step(self) -> None:
-        """The first step's peak as its backward ended, as a measurement of the plan its layers ran (where they all
-        ran one: `C` on every layer, unless the budget had it tiled already). The second step's plan is decided again
-        with the optimizer's state and may tile where plain checkpointing is predicted not to fit, so no later step
-        need run `C`: on a 7B shape the tiled plan then stayed at 1.87x plain checkpointing under a budget at plain
-        checkpointing's measured peak, which the model put within its margin. The first step had run it."""
-        peak = self._peak_counter.take_at_backward_end()
-        if peak is None or len(self._first_step_codes) != 1:
-            return
-        (code,) = self._first_step_codes
-        self._samples.setdefault(code, []).append(Sample(self._measured.step_tokens, None, peak,
-                                                          tail_bytes=self._tail_kept(), peak_exact=True,
-                                                          static_bytes=self._first_step_static,
-                                                          through_backward=True))  # fmt: skip
-
-    def _tail_kept(self) -> int:
-        """What the engine's tail kept in its latest step (the one that just ended, or the one whose head runs)."""
-        engine = self._engine()
-        return int(engine.get_stats().get("bytes_kept_tail", 0)) if engine is not None else 0
-
-    def _steps_to_measure(self) -> int:
-        """How many steps after its first the plan in force is timed before it is checked (a trial's are fewer)."""
-        return TRIAL_MEASURED_STEPS if self.plan is not None and self.plan.trial else MEASURED_STEPS
-
-    def _start_timing(self) -> None:
-        """Times the step that starts now if its plan's check is to come: it is one of the steps measured after the
-        plan's first step (`_steps_to_measure`), and corrections are left (or the plan is a trial)."""
-        self._timed_step_start = None
-        to_check = self._applied_at < self._forwards <= self._applied_at + self._steps_to_measure()
-        trial = self.plan is not None and self.plan.trial
-        if to_check and (trial or self._corrections < MAX_CORRECTIONS):
-            self._timed_step_start = self._meter.mark()
-            self._floor_at_timed_start = self._peak_counter.floor
-            self._static_at_timed_start = self._static_at_step_start
-
-    def _close_the_loop(self) -> None:
-        """At a training forward's start: records the step that just ended if it ran one plan all through and was
-        not that plan's first, and checks the plan (or ends its trial) once it has enough such steps."""
-        ended = self._forwards - 1
-        if self._timed_step_start is not None and ended > self._applied_at and self._previous_step_tokens:
-            seconds = self._meter.seconds(self._timed_step_start, self._meter.mark())
-            # The peak counter is not reset after the profiled steps (that would hide peaks from whoever measures
-            # them over the run, as the benchmarks do): it holds the largest peak since the second step's head, an
-            # upper bound of this step's. Within the budget it proves the step was. A read above every read before
-            # the step is the step's own peak, exactly, whatever the budget: unless the memory held between steps
-            # grew in it (optimizer state created at its end, which the next plan counts as static).
-            peak = self._peak_counter.since_own_reset()
-            exact = peak is not None and peak > self._floor_at_timed_start and not self._static_grew()
-            if peak is not None and peak > self._budget_bytes() and not exact:
-                peak = None
-            window = (self.plan.prefetch_window_bytes or None) if self.plan is not None else None
-            predicted = self._model_prediction(self._previous_step_tokens, self._code, window)
-            self._samples.setdefault(self._code, []).append(Sample(self._previous_step_tokens, seconds, peak,
-                                                                    tail_bytes=self._tail_kept(), peak_exact=exact,
-                                                                    static_bytes=self._static_at_timed_start,
-                                                                    **predicted))  # fmt: skip
-            # A step above what its plan counted (its prediction raised by the correction then): the plans kept for
-            # other lengths were made with a correction now known to be short. Alone only: under torch.distributed
-            # each rank measures its own peaks, and the ranks must reuse the same plans.
-            counted = predicted["predicted_peak_bytes"]
-            if exact and counted is not None and self._profile is not None and self._agreement() is None:
-                if peak > counted + self._profile.peak_correction_bytes:
-                    self._generation += 1
-            # A step over the budget ends the plan's measurement there (alone: under torch.distributed every rank
-            # checks at the same step). Waiting for the others ran a plan that peaked 103 MB above its prediction, up
-            # to 41 MB over the budget, for three steps instead of one (a zoo shape the planner was never tuned on,
-            # 5 layers offloaded whole, H200).
-            first_over = (exact and peak > self._budget_bytes() and self._over_checked != self._applied_at
-                          and self._agreement() is None)  # fmt: skip
-            if first_over:
-                self._over_checked = self._applied_at
-            if ended == self._applied_at + self._steps_to_measure() or first_over:
-                if self.plan.trial:
-                    self._end_trial()
-                else:
-                    self._check_plan()
-        self._start_timing()
-
     def _layer_starts(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         self._warn_if_compiled()
-        if self._probing or not self._training_forward(layer) or not args or not isinstance(args[0], torch.Tensor):
+        profiled = self.profiled_steps
+        if profiled.probing or not self._training_forward(layer) or not args or not isinstance(args[0], torch.Tensor):
             return  # the probes call the layers too
         tokens = args[0].shape[:-1].numel()
-        measured, stack = self._measured, self._stacks[index]
+        measured, stack = profiled.measured, profiled.stacks[index]
         if self._phase is _Phase.FIRST_STEP:
             if not measured.step_tokens:
-                measured.step_tokens, measured.device = tokens, args[0].device
                 self._tokens_per_elements = (tokens, self._input_elements)
-            measured.stack_tokens.setdefault(stack, tokens)
-            measured.call_arguments.update(call_argument_storages(args, kwargs))
-            if index not in self._called:
-                self._called.append(index)
-            if not self._probes_finished and self._kinds[index] not in measured.probes:
-                self._probe(index, layer, args, kwargs)
-            self._first_step_codes.add(self._code)  # as this layer runs: the probes may have tiled the safe plan
-            if not self._first_step_read and args[0].requires_grad:  # read as the step's backward ends
-                self._first_step_read = True
-                args[0].register_hook(self._first_step_backward_reached)
-        elif self.plan is not None and index in self._stack_starts and stack in measured.stack_tokens:
+            if profiled.layer_called(index, layer, args, kwargs):  # every kind of layer is probed
+                self._finish_probes()
+            profiled.layer_runs(self.planner.code, args[0])  # after the probes, which may have tiled the safe plan
+        elif self.plan is not None and index in profiled.stack_starts and stack in measured.stack_tokens:
             # The stack's layers have not run yet: plan for this step if it grew past the plan's tokens.
             self._step_tokens = max(
                 self._step_tokens, in_proportion(measured.step_tokens, measured.stack_tokens[stack], tokens)
             )
-            if self._agreement() is None:
+            if self._ranks.agreement() is None:
                 # A step's tokens are known whole as its only stack starts; with several, a later one may be longer
                 # than the first, and plans for a shorter step would be applied and replaced within it.
-                self._plan_for(self._step_tokens, shorter_plans=len(self._stack_starts) == 1)
+                self.planner.plan_for(self._step_tokens, self._forwards, shorter_plans=len(profiled.stack_starts) == 1)
                 return
             if self._step_tokens <= self.plan.tokens:
                 return
@@ -630,635 +346,51 @@ class MemoryBudgetController:
                                  "agree on before the step's layers run. Later steps are predicted from this one; "
                                  "this one may have exceeded the budget.")  # fmt: skip
 
-    def _probe(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Probes the kind of layer `index` on the arguments of its call, from its pre-hook; once every kind is
-        probed, finishes the profiled steps' set-up."""
-        engine, model = self._engine(), self._model()
-        tile = tile_layer = None
-        if self._tile_tokens and model is not None:
-            tile = functools.partial(apply_tiled_mlp, model, layers=[index])
-        if self._layer_tile_tokens and model is not None:
-            # The probe runs outside the step's output recorders; a tiled layer refuses to run inside them.
-            recorded = recorded_outputs()
-            if recorded:
-                self._no_layer_tiling(f"this forward records {', '.join(recorded)} inside its layers")
-            else:
-                tile_layer = functools.partial(apply_tiled_layer, model, layers=[index])
-        self._probing = True
-        start = time.perf_counter()
-        try:
-            with random_state_untouched(args[0].device), engine.set_aside() if engine else contextlib.nullcontext():
-                probe = probe_layer(layer, args, kwargs, self._meter, tile, tile_layer)
-        finally:
-            self._probing = False
-        self._measured.probes[self._kinds[index]] = probe
-        # What a long first step's plan rests on, said where the step's own time would dwarf the probe's.
-        at_step = probe.profile.scaled(probe.tokens, probe.step_tokens) if probe.tokens else probe.profile
-        logger.info("hf_offload: probed %s on %d of its call's %d tokens in %.2f s: at that call it saves %s "
-                    "(input %s), its backward works in %s more; forward %.1f ms, backward %.1f ms", self._names[index],
-                    probe.tokens, probe.step_tokens, time.perf_counter() - start, format_bytes(at_step.saved_bytes),
-                    format_bytes(at_step.input_bytes), format_bytes(probe.working_at_step()[0]),
-                    at_step.forward_s * 1e3, at_step.backward_s * 1e3)  # fmt: skip
-        if probe.mlp_tiling_error is not None:
-            logger.info("hf_offload: the planner cannot tile the MLPs: %s: %s", self._names[index],
-                        probe.mlp_tiling_error)  # fmt: skip
-            self._tile_tokens = 0
-        if probe.layer_tiling_error is not None:
-            self._no_layer_tiling(f"{self._names[index]}: {probe.layer_tiling_error}")
-        if probe.quadratic_error is not None:
-            logger.info("hf_offload: %s was probed at one length only, so all its bytes are scaled in proportion to "
-                        "the tokens (eager attention's grow with their square): %s", self._names[index],
-                        probe.quadratic_error)  # fmt: skip
-        if self._measured.probes.keys() >= set(self._kinds):
-            self._finish_probes()
-
-    def _no_layer_tiling(self, reason: str) -> None:
-        """The planner does not tile whole layers in this run, and says why in the log."""
-        logger.info("hf_offload: the planner cannot tile whole layers: %s", reason)
-        self._layer_tile_tokens = 0
-
     def _finish_probes(self) -> None:
-        """Once every kind of layer is probed, or the first step is over: the kinds that did not run get an empty
-        profile, the link is measured, and the safe plan is tiled if it must be."""
-        measured, engine = self._measured, self._engine()
-        self._probes_finished = True
-        idle = [index for index, kind in enumerate(self._kinds) if kind not in measured.probes]
-        if idle:
-            logger.info(
-                "hf_offload: %s did not run in the first step: the plan counts nothing for them",
-                ", ".join(self._names[index] for index in idle),
-            )
-            measured.probes.update({self._kinds[index]: NOT_CALLED for index in idle})
-        pin_memory = engine is not None and engine.use_pin_memory
-        allocated = self._meter.allocated()
-        room = None if allocated is None else self._budget_bytes() - allocated
-        with engine.set_aside() if engine is not None else contextlib.nullcontext():
-            measured.d2h_bytes_per_s, measured.h2d_bytes_per_s = measure_link_bandwidth(self._meter, measured.device,
-                                                                                         pin_memory, room)  # fmt: skip
-        self._apply_safe_plan(measured.step_tokens)
+        """Once every kind of layer is probed, or the first step is over: the probes are finished and the link
+        measured (`ProfiledSteps.finish_probes`), and the profiled steps' plan decided for the first step's tokens."""
+        self.profiled_steps.finish_probes()
+        first_step = self._phase is _Phase.FIRST_STEP
+        self.planner.apply_safe_plan(self.profiled_steps.measured.step_tokens, self._forwards, first_step)
 
     def _take_call_order(self) -> None:
-        """After the first step: the plan's order becomes the order it called the layers in, and the head's phase is
-        timed from the end of the last layer it called."""
-        engine = self._engine()
-        self._order = self._called + [index for index in range(len(self._layers)) if index not in self._called]
-        if self._order != sorted(self._order):
-            logger.info("hf_offload: the model calls its decoder layers in another order than it registers them: "
-                        "the plan follows the calls (%s)", self._order)  # fmt: skip
-        self._stack_starts = {next(i for i in self._order if self._stacks[i] == stack) for stack in set(self._stacks)}
-        if engine is not None and self._called:
-            engine.track_hook(self._layers[self._called[-1]].register_forward_hook(self._last_layer_ends))
-            engine.track_hook(self._layers[self._called[0]].register_forward_hook(self._first_layer_ends))
-
-    def _apply_safe_plan(self, tokens: int) -> None:
-        """The profiled steps' plan, once the probes are in, for the step's own tokens, before the layers it decides
-        run.
-
-        The safe plan where it is predicted to fit the budget: every layer fully checkpointed, its input offloaded;
-        its MLP tiled too if it is predicted not to fit untiled and tiling is predicted to lower its peak (at long
-        context an untiled layer's recompute alone can exceed the device); the whole layer tiled if even that is
-        predicted not to fit and tiling whole layers is predicted lower still. Where none of these fits, the
-        planner's plan for this step (`_plan_profiled_steps`): a run whose first step is already long (packing to
-        `max_length`) would otherwise run every input to a full pinned pool and keep the rest on the device (an
-        8B-class model at 327,680 tokens ran out of GPU memory so, where a plan that keeps some inputs and tiles
-        others fitted). The layers that ran before the last kind was probed keep the untiled safe plan in the first
-        step. Decided again as the second step begins, with the memory held then: the optimizer's state, made by the
-        first step's optimizer step (on an H200, 16 layers of S1's shape, AdamW: the first step peaked at 8.29 GiB,
-        the second at 8.92, over a budget of 8.80 GiB that a tiled plan met at 8.69)."""
-        profile = self._profile_now(tokens)
-        budget_bytes = self._budget_bytes()
-        code = safe_code(profile)
-        peak = simulate(profile, code).peak_bytes
-        not_lower = []  # the tilings that could not lower the prediction, and why
-        for letters, available, what in (("Tt", tiling_available, "every MLP"), ("Ll", layer_tiling_available,
-                                                                                  "every layer whole")):  # fmt: skip
-            if peak <= budget_bytes:
-                continue
-            if not available(profile):
-                not_lower.append(f"tiling {what} is not available")
-                continue
-            tiled_code = safe_code(profile, letters)
-            tiled = simulate(profile, tiled_code).peak_bytes
-            if tiled < peak:  # tiling can cost memory (two chunks of 4K on a 7B shape)
-                logger.info("hf_offload: the profiled steps tile %s: plan %r is predicted to peak at %.2f GiB, over "
-                            "the budget of %.2f GiB", what, code, peak / 2**30, budget_bytes / 2**30)  # fmt: skip
-                code, peak = tiled_code, tiled
-            else:
-                not_lower.append(f"tiling {what} is predicted to peak at {tiled / 2**30:.2f} GiB")
-        # Under torch.distributed each rank decides its profiled steps alone, so only between safe plans: they differ
-        # in what they tile and offload, not in which layers they recompute (FSDP's collectives follow those).
-        engine = self._engine()
-        if peak > budget_bytes and engine is not None and runs_alone():
-            planned = self._plan_profiled_steps(profile, budget_bytes)
-            if planned.predicted.peak_bytes < peak:
-                logger.info("hf_offload: the profiled steps run plan %r, made for their %d tokens and predicted to "
-                            "peak at %.2f GiB (budget %.2f GiB; %s): the safe plan %r is predicted to peak at "
-                            "%.2f GiB", planned.code, tokens, planned.predicted.peak_bytes / 2**30,
-                            budget_bytes / 2**30, "over it, the lowest plan the model knows of"
-                            if planned.predicted.peak_bytes > budget_bytes else "within it", code,
-                            peak / 2**30)  # fmt: skip
-                # Not the plan in force (`memory_plan`): the profiled steps run it, and the first plan comes after.
-                settings = engine_settings(planned.code, self._windows(planned), host_cap_bytes=planned.host_cap_bytes)
-                self._apply(planned.code, settings, tile_tokens=planned.tile_tokens,
-                            layer_tile_tokens=planned.layer_tile_tokens)  # fmt: skip
-                return
-        if peak > budget_bytes:  # said, so that a profiled step over the budget can be told apart from a wrong model
-            logger.info("hf_offload: the profiled steps run plan %r, predicted to peak at %.2f GiB, over the budget of "
-                        "%.2f GiB: %s", code, peak / 2**30, budget_bytes / 2**30,
-                        "; ".join(not_lower) or "it is the lowest plan the model knows of")  # fmt: skip
-        if code != self._code:
-            self._apply(code, **chunk_sizes(profile, code))
-
-    def _plan_profiled_steps(self, profile: StepProfile, budget_bytes: int) -> Plan:
-        """The plan for a profiled step that the safe plan is predicted not to fit: the planner's for `profile`, with
-        the pinned pool grown where that is what fits it (`_choose`), or, where no plan fits, the lowest-memory one.
-
-        Raises:
-            InfeasibleBudgetError: in the first step, where even the lowest-memory plan is predicted to exceed the
-                device's memory: the step would run out of it. Otherwise the refusal waits for the first plan, made
-                from the profiled steps' measurements (the model's prediction of a step can be above what it
-                measures).
-        """
-        try:
-            return self._choose(profile, budget_bytes, prediction_margin_bytes(budget_bytes), [])
-        except InfeasibleBudgetError as error:
-            # Less the head's bytes, which the first step only estimates: a refusal rests on what was measured.
-            total = self._meter.total()
-            lowest = error.lowest_plan.predicted.peak_bytes - profile.head_bytes
-            if self._phase is _Phase.FIRST_STEP and total is not None and lowest > total:
-                raise InfeasibleBudgetError(
-                    f"hf_offload: memory_budget: the first step, of {profile.tokens} tokens, fits no plan, and the "
-                    f"lowest-memory one is predicted to exceed the device's {format_bytes(total)}: {error}",
-                    error.budget_bytes, error.minimum_bytes, error.lowest_plan) from None  # fmt: skip
-            return error.lowest_plan
+        """After the first step: the plan's order becomes the order it called the layers in
+        (`ProfiledSteps.take_call_order`), and the head's phase is timed from the end of the last layer it called."""
+        engine, called = self._engine(), self.profiled_steps.called
+        self.profiled_steps.take_call_order()
+        if engine is not None and called:
+            engine.track_hook(self._layers[called[-1]].register_forward_hook(self._last_layer_ends))
+            engine.track_hook(self._layers[called[0]].register_forward_hook(self._first_layer_ends))
 
     def _head_starts(self, module: nn.Module, args: Any) -> None:
         if self._phase is not _Phase.MEASURED_STEP or not self._training_forward(module):
             return
-        self._measured.forward_peak = self._meter.peak()
-        self._peak_counter.reset()
-        self._measured.head_start = self._meter.mark()
+        self.profiled_steps.head_starts()
 
     def _last_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
         tensor = first_tensor(output)
         profiled = self._phase is _Phase.MEASURED_STEP
-        if not (profiled or self._timed_step_start is not None) or not self._training_forward(layer):
+        if not (profiled or self.plan_checks.timing) or not self._training_forward(layer):
             return
         if tensor is None or not tensor.requires_grad:
             return
 
         def head_done(grad: torch.Tensor) -> None:  # backward reaches the last layer: the head's part is over
             if profiled:
-                measured = self._measured
-                measured.head_s = self._meter.seconds(measured.head_start, self._meter.mark())
-                peak = self._meter.peak()
-                # Over the memory held between steps and the tail the engine kept, not over what was allocated as
-                # the head began: the forward leaves more than the plan's layers hold (the last hidden states, about
-                # two layer inputs on every zoo shape), and a plan that keeps every input measured that much above
-                # the model that counted the head from there.
-                measured.head_bytes = None if peak is None else peak - measured.held_at_step_start - self._tail_kept()
-                self._peak_counter.floor = peak or 0
-                queue_after_backward(self._profiled_backward_ends)
+                self.profiled_steps.head_done()
             queue_after_backward(self._peak_counter.read_at_backward_end)
 
         tensor.register_hook(head_done)
 
-    def _profiled_backward_ends(self) -> None:
-        measured = self._measured
-        measured.backward_end_peak, measured.backward_end_allocated = self._meter.peak(), self._meter.allocated()
-
     def _first_layer_ends(self, layer: nn.Module, args: Any, output: Any) -> None:
-        """In the second profiled step: when backward reaches the first layer called, the gradients that do not exist
-        yet, other than the layers' own, come after every layer's backward (the input embeddings')."""
+        """In the second profiled step: when backward reaches the first layer called, the gradients not created yet
+        are counted (`ProfiledSteps.first_layer_reached`)."""
         tensor = first_tensor(output)
         if self._phase is not _Phase.MEASURED_STEP or not self._training_forward(layer):
             return
         if tensor is None or not tensor.requires_grad:
             return
-
-        def first_layer_reached(grad: torch.Tensor) -> None:
-            model = self._model()
-            if model is None:
-                return
-            in_layers = {id(p) for decoder_layer in self._layers for p in decoder_layer.parameters()}
-            self._measured.late_gradient_bytes = sum(
-                p.numel() * p.element_size()
-                for p in model.parameters()
-                if p.requires_grad and p.grad is None and id(p) not in in_layers
-            )
-
-        tensor.register_hook(first_layer_reached)
-
-    # ------------------------------------------------------------------ planning
-
-    def _static_bytes(self) -> tuple[int, int]:
-        """Memory held through the step (what is allocated between steps), and the gradients backward will create
-        (none exist in the forward unless a gradient accumulation step kept them, and then they are held)."""
-        pending_gradients = self._gradients()[0]
-        allocated = self._meter.allocated()
-        if allocated is None:  # CPU test mode: count what must be held
-            parameters = [p for p in (ref() for ref, _ in self._sized_parameters()) if p is not None]
-            allocated = local_nbytes(parameters) + local_nbytes(p.grad for p in parameters if p.grad is not None)
-        return allocated, pending_gradients
-
-    def _profile_now(self, tokens: int) -> StepProfile:
-        """The measured step, scaled to `tokens`: each probe grown to the call it was cut from first, where the
-        step's own measurements (head, step time) were taken."""
-        measured = self._measured
-        engine = self._engine()
-        probes = [measured.probes[self._kinds[index]] for index in self._order]
-        head_bytes = measured.head_bytes
-        if head_bytes is None and self._meter.device is None:  # CPU test mode: what the head and loss saved
-            head_bytes = measured.head_saved_bytes or 0
-        elif head_bytes is None:  # before the measured step: the profiled steps' plan leaves the head room
-            model = self._model()
-            head_bytes = 0 if model is None else first_steps_head_bytes(model, measured.step_tokens)
-        static_bytes, gradient_bytes = self._static_bytes()
-        if self._gradients_accumulate:
-            # Every micro-step of a cycle but the first holds all the gradients from its start, where a step without
-            # them creates them layer by layer in backward. A plan made at a cycle's first micro-step (the first after
-            # the optimizer's step) for the gradients it creates ran the others over the budget by the gradients'
-            # part at the peak: 143 MB of 1.53 GB (H200, a medium Llama, four micro-steps).
-            static_bytes, gradient_bytes = static_bytes + gradient_bytes, 0
-        working_bytes, quadratic_working_bytes = max(probe.working_at_step() for probe in probes)
-        layers = []
-        for index, probe in zip(self._order, probes):
-            layer = probe.profile.scaled(probe.tokens, probe.step_tokens)
-            shard = gradient_shard_nbytes(self._layers[index])
-            layers.append(layer if shard is None else dataclasses.replace(layer, parameter_gradient_bytes=shard))
-        profile = StepProfile(
-            layers=tuple(layers),
-            static_bytes=static_bytes,
-            gradient_bytes=gradient_bytes,
-            head_bytes=max(head_bytes, 0),
-            backward_working_bytes=working_bytes,
-            quadratic_backward_working_bytes=quadratic_working_bytes,
-            head_s=measured.head_s or 0.0,
-            other_s=0.0,
-            d2h_bytes_per_s=measured.d2h_bytes_per_s,
-            h2d_bytes_per_s=measured.h2d_bytes_per_s,
-            host_cap_bytes=self._host_caps().default_bytes if engine is not None else 0,
-            tokens=measured.step_tokens,
-            **_tiled_fields(probes, self._tile_tokens, *_MLP_TILING),
-            **_tiled_fields(probes, self._layer_tile_tokens, *_LAYER_TILING),
-            late_gradient_bytes=min(measured.late_gradient_bytes, gradient_bytes),
-            call_argument_bytes=sum(nbytes for nbytes, _ in measured.call_arguments.values()),
-            quadratic_call_argument_bytes=sum(nbytes for nbytes, square in measured.call_arguments.values() if square),
-            optimizer_bytes=measured.optimizer_bytes,
-            tail_bytes=self._tail_bound_bytes(),
-            input_offload_s=_INPUT_OFFLOAD_HOST_S,
-            saved_offload_s=_SAVED_OFFLOAD_HOST_S,
-        )  # fmt: skip
-        if measured.step_s is not None:  # the rest of the step: what the model of the safe step does not explain
-            # Of the plan that step ran: on a 7B shape whose profiled steps tiled every layer whole, the tiling's time
-            # taken for the rest of the step (229 ms of a 459 ms step against `C`'s model) made plain checkpointing
-            # look as slow as the tiled plan, which stayed (1.87x plain checkpointing, at a budget that fits it).
-            code = measured.safe_code
-            safe = simulate(profile, "C" * len(self._layers) if unavailable_tiling(profile, code) else code)
-            profile = dataclasses.replace(profile, other_s=max(0.0, measured.step_s - safe.step_s))
-        profile = dataclasses.replace(profile, peak_correction_bytes=peak_correction(self._samples, tokens)[0],
-                                      head_reload_hidden_bytes=head_reload_hidden(self._samples, tokens))  # fmt: skip
-        return profile if tokens == profile.tokens else profile.scaled(tokens)
-
-    def _model_prediction(self, tokens: int, code: str, window: int | None) -> dict[str, int | None]:
-        """The model's prediction of plan `code` at `tokens`, with prefetch window `window`, as `Sample`'s fields:
-        its peak and its head's point without reloads, both without the peak's correction, and the reloads the head
-        counts; only a None peak for a code the profile cannot run (a tiled MLP in a step of one chunk)."""
-        profile = self._profile_now(tokens)
-        try:
-            run = simulated_step(profile, code, window)
-        except ValueError:
-            return {"predicted_peak_bytes": None}
-        return {
-            "predicted_peak_bytes": run.peak_bytes - profile.peak_correction_bytes,
-            "head_base_bytes": run.head_base_bytes - profile.peak_correction_bytes,
-            "head_reload_bytes": run.head_reload_bytes,
-        }
-
-    def _tail_bound_bytes(self) -> int:
-        """The most the engine's tail keeps through the head's peak: a forward window of the last offloaded bytes
-        (the head's bytes were measured over what the profiled step kept of it). In the CPU test mode copies finish
-        at once, and nothing is ever left to keep."""
-        if self._engine() is not None and self._options.keep_tail and self._measured.head_bytes is not None:
-            return self._options.forward_window_bytes
-        return 0
-
-    def _sized_parameters(self) -> list[tuple[weakref.ref, int]]:
-        """The model's parameters, held weakly as the model is, with the bytes this rank holds of each; listed once
-        per plan: `model.parameters()` walks every submodule (0.8-2 ms on a 36-layer model), and every training
-        forward counts the gradients still to come (`_gradients`), which at short lengths the host bounds. New
-        parameters are memory held, which makes the plan, and so this list, anew."""
-        if self._parameter_refs is None:
-            model = self._model()
-            parameters = list(model.parameters()) if model is not None else []
-            self._parameter_refs = [(weakref.ref(p), local_nbytes([p])) for p in parameters]
-        return self._parameter_refs
-
-    def _gradients(self) -> tuple[int, bool]:
-        """The bytes of the gradients the trained parameters have yet to get, and whether any of them holds one. One
-        pass over the sized parameters: sizing them each step cost 0.5 ms on a 36-layer model (CPU)."""
-        pending, held = 0, False
-        for ref, nbytes in self._sized_parameters():
-            parameter = ref()
-            if parameter is None or not parameter.requires_grad:
-                continue
-            if parameter.grad is None:
-                pending += nbytes
-            else:
-                held = True
-        return pending, held
-
-    def _static_grew(self) -> bool:
-        """Whether the memory held as this step began (with the gradients pending) grew past what the plan in force
-        was made with, beyond the allocator's noise."""
-        if self._profile is None:
-            return False
-        planned = self._profile.static_bytes + self._profile.gradient_bytes
-        return self._static_at_step_start > planned * (1 + STATIC_GROWTH_TOLERANCE)
-
-    def _plan_and_apply(self, tokens: int) -> None:
-        """Plans for `tokens` per step with the memory held now, on rank 0, and applies the plan on every rank.
-
-        A later step that no plan fits (longer than any before it) runs on the lowest-memory plan, with a warning
-        the first time: an exception there would end a run that may be hours in.
-
-        Raises:
-            InfeasibleBudgetError: for the first plan, made for the profiled steps' tokens: the budget is below the
-                smallest peak any plan reaches (naming it and what dominates it).
-        """
-        self._parameter_refs = None
-        profile, budget_bytes, margin_bytes = self._planning_inputs(tokens)
-        first = self.plan is None
-
-        def make_plan() -> Plan:
-            measured = self._measured_plans(profile)
-            calibrated = self._calibrated(profile, measured)
-            try:
-                plan = self._choose(calibrated, budget_bytes, margin_bytes, measured)
-            except InfeasibleBudgetError as error:
-                if first:
-                    raise
-                return error.lowest_plan
-            return (self._trial(calibrated, plan, measured, budget_bytes, margin_bytes) if first else None) or plan
-
-        self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
-
-    def _plan_for(self, tokens: int, shorter_plans: bool = True) -> None:
-        """Puts in force a plan for a step of `tokens`: the plan kept for the shortest length at least `tokens`, unless
-        that length is more than a length step above the step's (`PlansByLength.length_for`) and `shorter_plans`: then
-        a plan made for the step's length step, which may keep more. A step longer than every kept plan's gets a plan
-        for its own length; one that no plan fits, its lowest-memory plan, which then serves the steps up to its
-        length that no plan kept for a shorter length fits.
-
-        Why plans for shorter steps: under a budget near the minimum of the longest steps, their plan tiled layers,
-        and with it in force the shorter steps ran tiled too, at 0.8-1.7 s a step where plain checkpointing, which
-        fitted them, ran 0.35-0.45 s (H200, `benchmarks/dynamic_padding.py`, lengths over a 2x range). Not while a
-        trial runs (its steps are the trial's), nor below a plan that keeps every layer (nothing is faster). Plans
-        made before what the controller knows changed are dropped (`_generation`), but for the one in force. Under
-        torch.distributed every rank decides alike: the ranks agree on `tokens`, and every kept plan is rank 0's."""
-        kept = self._plans.covering(tokens, self._generation, self.plan)
-        if kept is None:
-            self._plan_and_apply(tokens)
-            return
-        length = self._plans.length_for(tokens)
-        keeps_everything = kept.plan.code == "K" * len(kept.plan.code)
-        if shorter_plans and kept.plan.tokens > length and not keeps_everything and not self.plan.trial:
-            self._plan_and_apply(length)
-            return
-        if kept.plan is not self.plan:
-            if kept.plan.code != self.plan.code:  # between plans of one code only the windows change: not logged
-                logger.info("hf_offload: a step of %d tokens: plan %r, made for %d, is in force again", tokens,
-                            kept.plan.code, kept.plan.tokens)  # fmt: skip
-            self._put_in_force(kept.plan, kept.profile)
-
-    def _choose(self, profile: StepProfile, budget_bytes: int, margin_bytes: int, measured: list[MeasuredStep],
-                measured_only: bool = False) -> Plan:  # fmt: skip
-        """`choose_plan`, with the pinned pool's cap raised down to the host's reserve where that is what makes the
-        step fit (`host.choose_plan_with_host`).
-
-        Raises:
-            InfeasibleBudgetError: as `choose_plan`, with the most host the pool may take.
-        """
-        caps = self._host_caps() if self._engine() is not None else None
-        return choose_plan_with_host(
-            lambda candidate: choose_plan(candidate, budget_bytes, margin_bytes, measured, measured_only=measured_only),
-            profile, caps.most_bytes if caps is not None else profile.host_cap_bytes,
-            caps.reserve_bytes if caps is not None else 0,
-        )  # fmt: skip
-
-    def _on_every_rank(self, make_plan: Callable[[], Plan]) -> Plan:
-        """`make_plan()`, or under torch.distributed rank 0's plan on every rank (`RankAgreement.rank_zeros_plan`)."""
-        ranks = self._agreement()
-        return make_plan() if ranks is None else ranks.rank_zeros_plan(make_plan)
-
-    def _planning_inputs(self, tokens: int) -> tuple[StepProfile, int, int]:
-        """What every plan starts from: the host caps agreed across ranks, then the profile scaled to `tokens`, the
-        budget in bytes and the prediction's margin within it."""
-        self._agree_on_host_caps()
-        profile = self._profile_now(tokens)
-        budget_bytes = self._budget_bytes()
-        return profile, budget_bytes, prediction_margin_bytes(budget_bytes)
-
-    def _agree_on_host_caps(self) -> None:
-        """Under torch.distributed, before each plan: the host caps that every rank's pool can count on."""
-        ranks, engine = self._agreement(), self._engine()
-        if ranks is not None and engine is not None:
-            self._agreed_host_caps = ranks.smallest_host_caps(engine.host_caps())
-
-    def _host_caps(self) -> HostCaps:
-        """The pinned host memory a plan may count on: this rank's pool's, or under torch.distributed the smallest of
-        the ranks' pools' as agreed before the latest plan (rank 0 plans for every rank, and sets every rank's cap).
-        Only while the engine lives."""
-        return self._agreed_host_caps or self._engine().host_caps()
-
-    def _calibrated(self, profile: StepProfile, measured: list[MeasuredStep]) -> StepProfile:
-        """`profile` with what the measured plans teach the model (`calibrate`), which is kept for the log."""
-        calibrated, self.calibration = calibrate(profile, measured)
-        return calibrated
-
-    def _trial(self, profile: StepProfile, plan: Plan, measured: list[MeasuredStep], budget_bytes: int,
-               margin_bytes: int) -> Plan | None:  # fmt: skip
-        """The closed loop's trial before the first plan: every layer fully checkpointed with its input kept, where
-        it is predicted to fit (with the margin, as any plan), was not measured yet, and the plan chosen is another
-        that does not keep every layer (nothing is faster than that). The profiled steps measured the same with the
-        inputs offloaded; the two differ by what the host spends on offloading, which the model of the GPU's time
-        has not, and which made plans slower than plain checkpointing on short steps (`calibrate`). None when no
-        trial is to run."""
-        code = "c" * len(profile.layers)
-        if plan.code in (code, "K" * len(profile.layers)) or any(step.code == code for step in measured):
-            return None
-        trial = plan_of(profile, code, budget_bytes, margin_bytes)
-        if not trial.fits(margin_bytes):
-            return None
-        return dataclasses.replace(trial, trial=True, time_scale=plan.time_scale)
-
-    def _check_plan(self) -> None:
-        """The closed loop's check of the plan in force, after its `MEASURED_STEPS` clean steps: plans again, for
-        the same tokens, with every plan's measurements, and switches (a correction, logged with its figures) when
-        the plan in force ran `STEP_TIME_NOISE` slower than the answer is expected to run, or peaked over the
-        budget in one of its steps (whatever its speed: on two H200s, FSDP2 with ranks of different lengths, the plan
-        made for the longest step peaked 1.3% over the budget there, 2.7% above its prediction, and was kept for
-        being faster than the plan that fitted). Rank 0 decides."""
-        profile, budget_bytes, margin_bytes = self._planning_inputs(self.plan.tokens)
-        in_force = self.plan
-
-        def make_plan() -> Plan:
-            measured = self._measured_plans(profile)
-            ran = next((step for step in measured if step.code == in_force.code), None)
-            # None: its steps were all shorter than one tiled chunk (the model has no such step); no time: none timed
-            if ran is None or ran.step_s is None:
-                return in_force
-            calibrated = self._calibrated(profile, measured)
-            over = ran.peak_bytes is not None and ran.peak_bytes > budget_bytes
-            try:
-                last = self._corrections + 1 == MAX_CORRECTIONS  # then keep the best measured plan
-                better = self._choose(calibrated, budget_bytes, margin_bytes, measured, measured_only=last)
-            except InfeasibleBudgetError as error:
-                if not over:  # no plan is predicted to fit now, the one in force ran within: growth re-plans handle it
-                    return in_force
-                better = error.lowest_plan  # `_use` warns that it runs over the budget
-            expected_s = better.expected_step_s
-            if better.code == in_force.code or (not over and ran.step_s <= expected_s * (1 + STEP_TIME_NOISE)):
-                return in_force
-            logger.info("hf_offload: closed loop, correction %d of at most %d: plan %r ran in %.2f ms a step (the "
-                        "fastest of %d steps at %d tokens, predicted %.2f ms)%s; plan %r replaces it, %s %.2f ms%s; "
-                        "learned: %s",
-                        self._corrections + 1, MAX_CORRECTIONS, in_force.code, ran.step_s * 1000,
-                        len(self._samples[in_force.code]), profile.tokens, in_force.predicted.step_s * 1000,
-                        f" and peaked at {ran.peak_bytes} bytes, over the budget of {budget_bytes}" if over else "",
-                        better.code,
-                        "measured at" if better.time_measured else "expected at", expected_s * 1000,
-                        "" if better.measured is None or better.measured.peak_bytes is None
-                        else f" with a peak of {better.measured.peak_bytes} bytes",
-                        self.calibration.describe())  # fmt: skip
-            return better
-
-        new_plan = self._on_every_rank(make_plan)
-        if new_plan.code != in_force.code:
-            self._corrections += 1
-            self._generation += 1  # what the model learned made this plan: the plans kept are from before
-            self._use(new_plan, profile, budget_bytes, margin_bytes)
-
-    def _end_trial(self) -> None:
-        """The trial's steps are measured: plans with them (not a correction), and says in one line of the log what
-        was measured and learned."""
-        trial = self.plan
-        self._trialled.add(trial.code)
-        profile, budget_bytes, margin_bytes = self._planning_inputs(trial.tokens)
-
-        def make_plan() -> Plan:
-            measured = self._measured_plans(profile)
-            calibrated = self._calibrated(profile, measured)
-            try:
-                plan = self._choose(calibrated, budget_bytes, margin_bytes, measured)
-            except InfeasibleBudgetError as error:  # the trial ran over the budget, and the safe plan too
-                plan = error.lowest_plan
-            times = ", ".join(f"{step.code!r} " + ("its peak only" if step.step_s is None else
-                                                    f"{step.step_s * 1000:.2f} ms") for step in measured)  # fmt: skip
-            logger.info("hf_offload: closed loop, trial of plain checkpointing (every input kept) over %d steps at %d "
-                        "tokens: measured %s; learned: %s; plan %r, %s %.2f ms", TRIAL_MEASURED_STEPS,
-                        profile.tokens, times, self.calibration.describe(), plan.code,
-                        "measured at" if plan.time_measured else "expected at",
-                        plan.expected_step_s * 1000)  # fmt: skip
-            return plan
-
-        self._generation += 1  # the plans kept before the trial were made without what it measured
-        self._use(self._on_every_rank(make_plan), profile, budget_bytes, margin_bytes)
-
-    def _measured_plans(self, profile: StepProfile) -> list[MeasuredStep]:
-        """What each plan run so far measured, scaled to `profile` (`closed_loop.measured_plans`), its peaks grown by
-        what the memory held grew since their steps began."""
-        return measured_plans(self._samples, profile, self._profile_now, self._budget_bytes(),
-                              self._static_at_step_start, self._gradients_accumulate, self._trialled)  # fmt: skip
-
-    def _use(self, new_plan: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
-        """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows, and
-        keeps it for the steps of its length (`_plan_for`); says so in the log, and warns where it does not fit the
-        budget."""
-        if not new_plan.fits(margin_bytes):
-            self._over_budget(new_plan, profile, budget_bytes, margin_bytes)
-        self._plans.keep(new_plan, profile, self._generation)
-        self._put_in_force(new_plan, profile)
-        logger.info("hf_offload: memory budget %s\n%s", self.memory_budget, new_plan.format_table())
-        if profile.peak_correction_bytes:
-            logger.info("hf_offload: closed loop: plan %r peaked above the model's prediction of it; the predicted "
-                        "peaks above are raised by %d bytes (its excess, in proportion to this step's tokens where "
-                        "they are more)", peak_correction(self._samples, profile.tokens)[1],
-                        profile.peak_correction_bytes)  # fmt: skip
-        engine = self._engine()
-        if new_plan.inputs_kept_for_host:
-            engine.warn_once("host_cap", f"hf_offload: {len(new_plan.inputs_kept_for_host)} checkpointed layers "
-                             "keep their input on the GPU: the pinned host memory cap "
-                             f"({new_plan.host_cap_bytes / 2**30:.1f} GiB"
-                             f"{', grown down to the host memory reserve' if new_plan.host_growth else ''}) is full. "
-                             "Raise activation_offloading_max_pinned_memory_fraction (or max_pinned_mib), or lower "
-                             "activation_offloading_host_memory_reserve_mib, if the host has the room.")  # fmt: skip
-
-    def _windows(self, plan: Plan) -> CopyWindows:
-        """The engine's copy windows under `plan`: its forward window (at least the option's), its prefetch window and
-        the head's (None: the engine's default)."""
-        forward_window = max(plan.forward_window_bytes, self._options.forward_window_bytes)
-        return CopyWindows(forward_window, plan.prefetch_window_bytes or None, plan.head_prefetch_window_bytes or None)
-
-    def _put_in_force(self, new_plan: Plan, profile: StepProfile) -> None:
-        """Makes `new_plan` (made from `profile`) the plan in force, on the layers and in the engine's windows. From
-        a plan whose layers act alike (a plan kept for another length, `_plan_for`), only the windows change: the
-        layers are not wrapped anew, and the steps go on counting as that code's for the closed loop, which would
-        otherwise start measuring again at each switch and, with lengths varying step to step, never check a plan."""
-        previous, self.plan, self._profile = self.plan, new_plan, profile
-        # The engine keeps no more of its tail than the plan counted (the tail only grows, and a budget at the
-        # plan's peak would not hold more): a plan chosen by its measured peak, what its measured steps kept; a
-        # predicted one, the copies the model has unfinished as the forward ends. Copies beyond it are drained
-        # before the head (time the model counts), not kept on top of the loss.
-        samples = self._samples.get(new_plan.code) if new_plan.measured is not None else None
-        tail_cap = max(sample.tail_bytes for sample in samples) if samples else new_plan.predicted.tail_bytes
-        # The pool's cap is the one it planned with: raised, where it grew the pool.
-        settings = engine_settings(new_plan.code, self._windows(new_plan), tail_cap, new_plan.host_cap_bytes, new_plan)
-        acts = (new_plan.code, new_plan.tile_tokens, new_plan.layer_tile_tokens)  # what the layers are given
-        if previous is not None and (previous.code, previous.tile_tokens, previous.layer_tile_tokens) == acts:
-            self._layers_under_plan.apply_engine_settings(settings)
-        else:
-            self._apply(new_plan.code, settings, tile_tokens=new_plan.tile_tokens,
-                        layer_tile_tokens=new_plan.layer_tile_tokens)  # fmt: skip
-        release_unusable_cache(new_plan.predicted.peak_bytes)
-
-    def _over_budget(self, lowest: Plan, profile: StepProfile, budget_bytes: int, margin_bytes: int) -> None:
-        """Says that this step runs on the lowest-memory plan, over the budget: a warning once, then in the log."""
-        peak = lowest.predicted.peak_bytes
-        fitting = smallest_budget(peak, budget_bytes, margin_bytes)
-        message = (f"hf_offload: no plan fits memory_budget={self.memory_budget} ({budget_bytes} bytes) at training "
-                   f"forward {self._forwards}: {lowest.tokens} tokens (in the profiled step's terms), "
-                   f"{profile.static_bytes} bytes held between steps. It runs on the lowest-memory plan "
-                   f"{lowest.code!r}, predicted to peak at {peak / 2**30:.2f} GiB ({peak} bytes; a budget of "
-                   f"{fitting} bytes would fit it), and so do the later steps up to that length that "
-                   "no plan for a shorter length fits. Raise the budget or cap the sequence length to stay within "
-                   "it.")  # fmt: skip
-        if self._warned_over_budget:
-            logger.info(message)
-        else:
-            self._warned_over_budget = True
-            logger.warning(message)
-
-    def _apply(self, code: str, settings: EngineSettings | None = None, tile_tokens: int = 0,
-               layer_tile_tokens: int = 0) -> None:  # fmt: skip
-        """Applies the plan `code`, in the plan's order, to the layers and `settings` to the engine
-        (`LayersUnderPlan.apply`); without settings (the profiled steps' plans), the engine's windows and caps stay as
-        they are."""
-        if self._engine() is None or self._model() is None:
-            return
-        self._code, self._applied_at = code, self._forwards
-        settings = engine_settings(code) if settings is None else settings
-        self._layers_under_plan.apply(code, self._order, settings, self._layer_starts, tile_tokens, layer_tile_tokens)
-
-
-# A tiling's fields of the step's profile (its chunk's tokens, its backward's working bytes, one chunk's bytes, its
-# backward's whole-sequence phase) and the probe's fields they come from (the working bytes, the chunk's bytes per
-# token, the whole-sequence phase's bytes).
-_MLP_TILING = ("tile_tokens", "tiled_backward_working_bytes", "tile_chunk_bytes", "tiled_backward_sequence_bytes",
-               "tiled_working_bytes", "chunk_bytes_per_token", "tiled_sequence_bytes")  # fmt: skip
-_LAYER_TILING = ("layer_tile_tokens", "layer_tiled_backward_working_bytes", "layer_tile_chunk_bytes",
-                 "layer_tiled_backward_sequence_bytes", "layer_tiled_working_bytes", "layer_chunk_bytes_per_token",
-                 "layer_tiled_sequence_bytes")  # fmt: skip
+        tensor.register_hook(self.profiled_steps.first_layer_reached)
 
 
 class _OwnOptimizerSteps:
@@ -1296,43 +428,6 @@ class _OwnOptimizerSteps:
             self._counts[optimizer] = counts
         if counts:
             self.count += 1
-
-
-def _tiled_fields(
-    probes: list[LayerProbe],
-    tile_tokens: int,
-    tokens_field: str,
-    working_field: str,
-    chunk_field: str,
-    sequence_field: str,
-    probe_working: str,
-    probe_per_token: str,
-    probe_sequence: str,
-) -> dict[str, int]:
-    """A tiling's four fields of the step's profile (`StepProfile.tile_tokens`, `tiled_backward_working_bytes`,
-    `tile_chunk_bytes`, `tiled_backward_sequence_bytes`, or those of a layer tiled whole) from the probes: zeros
-    unless every probe measured it (the whole-sequence phase: zero unless one did)."""
-    if not tile_tokens or any(getattr(probe, probe_working) is None for probe in probes):
-        return {tokens_field: 0, working_field: 0, chunk_field: 0, sequence_field: 0}
-    return {tokens_field: tile_tokens,
-            working_field: max(probe.at_step(getattr(probe, probe_working)) for probe in probes),
-            chunk_field: math.ceil(max(getattr(probe, probe_per_token) for probe in probes) * tile_tokens),
-            sequence_field: max(probe.at_step(getattr(probe, probe_sequence) or 0) for probe in probes)}  # fmt: skip
-
-
-def _tile_tokens(model: nn.Module, option: str | bool, apply: Callable[..., Any], what: str) -> int:
-    """Tokens per chunk for the planner's tiling of one kind (`apply_tiled_mlp`, `apply_tiled_layer`): the model's
-    hidden size under the option's "auto", where every decoder layer can be tiled so (checked by tiling and untiling
-    them, which changes nothing when one cannot); else 0, and the log says why."""
-    if option != "auto":
-        return 0
-    tokens = default_tokens_per_chunk(model)
-    try:
-        apply(model, tokens).remove()
-    except ValueError as error:
-        logger.info("hf_offload: the planner cannot tile %s: %s", what, error)
-        return 0
-    return tokens
 
 
 def _input_elements(args: tuple, kwargs: dict[str, Any]) -> int:

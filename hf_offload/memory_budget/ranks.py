@@ -8,21 +8,24 @@ ranks agree on the largest step and the smallest host caps, and decide together 
 that entered a plan's broadcast alone would wait for the others forever.
 
 The agreements are small integer messages exchanged over a gloo group of their own, on the host: over NCCL, each
-would wait for the device to finish the work queued before it.
+would wait for the device to finish the work queued before it. `AgreedHostCaps` holds the host caps agreed before
+the latest plan, which every plan made since counts on.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..engine import OffloadActivations
 from ..host_memory import HostCaps
 from .search import InfeasibleBudgetError
 from .simulate import Plan
 
-__all__ = ["RankAgreement"]
+__all__ = ["RanksOfThisRun", "AgreedHostCaps", "RankAgreement"]
 
 
 class RankAgreement:
@@ -79,6 +82,44 @@ class RankAgreement:
             text, budget_bytes, minimum_bytes, lowest = message[0]["refused"]
             raise InfeasibleBudgetError(text, budget_bytes, minimum_bytes, Plan.from_dict(lowest))
         return Plan.from_dict(message[0]["plan"])
+
+
+class AgreedHostCaps:
+    """The pinned host memory a plan may count on: this rank's pool's, or under torch.distributed the smallest of the
+    ranks' pools' as agreed before the latest plan (rank 0 plans for every rank, and sets every rank's cap).
+
+    Args:
+        engine: the offloading context whose pinned pool it is, held weakly.
+    """
+
+    def __init__(self, engine: OffloadActivations) -> None:
+        self._engine = weakref.ref(engine)
+        self._agreed: HostCaps | None = None
+
+    def agree(self, ranks: RankAgreement | None) -> None:
+        """Under torch.distributed (`ranks`), before each plan: the host caps that every rank's pool can count on."""
+        engine = self._engine()
+        if ranks is not None and engine is not None:
+            self._agreed = ranks.smallest_host_caps(engine.host_caps())
+
+    def caps(self) -> HostCaps:
+        """The caps a plan counts on now. Only while the engine lives."""
+        return self._agreed or self._engine().host_caps()
+
+
+class RanksOfThisRun:
+    """The ranks' agreement of this run (`RankAgreement.of_this_run`), made at its first use: the first plan, which
+    every rank reaches at once (making it can be a collective)."""
+
+    def __init__(self) -> None:
+        self._agreement: RankAgreement | None = None
+        self._known = False
+
+    def agreement(self) -> RankAgreement | None:
+        """The ranks' agreement, None when this process trains alone."""
+        if not self._known:
+            self._agreement, self._known = RankAgreement.of_this_run(), True
+        return self._agreement
 
 
 def runs_alone() -> bool:

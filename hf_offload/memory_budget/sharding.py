@@ -52,7 +52,7 @@ def gathered_for_probe(layer: nn.Module) -> Iterator[int]:
     recorders see nothing outside the step's context), on parameters that the step's call gathered already where
     transformers checkpoints `forward`, after the hooks (5.2x), or that `unshard()` gathers here and `reshard()`
     frees again where it checkpoints the whole call and the probe runs before the hooks (5.17,
-    `controller._StartsBeforeTheCall`). Every rank probes the same kinds of layer in the same step, so every rank
+    `plan_application._StartsBeforeTheCall`). Every rank probes the same kinds of layer in the same step, so every rank
     joins the gather's collective.
     """
     if FSDPModule is None or not isinstance(layer, FSDPModule):

@@ -379,13 +379,14 @@ def test_plain_checkpointing_is_tried_and_the_plan_chosen_after_it_is_no_slower(
     peaks, losses = step_peaks(model, batch, ctx, steps, seen)
     controller = ctx.budget_controller
     measured = {code: [None if sample.seconds is None else round(sample.seconds * 1000, 2) for sample in samples]
-                for code, samples in controller._samples.items()}  # fmt: skip
+                for code, samples in controller.plan_checks.samples.items()}  # fmt: skip
     record("trial", {"budget": budget, "plans": seen, "step_peaks": peaks, "measured_ms": measured,
                      "learned": controller.calibration.describe(), "plan": ctx.memory_plan.code,
                      "expected_ms": ctx.memory_plan.expected_step_s * 1000}, show=True)  # fmt: skip
     assert seen[2:5] == [("c" * layers, True, "planned")] * 3
     assert not ctx.memory_plan.trial
-    trial_s = sorted(sample.seconds for sample in controller._samples["c" * layers] if sample.seconds is not None)
+    trial = controller.plan_checks.samples["c" * layers]
+    trial_s = sorted(sample.seconds for sample in trial if sample.seconds is not None)
     assert ctx.memory_plan.expected_step_s <= trial_s[len(trial_s) // 2]
     assert max(peaks) <= budget, f"step peaks {peaks} over the budget {budget}"
     assert torch.equal(torch.stack(losses), torch.stack(reference))
@@ -586,7 +587,7 @@ def test_with_gradient_accumulation_the_named_minimum_counts_the_optimizers_stat
     peaks, plans, losses = accumulated_peaks(model, batch, ctx, micro_steps, accumulation,
                                              lambda: ctx.memory_plan is not None)  # fmt: skip
     over = [step for step, peak in enumerate(peaks) if peak > budget]
-    codes = set(controller._samples) | {ctx.memory_plan.code}
+    codes = set(controller.plan_checks.samples) | {ctx.memory_plan.code}
     record("accumulation", {"budget": budget, "by_measurement": measured, "step_peaks": peaks, "over": over,
                             "planned_after": plans, "plans": sorted(codes)}, show=True)  # fmt: skip
     assert plans[:4] == [False] * 4 and plans[4], "the first plan is made as micro-step 5 begins"

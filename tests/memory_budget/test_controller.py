@@ -17,7 +17,10 @@ import transformers
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 from hf_offload.host_memory import HostMemory
 from hf_offload.memory_budget import controller as controller_module
+from hf_offload.memory_budget import plan_checks as plan_checks_module
+from hf_offload.memory_budget import planning as planning_module
 from hf_offload.memory_budget import probes
+from hf_offload.memory_budget import profiled_steps as profiled_steps_module
 from hf_offload.memory_budget.calibrate import Calibration
 from hf_offload.memory_budget.closed_loop import Sample
 from hf_offload.memory_budget.search import plan_of, safe_code
@@ -283,7 +286,7 @@ def test_shorter_steps_get_a_plan_of_their_own_that_keeps_more_and_longer_ones_t
     ]
     # Once what the controller knows changes (a correction, the trial's end, memory held that grew, a step above its
     # plan's prediction), the plans kept from before are made again rather than reused.
-    run.context.budget_controller._generation += 1
+    run.context.budget_controller.planner.generation += 1
     train(run.model, run.context, steps=2, lengths=(16, 8))
     assert run.context.memory_plan.tokens == 16 and run.context.memory_plan is not short_plan
 
@@ -462,7 +465,8 @@ def test_the_second_profiled_step_is_tiled_when_the_memory_held_since_the_first_
     # Planned in the third step with every gradient held, as a step that began with gradients held makes plans
     # (gradient accumulation); the first step, before any were held, creates them in backward.
     held = roomy.budget_controller.profile
-    gradients = sum(nbytes for ref, nbytes in roomy.budget_controller._sized_parameters() if ref().requires_grad)
+    sized = roomy.budget_controller.held_memory.sized_parameters()
+    gradients = sum(nbytes for ref, nbytes in sized if ref().requires_grad)
     assert held.gradient_bytes == 0
     profile = dataclasses.replace(held, static_bytes=held.static_bytes - gradients, gradient_bytes=gradients)
     first, second, second_tiled = (simulate(p, letter * LAYERS).peak_bytes for p, letter in
@@ -509,8 +513,8 @@ def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
     # The rest of the step is what the profiled step's time leaves beyond the model of the plan it ran, tiled here:
     # against `C`'s model the tiling's own time counted as the rest of every plan's step.
     controller = context.budget_controller
-    controller._measured.step_s = 10.0  # a step longer than either model: nothing clamped to zero
-    profile = controller._profile_now(controller._measured.step_tokens)
+    controller.profiled_steps.measured.step_s = 10.0  # a step longer than either model: nothing clamped to zero
+    profile = controller.profiled_steps.profile_now(controller.profiled_steps.measured.step_tokens)
     untimed = dataclasses.replace(profile, other_s=0.0)
     assert simulate(untimed, "L" * LAYERS).step_s != simulate(untimed, "C" * LAYERS).step_s
     assert profile.other_s == pytest.approx(10.0 - simulate(untimed, "L" * LAYERS).step_s)
@@ -601,7 +605,7 @@ def test_the_profiled_steps_tile_only_where_tiling_is_predicted_to_lower_the_pea
     """On the zoo's Mistral-7B shape the profiled steps of a budget below every plan tiled the MLPs and measured
     16.72 GiB, where untiled they measured 16.51: the refusal then named the higher as the smallest budget known to
     work. Here tiling is predicted to cost memory, and the profiled steps of a budget nothing fits stay untiled."""
-    from hf_offload.memory_budget import controller as module
+    from hf_offload.memory_budget import planning as module
 
     real = module.simulate
 
@@ -610,6 +614,7 @@ def test_the_profiled_steps_tile_only_where_tiling_is_predicted_to_lower_the_pea
         return dataclasses.replace(predicted, peak_bytes=predicted.peak_bytes * 10) if "T" in code else predicted
 
     monkeypatch.setattr(module, "simulate", tiling_costs_more)
+    monkeypatch.setattr(profiled_steps_module, "simulate", tiling_costs_more)
     _, _, seen, _ = long_run(1024, steps=2)
     assert seen == [[False] * LAYERS] * 2
 
@@ -665,9 +670,10 @@ def test_long_steps_are_probed_on_their_first_tokens(monkeypatch):
     full = long_run(10 * 2**30, steps=3)[1].budget_controller
     monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", 64)
     cut = long_run(10 * 2**30, steps=3)[1].budget_controller
-    [cut_probe], [full_probe] = cut._measured.probes.values(), full._measured.probes.values()  # one kind of layer
-    assert (cut_probe.tokens, cut_probe.step_tokens, cut._measured.step_tokens) == (64, 128, 128)
-    assert (full_probe.tokens, full_probe.step_tokens, full._measured.step_tokens) == (128, 128, 128)
+    cut_measured, full_measured = cut.profiled_steps.measured, full.profiled_steps.measured
+    [cut_probe], [full_probe] = cut_measured.probes.values(), full_measured.probes.values()  # one kind of layer
+    assert (cut_probe.tokens, cut_probe.step_tokens, cut_measured.step_tokens) == (64, 128, 128)
+    assert (full_probe.tokens, full_probe.step_tokens, full_measured.step_tokens) == (128, 128, 128)
     # Scaled back to 128 tokens, the first 32 tokens of each sequence predict the whole, eager attention's scores
     # included: the probe separates what grows with the square of the length (batch x heads x 64 x 64 x fp32, the
     # softmax's output), exactly. What does not grow at all (a few KiB) is scaled in proportion, hence the cut probe's
@@ -768,9 +774,10 @@ def test_corrections_are_bounded_and_then_steps_are_no_longer_timed(monkeypatch,
         return plan_of(profile, code, budget_bytes, margin_bytes)
 
     monkeypatch.setattr(meter, "mark", slow_once_planned)
-    monkeypatch.setattr(controller_module, "choose_plan", another_plan)
+    monkeypatch.setattr(planning_module, "choose_plan", another_plan)
     # What the slow steps would teach the model (every time scaled up) is not what this test is about.
-    monkeypatch.setattr(controller_module, "calibrate", lambda profile, measured: (profile, Calibration()))
+    monkeypatch.setattr(planning_module, "calibrate", lambda profile, measured: (profile, Calibration()))
+    monkeypatch.setattr(plan_checks_module, "calibrate", lambda profile, measured: (profile, Calibration()))
     with caplog.at_level(logging.INFO, logger="hf_offload"):
         train(model, context, steps=16)
         timed = len(marks)
@@ -814,26 +821,26 @@ def test_a_measured_peak_grows_with_the_memory_held_since_its_step(monkeypatch):
     assert context.memory_plan.code == "CCCC" and context.memory_plan.measured.peak_bytes == measured_peak
 
     def safe_peak() -> int | None:
-        profile = controller._profile_now(controller.profile.tokens)
-        return next(step.peak_bytes for step in controller._measured_plans(profile) if step.code == "CCCC")
+        profile = controller.profiled_steps.profile_now(controller.profile.tokens)
+        return next(step.peak_bytes for step in controller.planner.measured_plans(profile) if step.code == "CCCC")
 
     assert safe_peak() == measured_peak  # nothing grew
-    counted = controller._static_bytes
+    counted = controller.held_memory.static_bytes
     held = sum(counted())
     growth = {"bytes": held // 100}  # under the 2% that plans anew: the step's own, in its peak already
 
     def grown() -> tuple[int, int]:
         return counted()[0] + growth["bytes"], counted()[1]
 
-    monkeypatch.setattr(controller, "_static_bytes", grown)
+    monkeypatch.setattr(controller.held_memory, "static_bytes", grown)
     train(model, context, steps=1)  # read as a step begins
     assert safe_peak() == measured_peak
     growth["bytes"] = held // 10  # the optimizer's state
     train(model, context, steps=1)
     assert safe_peak() == measured_peak + growth["bytes"]
     with pytest.raises(InfeasibleBudgetError):  # measured with the growth, the safe plan no longer fits
-        controller._choose(controller._profile_now(controller.profile.tokens), budget, 0,
-                           controller._measured_plans(controller._profile_now(controller.profile.tokens)))  # fmt: skip
+        profile = controller.profiled_steps.profile_now(controller.profile.tokens)
+        controller.planner.choose(profile, budget, 0, controller.planner.measured_plans(profile))
 
 
 def test_the_first_steps_peak_is_read_as_its_backward_ends_and_measures_the_plan_it_ran(monkeypatch):
@@ -851,10 +858,10 @@ def test_the_first_steps_peak_is_read_as_its_backward_ends_and_measures_the_plan
 
     monkeypatch.setattr(controller._peak_counter, "read_at_backward_end", read_at_backward_end)
     held = []
-    model.model.layers[0].register_forward_pre_hook(lambda *_: held.append(controller._static_at_step_start))
+    model.model.layers[0].register_forward_pre_hook(lambda *_: held.append(controller.held_memory.at_step_start))
     train(model, context, steps=2)
     assert reads[:1] == [1] and reads.count(1) == 1
-    (first,) = [sample for sample in controller._samples["C" * LAYERS] if sample.through_backward]
+    (first,) = [sample for sample in controller.plan_checks.samples["C" * LAYERS] if sample.through_backward]
     assert (first.seconds, first.peak_bytes, first.static_bytes) == (None, 12345, held[0])
 
 
@@ -864,8 +871,8 @@ def test_the_first_steps_peak_stands_for_its_plan_only_where_no_later_step_measu
     it, and under gradient accumulation it counts for nothing (the later micro-steps hold every gradient)."""
     _, context, _, _ = long_run(10 * 2**30)
     controller = context.budget_controller
-    tokens, held = controller._measured.step_tokens, controller._static_at_step_start
-    at = controller._profile_now(tokens)
+    tokens, held = controller.profiled_steps.measured.step_tokens, controller.held_memory.at_step_start
+    at = controller.profiled_steps.profile_now(tokens)
     floor = optimizer_step_bytes(at)
     code = "c" * LAYERS  # a plan no step ran
     before = held - held // 11  # the memory held grew by a tenth since the first step began
@@ -874,16 +881,16 @@ def test_the_first_steps_peak_stands_for_its_plan_only_where_no_later_step_measu
         return Sample(tokens, None, peak, peak_exact=True, static_bytes=before,
                                          through_backward=True)  # fmt: skip
 
-    controller._samples = {code: [first(floor)]}
-    (step,) = controller._measured_plans(at)
+    controller.plan_checks.samples = {code: [first(floor)]}
+    (step,) = controller.planner.measured_plans(at)
     assert (step.code, step.step_s, step.peak_bytes) == (code, None, floor + held - before)
-    controller._samples = {code: [first(1)]}  # under the optimizer's step: that point stands
-    assert controller._measured_plans(at)[0].peak_bytes == floor
+    controller.plan_checks.samples = {code: [first(1)]}  # under the optimizer's step: that point stands
+    assert controller.planner.measured_plans(at)[0].peak_bytes == floor
     later = [Sample(tokens, 0.5, 1000, static_bytes=held) for _ in range(3)]
-    controller._samples = {code: [first(floor), *later]}
-    assert controller._measured_plans(at) == [MeasuredStep(code, 0.5, 1000)]
-    controller._samples, controller._gradients_accumulate = {code: [first(floor)]}, True
-    assert controller._measured_plans(at) == []
+    controller.plan_checks.samples = {code: [first(floor), *later]}
+    assert controller.planner.measured_plans(at) == [MeasuredStep(code, 0.5, 1000)]
+    controller.plan_checks.samples, controller.held_memory.gradients_accumulate = {code: [first(floor)]}, True
+    assert controller.planner.measured_plans(at) == []
 
 
 def accumulate(model, context, micro_steps: int, accumulation: int, optimizer: bool = True,
@@ -920,7 +927,7 @@ def test_with_gradient_accumulation_the_first_plan_waits_for_the_optimizers_firs
                          after_micro_step=lambda: plans.append(context.memory_plan))  # fmt: skip
     assert_bitwise_equal(results, baseline)
     assert plans[:4] == [None] * 4 and plans[4] is not None
-    assert context.budget_controller._code == plans[-1].code  # the plan's layers, applied
+    assert context.budget_controller.planner.code == plans[-1].code  # the plan's layers, applied
     model = tiny_llama()
     refused = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1KiB")
     forwards = []
@@ -939,7 +946,7 @@ def test_with_gradient_accumulation_plans_hold_every_gradient_through_the_step(a
     model = tiny_llama()
     context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
     accumulate(model, context, micro_steps=6, accumulation=accumulation)
-    profile = context.budget_controller._profile
+    profile = context.budget_controller.planner.profile
     gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if accumulation == 1:
         assert profile.gradient_bytes == gradients
@@ -1055,7 +1062,7 @@ def test_a_trial_that_peaks_over_the_budget_is_not_chosen_and_raises_every_predi
     assert plan.code != "cccc"
     assert profile.peak_correction_bytes == over - trial[0]["predicted_peak_bytes"] > 0
     # Plans kept for other lengths would not be reused: made before the trial's step above its prediction and its end.
-    assert controller._generation == 2
+    assert controller.planner.generation == 2
     uncorrected = dataclasses.replace(profile, peak_correction_bytes=0)
     window = plan.prefetch_window_bytes or None
     assert (
@@ -1115,7 +1122,7 @@ def test_the_correction_grows_with_a_longer_step_and_not_with_a_shorter_one(monk
     assert controller.measurements["cccc"][0]["tokens"] == 32
     assert corrections[7] == excess and corrections[8] == 2 * excess
     assert corrections[9] == excess and context.memory_plan.tokens == 32
-    assert controller._profile_now(16).peak_correction_bytes == excess
+    assert controller.profiled_steps.profile_now(16).peak_correction_bytes == excess
 
 
 def test_what_the_heads_peak_hides_of_its_reloads_is_learned_from_exact_peaks():
@@ -1126,25 +1133,25 @@ def test_what_the_heads_peak_hides_of_its_reloads_is_learned_from_exact_peaks():
     peak that is only a bound (not exact) teaches nothing."""
     _, context = planned(budget_for_the_trial())
     controller = context.budget_controller
-    tokens = controller.profile.tokens
-    assert controller._profile_now(tokens).head_reload_hidden_bytes == 0  # no step peaked below its head's point
+    tokens, profile_now = controller.profile.tokens, controller.profiled_steps.profile_now
+    assert profile_now(tokens).head_reload_hidden_bytes == 0  # no step peaked below its head's point
     reload_bytes, base = 1000, controller.profile.static_bytes
 
     def measured(peak: int, exact: bool = True, at: int = tokens) -> None:
         sample = Sample(at, 0.1, peak, peak_exact=exact, predicted_peak_bytes=base + reload_bytes,
                                            head_base_bytes=base, head_reload_bytes=reload_bytes)  # fmt: skip
-        controller._samples.setdefault("head test", []).append(sample)
+        controller.plan_checks.samples.setdefault("head test", []).append(sample)
 
     measured(base + reload_bytes - 5000, exact=False)
-    assert controller._profile_now(tokens).head_reload_hidden_bytes == 0
+    assert profile_now(tokens).head_reload_hidden_bytes == 0
     measured(base + reload_bytes - 300)
-    assert controller._profile_now(tokens).head_reload_hidden_bytes == 300
+    assert profile_now(tokens).head_reload_hidden_bytes == 300
     measured(base + 10, at=2 * tokens)  # 990 hidden in a step twice as long: half of it in this one's
-    assert controller._profile_now(tokens).head_reload_hidden_bytes == 495
+    assert profile_now(tokens).head_reload_hidden_bytes == 495
     measured(base - 50)  # below the point without its reloads: the reloads hid whole, no more is known
-    assert controller._profile_now(tokens).head_reload_hidden_bytes == reload_bytes
-    assert controller._profile_now(2 * tokens).head_reload_hidden_bytes == reload_bytes  # not grown
-    assert controller._profile_now(tokens // 2).head_reload_hidden_bytes == reload_bytes // 2
+    assert profile_now(tokens).head_reload_hidden_bytes == reload_bytes
+    assert profile_now(2 * tokens).head_reload_hidden_bytes == reload_bytes  # not grown
+    assert profile_now(tokens // 2).head_reload_hidden_bytes == reload_bytes // 2
 
 
 def test_what_offloading_costs_the_host_is_learned_and_the_plan_keeps_its_inputs(caplog):
@@ -1161,8 +1168,8 @@ def test_what_offloading_costs_the_host_is_learned_and_the_plan_keeps_its_inputs
     for index, layer in enumerate(model.model.layers):
 
         def slow_when_offloading(module, args, index=index):
-            code = context.memory_plan.code if context.memory_plan is not None else controller._code
-            if code and code[index] in "CST" and torch.is_grad_enabled() and not controller._probing:
+            code = context.memory_plan.code if context.memory_plan is not None else controller.planner.code
+            if code and code[index] in "CST" and torch.is_grad_enabled() and not controller.profiled_steps.probing:
                 spend_cpu_time(0.02)
 
         layer.register_forward_pre_hook(slow_when_offloading)
@@ -1171,7 +1178,7 @@ def test_what_offloading_costs_the_host_is_learned_and_the_plan_keeps_its_inputs
     plan = context.memory_plan
     assert not plan.trial and not set(plan.code) & set("CSTOX")
     assert controller.calibration.input_offload_s > 0.01
-    trial_s = statistics.median(sample.seconds for sample in controller._samples["cccc"])
+    trial_s = statistics.median(sample.seconds for sample in controller.plan_checks.samples["cccc"])
     assert plan.expected_step_s <= trial_s
 
 
@@ -1206,12 +1213,12 @@ def test_a_predicted_plan_caps_the_engines_tail_at_what_it_counted(monkeypatch):
     monkeypatch.setattr(controller._meter, "peak", lambda: parameters + 3 * 2**20)  # the head is measured: a bound
     monkeypatch.setattr(controller._meter, "allocated", lambda: parameters)
     train(model, context, steps=3)
-    profile = controller._profile
+    profile = controller.planner.profile
     assert profile.tail_bytes == context.options.forward_window_bytes
     slow = dataclasses.replace(profile, d2h_bytes_per_s=profile.d2h_bytes_per_s / 1e6)
     for measured_at, code in ((profile, "CCCC"), (slow, "OOOO")):
         plan = plan_of(measured_at, code, parameters + 2**30)
-        controller._put_in_force(plan, measured_at)
+        controller.planner.put_in_force(plan, measured_at, controller._forwards)
         assert 0 < plan.predicted.tail_bytes < profile.tail_bytes
         assert context._planner.max_tail_bytes == plan.predicted.tail_bytes
     assert plan_of(profile, "CCCC", parameters + 2**30).predicted.tail_bytes == profile.layers[-1].input_bytes
@@ -1228,14 +1235,14 @@ def test_the_heads_bytes_count_what_the_forward_leaves_besides_the_layers(monkey
     between, left, peak = 2**20, 5 * 2**20, 40 * 2**20
 
     def allocated():
-        measured = controller._measured
+        measured = controller.profiled_steps.measured
         in_forward = controller._forwards == 2 and measured.step_start is not None and measured.head_start is None
         return between + left if in_forward else between
 
     monkeypatch.setattr(controller._meter, "allocated", allocated)
     monkeypatch.setattr(controller._meter, "peak", lambda: peak)
     train(model, context, steps=3)
-    assert controller._measured.head_bytes == peak - between
+    assert controller.profiled_steps.measured.head_bytes == peak - between
 
 
 def test_gradients_that_come_after_every_layer_are_measured():
@@ -1350,19 +1357,19 @@ def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_
     # safe plan offloads the inputs the pool has room for and keeps the others on the device.
     roomy = host_bound_run(monkeypatch, 2**40, steps=1, tile_layer=False)
     controller = roomy.budget_controller
-    profile = controller._profile_now(controller._measured.step_tokens)
+    profile = controller.profiled_steps.profile_now(controller.profiled_steps.measured.step_tokens)
     safe = safe_code(profile)
     assert safe == "C" + "c" * (HOST_LAYERS - 1)
     safe_peak = simulate(profile, safe).peak_bytes
     with pytest.raises(InfeasibleBudgetError) as lowest:
-        controller._choose(profile, 1, 0, [])
+        controller.planner.choose(profile, 1, 0, [])
     assert lowest.value.minimum_bytes < safe_peak * 0.98
     budget = (lowest.value.minimum_bytes + safe_peak) // 2
     with caplog.at_level(logging.INFO, logger="hf_offload"):
         context = host_bound_run(monkeypatch, budget, steps=1, tile_layer=False)
     controller = context.budget_controller
     assert controller.plan is None  # still profiling: the plan the layers ran is the profiled steps'
-    first_step_code = controller._code
+    first_step_code = controller.planner.code
     assert first_step_code != "C" * HOST_LAYERS and context._pool.cap_bytes > default_cap
     stats = context.get_stats()
     assert stats["tensors_kept_over_host_cap"] == 0 and stats["pinned_bytes"] > default_cap

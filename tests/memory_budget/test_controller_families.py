@@ -213,7 +213,7 @@ def test_a_model_of_several_stacks_makes_no_plan_for_a_shorter_step():
     run_steps(model, batches[1], steps=2, ctx=context, device="cpu", optimizer=optimizer)
     plan = context.memory_plan
     assert plan.code != "K" * len(plan.code) and plan.tokens == context.budget_controller.profile.tokens
-    assert list(context.budget_controller._plans.kept) == [plan.tokens]  # one plan, for the profiled length
+    assert list(context.budget_controller.planner.plans.kept) == [plan.tokens]  # one plan, for the profiled length
     dispose(context)
 
 

@@ -175,7 +175,7 @@ def probed_layer_tiling(arch: str, caplog, tokens: int = SEQ, **batch_options):
     with caplog.at_level("INFO", logger="hf_offload"), context:
         model(**batch, **batch_options)
     said = [r.getMessage() for r in caplog.records if "the planner cannot tile whole layers" in r.getMessage()]
-    return next(iter(context.budget_controller._measured.probes.values())), said
+    return next(iter(context.budget_controller.profiled_steps.measured.probes.values())), said
 
 
 def test_a_layer_is_probed_tiled_whole_by_the_formulas_on_cpu(caplog):
