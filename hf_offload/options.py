@@ -364,12 +364,14 @@ class OffloadOptions:
         "it; without one, no reserve (the cap alone). `0`: no reserve.", argument="host_memory_reserve_mib",
         argument_unit="MiB")  # fmt: skip
     disk_offload_dir: str | None = _option(
-        None, Rule(_PATH, optional=True), "Experimental, not yet measured on a GPU: a directory where activations "
-        "that the pinned host pool has no room for (past its cap or the host's reserve) are written to files and "
-        "read back in backward, instead of staying on the accelerator. Bitwise the same training; each file goes "
-        "once backward has used its tensor, and the run's directory (`hf_offload-<pid>-*` under this one) when the "
-        "context is dropped or the process exits. A directory that cannot hold files is an error when the context "
-        "is built. `None`: no disk tier.", argument="disk_offload_dir")  # fmt: skip
+        None, Rule(_PATH, optional=True), "Experimental (bitwise on an H100; its speed at long context not yet "
+        "measured): a directory on a fast local disk (NVMe, not a network file system) where activations that the "
+        "pinned host pool has no room for (past its cap or the host's reserve) are written to files and read back in "
+        "backward, instead of staying on the accelerator. Bitwise the same training; each file goes once backward has "
+        "used its tensor, and the run's directory (`hf_offload-<pid>-*` under this one) when the context is dropped "
+        "or the process exits. A memory budget counts its room and measured bandwidth, and sends there only what the "
+        "pool cannot hold. A directory that cannot hold files is an error when the context is built. `None`: no disk "
+        "tier.", argument="disk_offload_dir")  # fmt: skip
     disk_reserve_bytes: int | None = _option(
         None, Rule(_BYTES, optional=True), "Free space the disk tier always leaves on disk_offload_dir's file system; "
         "past it activations stay on the accelerator (one warning). `None` (`none` on the command line): 10% of "

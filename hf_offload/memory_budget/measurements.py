@@ -104,6 +104,9 @@ class StepMeasurements:
     device: torch.device | None = None
     d2h_bytes_per_s: float = 0.0
     h2d_bytes_per_s: float = 0.0
+    # The disk tier's (`disk_offload_dir`), where there is one and it could be measured: else 0, and plans count none.
+    disk_write_bytes_per_s: float = 0.0
+    disk_read_bytes_per_s: float = 0.0
     step_start: Any = None
     step_s: float | None = None
     # The plan the second profiled step ran (`C` on every layer, or tiled where that alone fits): what `step_s` is the

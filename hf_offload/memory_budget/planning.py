@@ -50,6 +50,9 @@ __all__ = ["Planner"]
 
 logger = logging.getLogger(__name__)
 
+# Where the pinned pool is full and there is no disk tier, the way past the host.
+_DISK_HINT = "; or set activation_offloading_disk_offload_dir to a fast local disk"
+
 
 class Planner:
     """The plan in force and the profile it was made from, the plans kept by length, and the code the layers run.
@@ -395,9 +398,11 @@ class Planner:
             engine.warn_once("host_cap", f"hf_offload: {len(new_plan.inputs_kept_for_host)} checkpointed layers "
                              "keep their input on the GPU: the pinned host memory cap "
                              f"({new_plan.host_cap_bytes / 2**30:.1f} GiB"
-                             f"{', grown down to the host memory reserve' if new_plan.host_growth else ''}) is full. "
+                             f"{', grown down to the host memory reserve' if new_plan.host_growth else ''}"
+                             f"{', and the disk tier' if new_plan.disk_cap_bytes else ''}) is full. "
                              "Raise activation_offloading_max_pinned_memory_fraction (or max_pinned_mib), or lower "
-                             "activation_offloading_host_memory_reserve_mib, if the host has the room.")  # fmt: skip
+                             "activation_offloading_host_memory_reserve_mib, if the host has the room"
+                             f"{'' if new_plan.disk_cap_bytes else _DISK_HINT}.")  # fmt: skip
 
     def _windows(self, plan: Plan) -> CopyWindows:
         """The engine's copy windows under `plan`: its forward window (at least the option's), its prefetch window and

@@ -5,7 +5,8 @@ First step: when the first layer of each kind is called, it is probed on the ver
 keep, the times of its forward, backward and selective recompute, and with `tile_mlp="auto"` the same with its MLP
 tiled, and with `tile_layer="auto"` the layer tiled whole. Every stack of layers is probed so, each kind in its own
 call: a vision tower's blocks on theirs, a language model's or a decoder's layers on theirs (with the encoder's
-states). Once every kind is probed the link's bandwidth is measured (`ProfiledSteps.finish_probes`), and the order
+states). Once every kind is probed the link's bandwidth is measured (`ProfiledSteps.finish_probes`), and the disk
+tier's where there is one (`disk_offload_dir`: its room past the pinned pool then counts in every plan), and the order
 the step called the layers in becomes the plan's (`take_call_order`). The first step's peak, read as its backward
 ends, measures the plan its layers ran (`record_first_step`).
 
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..disk_tier import DiskTierError, measure_disk_bandwidth
 from ..engine import OffloadActivations, default_prefetch_window_bytes
 from ..options import OffloadOptions
 from ..peak import queue_after_backward
@@ -53,7 +55,7 @@ from .probes import (
     probe_layer,
 )
 from .profile import StepProfile
-from .ranks import AgreedHostCaps
+from .ranks import AgreedHostCaps, runs_alone
 from .sharding import gradient_shard_nbytes
 from .simulate import simulate, simulated_step, unavailable_tiling
 
@@ -208,7 +210,7 @@ class ProfiledSteps:
 
     def finish_probes(self) -> None:
         """Once every kind of layer is probed, or the first step is over: the kinds that did not run get an empty
-        profile, and the link is measured (the caller then decides the profiled steps' plan)."""
+        profile, and the link and the disk tier are measured (the caller then decides the profiled steps' plan)."""
         measured, engine = self.measured, self._engine()
         self.probes_finished = True
         idle = [index for index, kind in enumerate(self._kinds) if kind not in measured.probes]
@@ -224,6 +226,32 @@ class ProfiledSteps:
         with engine.set_aside() if engine is not None else contextlib.nullcontext():
             measured.d2h_bytes_per_s, measured.h2d_bytes_per_s = measure_link_bandwidth(self._meter, measured.device,
                                                                                          pin_memory, room)  # fmt: skip
+        self._measure_disk()
+
+    def _measure_disk(self) -> None:
+        """The disk tier's bandwidths, where there is one and this process trains alone: under torch.distributed each
+        rank's disk is its own, and rank 0's plan would count rank 0's room on every rank (a rank whose disk is full
+        would keep on its GPU what the plan counted on disk), so the plans there count the pinned pools only."""
+        engine = self._engine()
+        tier = engine.disk_tier if engine is not None else None
+        if tier is None or not runs_alone():
+            return
+        try:
+            write, read = measure_disk_bandwidth(tier)
+        except (DiskTierError, OSError) as error:
+            logger.info("hf_offload: the disk tier in %s could not be measured (%s): plans count no disk",
+                        tier.directory, error)  # fmt: skip
+            return
+        self.measured.disk_write_bytes_per_s, self.measured.disk_read_bytes_per_s = write, read
+        logger.info("hf_offload: the disk tier in %s writes %.2f GB/s and reads %.2f GB/s: plans may offload past the "
+                    "pinned pool into its %s of room", tier.directory, write / 1e9, read / 1e9,
+                    format_bytes(tier.room_bytes()))  # fmt: skip
+
+    def _disk_room_bytes(self) -> int:
+        """What the disk tier may take of a step's offloaded bytes now, where it was measured; else 0."""
+        engine = self._engine()
+        tier = engine.disk_tier if engine is not None else None
+        return tier.room_bytes() if tier is not None and self.measured.disk_read_bytes_per_s else 0
 
     def _first_step_backward_reached(self, grad: torch.Tensor) -> None:
         """Backward reached a layer's input in the first step: the counter is read as that backward ends."""
@@ -378,6 +406,9 @@ class ProfiledSteps:
             d2h_bytes_per_s=measured.d2h_bytes_per_s,
             h2d_bytes_per_s=measured.h2d_bytes_per_s,
             host_cap_bytes=self._host_caps.caps().default_bytes if engine is not None else 0,
+            disk_cap_bytes=self._disk_room_bytes(),
+            disk_write_bytes_per_s=measured.disk_write_bytes_per_s,
+            disk_read_bytes_per_s=measured.disk_read_bytes_per_s,
             tokens=measured.step_tokens,
             **_tiled_fields(probes, self._tile_tokens, *_MLP_TILING),
             **_tiled_fields(probes, self._layer_tile_tokens, *_LAYER_TILING),

@@ -29,3 +29,20 @@ def test_the_tiny_run_records_every_step_at_full_length(tmp_path):
     assert all(step["kept_over_host_cap"] == 0 and step["least_host_available_gib"] > 0 for step in steps)
     assert "Memory plan for" in result["plan_table"]  # the third step ran the first plan
     assert "SFTTrainer built" in run.stdout and "first step of 512 tokens" in run.stdout
+
+
+def test_a_capped_pool_spills_to_the_disk_tier_and_a_family_of_its_own_runs(tmp_path):
+    """The small-host run (`--max-pinned-gib`, `--disk-offload-dir`) on Qwen3's model class: the profiled steps'
+    inputs the pool has no room for go to the disk and are counted per step; no input stays for want of room."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = [sys.executable, str(SCRIPT), "--tiny", "--family", "qwen3", "--steps", "2", "--max-pinned-gib",
+               str(64 / 2**20), "--disk-offload-dir", str(disk), "--out", str(tmp_path)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads((tmp_path / "long_context_sft.json").read_text())
+    assert "qwen3 model class" in result["scenario"]
+    steps = result["steps"]
+    assert all(step["spilled_to_disk_gib"] > 0 and step["kept_over_host_cap"] == 0 for step in steps)
+    assert all(step["read_from_disk_gib"] == step["spilled_to_disk_gib"] for step in steps)
+    assert list(disk.iterdir()) == []  # the run's files and directory went with it

@@ -1346,6 +1346,30 @@ def test_the_plan_grows_the_pinned_pool_past_its_cap_only_where_no_plan_fits_wit
     )
 
 
+def test_past_a_capped_pinned_pool_the_plan_offloads_to_the_disk_tier(monkeypatch, caplog, tmp_path):
+    """A budget that no plan meets within the pinned cap the user set (the inputs past it would stay on the device)
+    is met with the disk tier under the pool: the plan counts the disk's room and offloads past the cap, and the
+    engine spills what the pool refuses, none kept on the device for want of room."""
+    capped = host_bound_run(monkeypatch, 1, max_pinned_memory_fraction=0.5)
+    grown = host_bound_run(monkeypatch, 1)
+    budget = (grown.minimum_bytes + capped.minimum_bytes) // 2  # refused within the cap (the test above)
+    disk = {"max_pinned_memory_fraction": 0.5, "disk_offload_dir": str(tmp_path), "disk_reserve_bytes": 0}
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        context = host_bound_run(monkeypatch, budget, **disk)
+    plan = context.memory_plan
+    assert plan.predicted.peak_bytes <= budget and plan.host_growth == ""  # the cap the user set is kept
+    # What the pool holds stays within its cap (whole layer inputs: one of the 1.5 it has room for); the rest, disk.
+    on_host = plan.predicted.host_bytes - plan.predicted.disk_bytes
+    assert plan.disk_cap_bytes > 0 and plan.predicted.disk_bytes > 0 and on_host <= plan.host_cap_bytes
+    stats = context.get_stats()  # the last step: what the pool refused went to the disk, and came back
+    assert stats["tensors_kept_over_host_cap"] == 0
+    assert stats["bytes_spilled_to_disk"] == stats["bytes_read_from_disk"] >= plan.predicted.disk_bytes
+    said = [record.getMessage() for record in caplog.records]
+    assert any(re.match(r"hf_offload: the disk tier in .* writes [\d.]+ GB/s and reads [\d.]+ GB/s", line)
+               for line in said)  # fmt: skip
+    assert any("\nDisk: " in line and "of what the step offloads goes to the disk tier" in line for line in said)
+
+
 def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_its_layers(monkeypatch, caplog):
     """A run whose first step is already long (packing to `max_length`): the safe plan's inputs would fill the pinned
     pool and the rest stay on the device (an 8B-class model at 327,680 tokens ran out of GPU memory so). Here a
