@@ -49,7 +49,7 @@ def train_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...],
 
     Puts, per step, the plan in force (code and tokens) and the pool's cap; whether the losses and gradients equal
     those of the same steps without offloading, bitwise; and the most host memory this rank's pool could take."""
-    from test_controller import Unchanged, tiny_llama, train  # transformers: imported by the ranks that train only
+    from budget_runs import Unchanged, tiny_llama, train  # transformers: imported by the ranks that train only
 
     from hf_offload import get_act_offloading_ctx_manager, host_memory
 
@@ -87,7 +87,7 @@ def fsdp2_train_on_rank(rank: int, port: int, results, budget: int) -> None:
     of the same steps without offloading, bitwise, and what the plan's profile counted of the first layer's gathered
     parameters, its gradients and the model's (the first layer's whole parameters, its local shards, the model's
     local shards and its whole parameters)."""
-    from test_controller import Unchanged, tiny_llama, train  # transformers: imported by the ranks that train only
+    from budget_runs import Unchanged, tiny_llama, train  # transformers: imported by the ranks that train only
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

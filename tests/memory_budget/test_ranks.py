@@ -5,8 +5,8 @@ their host caps, and the ranks re-planning together or not at all (one re-planni
 import multiprocessing
 import socket
 
+from budget_runs import LAYERS, planned_minimum
 from ranks import fsdp2_train_on_rank, plan_on_rank, train_on_rank
-from test_controller import LAYERS, planned_minimum
 
 from hf_offload.memory_budget.simulate import MeasuredStep
 

@@ -1,0 +1,138 @@
+"""Runs of the memory budget end to end in the CPU test mode, shared by the controller's tests and those of the
+objects it owns (`test_controller.py`, `test_profiled_steps.py`, `test_plan_checks.py`, `test_planning.py`) and by
+the ranks of `test_ranks.py` (`tests/ranks.py`): a tiny Llama and a few AdamW steps of it, with a context or
+without; runs at 16 tokens a sequence under a budget (the smallest any plan fits, the profile a roomy one measures,
+one that plain checkpointing with every input kept fits); runs of 128 tokens a step, whose MLPs and layers can be
+tiled; and micro-steps of gradient accumulation."""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import transformers
+
+from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
+from hf_offload.memory_budget.simulate import simulate
+
+LAYERS = 4
+VOCAB = 128
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                      attn_implementation="eager")  # fmt: skip
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def train(model, context, steps: int = 5, lengths: tuple[int, ...] = (16,),
+          after_step: Callable[[], None] | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Losses and, at the end, every gradient of a few AdamW steps (each step the next sequence length);
+    `after_step` is called after each."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    results = []
+    for step in range(steps):
+        ids = torch.randint(VOCAB, (2, lengths[min(step, len(lengths) - 1)]))
+        with context:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append(loss.detach())
+        if step == steps - 1:
+            results += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
+    return results
+
+
+class Unchanged:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def assert_bitwise_equal(first: list[torch.Tensor], second: list[torch.Tensor]) -> None:
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def planned(budget) -> tuple[list[torch.Tensor], object]:
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget)
+    return train(model, context), context
+
+
+def planned_minimum() -> int:
+    """The smallest peak any plan reaches at 16 tokens, as the refusal of a budget of 1 byte names it."""
+    with pytest.raises(InfeasibleBudgetError, match="budget") as error:
+        planned(1)
+    peak = error.value.lowest_plan.predicted.peak_bytes
+    assert f"({peak} bytes" in str(error.value)
+    return peak
+
+
+def tiled_forwards(model) -> list[bool]:
+    return [type(layer.mlp.__dict__.get("forward")).__name__ == "_TiledForward" for layer in model.model.layers]
+
+
+def tiled_whole(model) -> list[bool]:
+    return [type(layer.__dict__.get("forward")).__name__ == "_TiledLayerForward" for layer in model.model.layers]
+
+
+def long_run(budget, tile_mlp="auto", steps: int = 4, tile_layer="auto", record=tiled_forwards):
+    """128 tokens per step, twice the hidden size (64): the MLPs and the layers can run in two chunks. Which layers
+    were tiled (`record`: their MLPs, or whole) is recorded during each step's forward."""
+    model = tiny_llama()
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget, tile_mlp=tile_mlp,
+                                             tile_layer=tile_layer)  # fmt: skip
+    seen = []
+    model.model.norm.register_forward_pre_hook(lambda *_: seen.append(record(model)))
+    return train(model, context, steps=steps, lengths=(64,)), context, seen, model
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|, as the tiled layer's tolerances are stated (tests/tiled/test_layer_op.py)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def accumulate(model, context, micro_steps: int, accumulation: int, optimizer: bool = True,
+               after_micro_step: Callable[[], None] | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Losses of `micro_steps` forwards and backwards of 16 tokens, AdamW stepping after every `accumulation` of them
+    (with `optimizer`; else the gradients only accumulate); then every gradient."""
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer else None
+    torch.manual_seed(1)
+    results = []
+    for step in range(micro_steps):
+        ids = torch.randint(VOCAB, (2, 16))
+        with context:
+            loss = model(input_ids=ids, labels=ids).loss
+        (loss / accumulation).backward()
+        results.append(loss.detach())
+        if adamw is not None and (step + 1) % accumulation == 0:
+            adamw.step()
+            adamw.zero_grad(set_to_none=True)
+        if after_micro_step is not None:
+            after_micro_step()
+    return results + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def roomy_profile():
+    """The profile a roomy budget's run measured (the CPU test mode's are the same from run to run)."""
+    return planned(10 * 2**30)[1].budget_controller.profile
+
+
+def budget_for_the_trial() -> int:
+    """A budget that plain checkpointing (inputs kept) fits with the plans' margin and keeping everything does not."""
+
+    profile = roomy_profile()
+    kept_inputs, keep_all = (simulate(profile, letter * LAYERS).peak_bytes for letter in "cK")
+    budget = (kept_inputs + keep_all) // 2
+    margin = budget // 200
+    assert kept_inputs <= budget - margin < keep_all
+    return budget
