@@ -9,9 +9,10 @@ Where a new test goes: next to the module it tests, in the file named after it.
   `policy.py`, `host_memory.py` and `stats.py`'s counters share `test_policy.py`; `model.py`, `model_hooks.py` and
   `context.py` share `test_model.py`; `compile_guard.py` and `regional_compilation.py` are `test_compile.py`.
 - `hf_offload/memory_budget/<module>.py`: `memory_budget/test_<module>.py` (spec, profile, simulate, search,
-  calibrate, probes, controller, layer_actions; `checks.py` through the modules that use it); the
-  controller across families of models is `memory_budget/test_controller_families.py`, and what holds for the pure
-  modules together (their imports, their doctests) is at the end of `memory_budget/test_search.py`.
+  calibrate, probes, measurements, controller and the objects it owns: profiled_steps, plan_checks, planning;
+  layer_actions; `checks.py` through the modules that use it); the controller across families of models is
+  `memory_budget/test_controller_families.py`, and what holds for the pure modules together (their imports, their
+  doctests) is at the end of `memory_budget/test_search.py`.
 - `hf_offload/tiled/`: an op's file, `tiled/test_mlp_op.py` or `tiled/test_layer_op.py`, tests it on its own and
   through its entry point on models (`apply.py`, and `integration.py` for that op: finding, cutting, refusing).
 - `callbacks/<module>.py` (installed as `hf_offload.callbacks`): `callbacks/test_<module>.py` (arguments, callback,
@@ -26,8 +27,9 @@ Where a new test goes: next to the module it tests, in the file named after it.
   and `test_soak_script.py` (soak_1b.py); each puts that folder on the path to import its script.
 - GPU-only behaviour: `tests/gpu/test_gpu_<topic>.py`, run by `bash tests/gpu/run_all.sh` on a GPU machine.
 Shared helpers live in one place per use: `helpers.py` (the tiny model and its data, Trainer runs), `compile_runs.py`,
-`qlora_models.py`, `ranks.py`, `memory_budget/step_profiles.py` (the step profiles of the pure modules' tests), and
-`gpu/_gpu_models.py` (the model families, shared with the CPU family tests).
+`qlora_models.py`, `ranks.py`, `memory_budget/step_profiles.py` (the step profiles of the pure modules' tests),
+`memory_budget/budget_runs.py` (the tiny Llama's runs under a budget, shared by the controller's tests and those of the
+objects it owns), and `gpu/_gpu_models.py` (the model families, shared with the CPU family tests).
 """
 
 import os

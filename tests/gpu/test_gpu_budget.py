@@ -249,7 +249,7 @@ def test_a_budget_only_layers_tiled_whole_reach_is_kept_on_every_step(record, mo
 
     The probes run on the first 4096 tokens and scale: a layer probed kept at 16384 tokens would alone exceed this
     budget in the first step (at long context the probes are cut to `PROBE_MAX_TOKENS` for that reason). Written
-    without a GPU run: on CPU the same test (tests/memory_budget/test_controller.py) plans every layer tiled whole.
+    without a GPU run: on CPU the same test (tests/memory_budget/test_planning.py) plans every layer tiled whole.
     On the H100's transformers 5.17, which checkpoints a layer's whole call, it failed with a checkpoint error (the
     first layer ran untiled in the forward and tiled in the recomputation): a layer whose call is under way now keeps
     its action until the next step.

@@ -200,7 +200,7 @@ def test_a_stack_that_grows_scales_the_planned_step():
 def test_a_model_of_several_stacks_makes_no_plan_for_a_shorter_step():
     """Plans per length need a step's tokens whole before its layers run. An encoder-decoder's first stack tells
     only its own, and a later stack may be the longer, so a shorter step runs the plan made for the longer one (a
-    decoder-only model with the same plan makes one for the shorter step: `test_controller.py`)."""
+    decoder-only model with the same plan makes one for the shorter step: `test_planning.py`)."""
     batches = [make_batch("t5", device="cpu", seq=seq, vocab=SIZE["vocab"]) for seq in (SEQ, SEQ // 2)]
     _, roomy, _, _ = train("t5", False, ROOMY)
     with pytest.raises(InfeasibleBudgetError) as refused:
