@@ -25,6 +25,7 @@ from .simulate import (
     check_code,
     chunk_sizes,
     describe_peak,
+    fitting_in_order,
     gathered_parameters,
     gradients_at_backward,
     late_gradients_bytes,
@@ -168,13 +169,9 @@ def safe_code(profile: StepProfile, letters_of: str = "Cc") -> str:
     offloaded from the first layer on while the host (with a disk tier, the disk too) has room
     (`profile.offload_room_bytes`), kept on the device after: what the engine does with a full pinned pool, which a
     plan that offloads every input would not predict."""
-    letters, host_bytes = [], 0
     offloaded, kept = letters_of
-    for layer in profile.layers:
-        offload = host_bytes + layer.input_bytes <= profile.offload_room_bytes
-        host_bytes += layer.input_bytes if offload else 0
-        letters.append(offloaded if offload else kept)
-    return "".join(letters)
+    inputs = [layer.input_bytes for layer in profile.layers]
+    return "".join(offloaded if fit else kept for fit in fitting_in_order(inputs, profile.offload_room_bytes))
 
 
 def _simplicity(code: Sequence[str]) -> tuple[int, int, int]:

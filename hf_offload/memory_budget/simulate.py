@@ -352,17 +352,24 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     )
 
 
+def fitting_in_order(sizes: Sequence[int], room: int) -> list[bool]:
+    """Whether each of `sizes`, in order, fits in what those before it that fitted left of `room`: how the engine's
+    pinned pool (or the pool and the disk tier) takes copies, first come first served, refusing what it has no room
+    for and taking a later one that fits."""
+    fits, used = [], 0
+    for size in sizes:
+        fit = used + size <= room
+        used += size if fit else 0
+        fits.append(fit)
+    return fits
+
+
 def _spilled(profile: StepProfile, options: Sequence[LayerOption]) -> list[bool] | None:
     """Per layer, whether what it offloads goes to the disk tier: the pinned pool has no room left for it (forward
     order, as the engine spills what the pool refuses). None without a tier, where nothing can."""
     if not profile.disk_cap_bytes:
         return None
-    spilled, host_bytes = [], 0
-    for option in options:
-        to_host = host_bytes + option.offloaded <= profile.host_cap_bytes
-        host_bytes += option.offloaded if to_host else 0
-        spilled.append(not to_host)
-    return spilled
+    return [not fit for fit in fitting_in_order([option.offloaded for option in options], profile.host_cap_bytes)]
 
 
 # A point of the step after the forward, where the peak may be: (memory without the reloads, the reloads still to come
