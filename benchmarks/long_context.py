@@ -927,9 +927,8 @@ class ModeRun:
     def _predict_with_planner(self, profiled: list[dict[str, Any]]) -> dict[str, Any]:
         """plan@auto: bisection over the lengths the library's planner finds a plan for, from the profile its plan in
         force was made from, against the budget it plans for, with the planner's own step time."""
-        import hf_offload.memory_budget.controller as library_budget
         from hf_offload.memory_budget.host import choose_plan_with_host
-        from hf_offload.memory_budget.search import choose_plan
+        from hf_offload.memory_budget.search import choose_plan, prediction_margin_bytes
 
         s = self.settings
         controller = self.offload.context.budget_controller
@@ -937,7 +936,7 @@ class ModeRun:
         if profile is None:
             return {"skipped": "the library made no plan during the profiled steps"}
         budget_bytes = controller.memory_budget.resolve(self.device_total)
-        margin = int(budget_bytes * getattr(library_budget, "_PREDICTION_MARGIN", 0.005))
+        margin = prediction_margin_bytes(budget_bytes)  # the planner's own
         # As the controller plans: the pinned pool may grow past its cap, down to the host's reserve, where that is what
         # fits the step (without it, the QLoRA prediction stopped at 425,984 tokens, the default cap's limit).
         caps = self.offload.context.host_caps()
