@@ -43,9 +43,9 @@ def plan_on_rank(rank: int, port: int, results) -> None:
 
 def train_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...], ...], budget: int,
                   available_gib: tuple[float, ...], max_tokens: int | None = None) -> None:  # fmt: skip
-    """One of two gloo ranks training the controller tests' tiny Llama under `budget` in CPU test mode, each on its
-    own sequence lengths and with its own host memory available (`available_gib`, of 128 GiB, two local ranks), and
-    the run's longest step put at `max_tokens` (`memory_budget_max_tokens`).
+    """One of two gloo ranks training the budget tests' tiny Llama (`budget_runs.tiny_llama`) under `budget` in CPU
+    test mode, each on its own sequence lengths and with its own host memory available (`available_gib`, of 128 GiB,
+    two local ranks), and the run's longest step put at `max_tokens` (`memory_budget_max_tokens`).
 
     Puts, per step, the plan in force (code and tokens) and the pool's cap; whether the losses and gradients equal
     those of the same steps without offloading, bitwise; and the most host memory this rank's pool could take."""
@@ -80,8 +80,9 @@ def train_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...],
 
 
 def fsdp2_train_on_rank(rank: int, port: int, results, budget: int) -> None:
-    """One of two gloo ranks training the controller tests' tiny Llama sharded by FSDP2 (`fully_shard` on each decoder
-    layer and on the model, on the CPU) under `budget` in CPU test mode, and again without offloading.
+    """One of two gloo ranks training the budget tests' tiny Llama (`budget_runs.tiny_llama`) sharded by FSDP2
+    (`fully_shard` on each decoder layer and on the model, on the CPU) under `budget` in CPU test mode, and again
+    without offloading.
 
     Puts the plan code in force after each step, whether the losses and gradients (this rank's shards) equal those
     of the same steps without offloading, bitwise, and what the plan's profile counted of the first layer's gathered
