@@ -29,6 +29,7 @@ from _gpu_models import (
     peak_step_memory,
     run_steps,
 )
+from step_comparisons import relative_difference
 
 from hf_offload.tiled.apply import apply_tiled_mlp
 
@@ -45,12 +46,6 @@ SAVED_PER_LAYER = 4  # gate, act(gate), up, act(gate) * up
 # rounding adds to bf16's own (measured on CPU at 256 tokens in 8 chunks: 9.9e-3 tiled, 9.0e-3 untiled).
 TILED_ERROR_RATIO = 1.5
 BF16_TOLERANCE = 3e-2
-
-
-def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|: relative to the tensor's scale, not elementwise (near-zero entries would dominate)."""
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def step_result(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -96,11 +96,6 @@ def long_run(budget, tile_mlp="auto", steps: int = 4, tile_layer="auto", record=
     return train(model, context, steps=steps, lengths=(64,)), context, seen, model
 
 
-def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|, as the tiled layer's tolerances are stated (tests/tiled/test_layer_op.py)."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-
-
 def accumulate(model, context, micro_steps: int, accumulation: int, optimizer: bool = True,
                after_micro_step: Callable[[], None] | None = None) -> list[torch.Tensor]:  # fmt: skip
     """Losses of `micro_steps` forwards and backwards of 16 tokens, AdamW stepping after every `accumulation` of them

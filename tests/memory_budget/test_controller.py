@@ -20,12 +20,12 @@ from budget_runs import (
     accumulate,
     assert_bitwise_equal,
     long_run,
-    relative_difference,
     tiled_forwards,
     tiled_whole,
     tiny_llama,
     train,
 )
+from step_comparisons import relative_difference
 
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 from hf_offload.memory_budget import controller as controller_module

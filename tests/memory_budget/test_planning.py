@@ -21,12 +21,12 @@ from budget_runs import (
     long_run,
     planned,
     planned_minimum,
-    relative_difference,
     tiled_forwards,
     tiled_whole,
     tiny_llama,
     train,
 )
+from step_comparisons import relative_difference
 
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 from hf_offload.host_memory import HostMemory

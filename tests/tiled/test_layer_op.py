@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from step_comparisons import assert_bitwise, max_difference, relative_difference, step
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
@@ -89,38 +90,6 @@ def batch(model: nn.Module, size: int = BATCH) -> tuple[torch.Tensor, torch.Tens
     """Input embeddings (a leaf, so the step has an input gradient) and labels."""
     ids = torch.randint(3, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(1))
     return model.get_input_embeddings()(ids).detach(), ids
-
-
-def step(model: nn.Module, embeds: torch.Tensor, labels: torch.Tensor, seed: int = 2, **kwargs):
-    """One forward and backward: (loss, input gradient, {name: gradient} of the parameters that got one)."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    x = embeds.clone().requires_grad_()
-    loss = model(inputs_embeds=x, labels=labels, **{"use_cache": False, **kwargs}).loss
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), x.grad, grads
-
-
-def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|: relative to the tensor's scale, not elementwise (near-zero entries would dominate)."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-
-
-def max_difference(got, ref) -> tuple[float, str]:
-    """The largest `relative_difference` over loss, input gradient and every parameter gradient, and where."""
-    assert got[2].keys() == ref[2].keys(), "the tiled and untiled steps give gradients to different parameters"
-    pairs = {"loss": (got[0], ref[0]), "input": (got[1], ref[1])}
-    pairs.update({name: (got[2][name], ref[2][name]) for name in ref[2]})
-    worst = max(pairs, key=lambda name: relative_difference(*pairs[name]))
-    return relative_difference(*pairs[worst]), worst
-
-
-def assert_bitwise(got, ref) -> None:
-    assert torch.equal(got[0], ref[0]), "loss"
-    assert torch.equal(got[1], ref[1]), "input gradient"
-    assert got[2].keys() == ref[2].keys()
-    assert all(torch.equal(got[2][name], ref[2][name]) for name in ref[2]), "parameter gradients"
 
 
 def assert_baseline_repeats(model, embeds, labels, **kwargs):
