@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, run_steps
+from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, mlp_saving_3_gib, run_steps
 
 from hf_offload import OffloadActivations
 
@@ -58,20 +58,7 @@ def test_a_tiny_pinned_cap_spills_to_disk_bitwise(tmp_path, record, span: str, c
 def test_an_mlp_spills_gib_to_disk_bitwise(tmp_path, record) -> None:
     """An MLP whose step saves about 3 GiB with a pool of 256 MiB: most of it goes through the staging buffers to the
     disk and back, and the gradients of two steps are those without the engine, bit for bit."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU())
-                                  for _ in range(12)]).cuda()  # fmt: skip
-    x = torch.randn(8192, 4096, device="cuda")
-
-    def grads(engine: OffloadActivations | None) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        if engine is None:
-            loss = model(x).square().mean()
-        else:
-            with engine:
-                loss = model(x).square().mean()
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
+    grads = mlp_saving_3_gib()
 
     reference = grads(None)
     engine = OffloadActivations(max_pinned_bytes=256 * MIB, disk_offload_dir=str(tmp_path), disk_reserve_bytes=0)

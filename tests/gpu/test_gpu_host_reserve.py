@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+from _gpu_models import mlp_saving_3_gib
 
 from hf_offload import OffloadActivations
 from hf_offload.host_memory import HostReserve, PinnedHostPool, _pinned_exactly, read_host_memory
@@ -113,20 +114,7 @@ def test_the_engine_keeps_what_the_reserve_refuses_on_the_gpu_bitwise(record) ->
     to the host, the rest stays on the GPU (`host_reserve`, one warning), and the gradients are those without the
     engine, bit for bit, over two steps."""
     _settle()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU())
-                                  for _ in range(12)]).cuda()  # fmt: skip
-    x = torch.randn(8192, 4096, device="cuda")
-
-    def grads(engine: OffloadActivations | None) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        if engine is None:
-            loss = model(x).square().mean()
-        else:
-            with engine:
-                loss = model(x).square().mean()
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
+    grads = mlp_saving_3_gib()
 
     reference = grads(None)
     assert all(torch.equal(a, b) for a, b in zip(reference, grads(None)))  # the baseline repeats itself
