@@ -7,6 +7,11 @@ drives it, defaults included. The variants run one after the other in one proces
 each sees the same GPU clocks and host; a variant's step time is the median of its timed steps over every round,
 its peak the highest `max_memory_allocated` of any of its steps, above the model's parameters.
 
+With --fresh-processes each variant of each round runs in a Python process of its own instead, as a user's script
+trains one Trainer: in one process that trains several Trainers one after the other, what the earlier ones left in
+the allocator and Dynamo's caches moves a later one's peak by tens of MiB (tests/gpu/_trainer_compile_run.py), which
+decides a comparison of peaks that close.
+
 Variants (--variants, separated by spaces):
   none                     no checkpointing, no offloading
   ckpt                     gradient checkpointing alone
@@ -20,7 +25,7 @@ Variants (--variants, separated by spaces):
 Usage (GPU machine):
   python benchmarks/trainer_variants.py --layers 16 --vocab 128256 --batch 1 --seq 2048 \\
       --variants ckpt ckpt+hfo ckpt+hfo:min_peak_reduction=none ckpt+hfo:memory_budget=auto none
-  python benchmarks/trainer_variants.py --layers 8 --vocab 32000 --batch 2 --seq 4096 \\
+  python benchmarks/trainer_variants.py --layers 8 --vocab 32000 --batch 2 --seq 4096 --fresh-processes \\
       --variants compile:ckpt compile:ckpt+hfo layers:ckpt+hfo
 Writes one JSON line per variant and round to --out/trainer_variants.jsonl as it goes, and a table at the end.
 """
@@ -32,6 +37,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -124,6 +130,17 @@ def run_variant(variant: str, args: argparse.Namespace, work: Path) -> dict[str,
     return result
 
 
+def run_in_fresh_process(variant: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """`run_variant` in a new Python process: this script again, one variant, one round, its own output folder."""
+    child_out = out / f"process-{len(list(out.glob('process-*')))}"
+    options = {key: getattr(args, key) for key in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab",
+                                                   "seq", "batch", "steps", "warmup", "seed")}  # fmt: skip
+    command = [sys.executable, __file__, "--variants", variant, "--rounds", "1", "--out", str(child_out)]
+    command += [item for key, value in options.items() for item in (f"--{key.replace('_', '-')}", str(value))]
+    subprocess.run(command, check=True)
+    return json.loads((child_out / "trainer_variants.jsonl").read_text().splitlines()[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -139,6 +156,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=["ckpt", "ckpt+hfo"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fresh-processes", action="store_true", help="each variant of each round in its own process")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     out = Path(args.out)
@@ -151,7 +169,8 @@ def main() -> int:
     results: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
     for round_index in range(args.rounds):
         for variant in variants:
-            result = run_variant(variant, args, out)
+            run = run_in_fresh_process if args.fresh_processes else run_variant
+            result = run(variant, args, out)
             result.update(shape=shape, round=round_index, device=torch.cuda.get_device_name())
             results[variant].append(result)
             with open(out / "trainer_variants.jsonl", "a") as f:
