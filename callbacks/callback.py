@@ -1,6 +1,7 @@
 """The Trainer callback that runs each training forward pass under the activation offloading context."""
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -27,16 +28,27 @@ _CONTEXT_METHOD = "compute_loss_context_manager"
 _CONSOLE_CALLBACKS = frozenset({"ProgressCallback", "PrinterCallback", "NotebookProgressCallback"})
 
 
-def _longest_step_of(args: Any) -> tuple[int, str] | None:
+def _longest_step_of(args: Any, sequence_shards: int = 1) -> tuple[int, str] | None:
     """The longest step a TRL trainer's configuration allows, per device and micro-step, with where it comes from:
     its `max_length` (SFT, DPO, KTO, Reward, ...: what sequences are truncated or packed to) times
-    `per_device_train_batch_size`; None where the configuration has no such length."""
+    `per_device_train_batch_size`, over the `sequence_shards` that context or sequence parallelism splits each
+    sequence into (a rank's layers see its shard only); None where the configuration has no such length."""
     max_length = getattr(args, "max_length", None)
     batch = getattr(args, "per_device_train_batch_size", None)
     if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1 or not isinstance(batch, int):
         return None
-    return batch * max_length, (f"per_device_train_batch_size {batch} x max_length {max_length} of "
-                                f"{type(args).__name__}")  # fmt: skip
+    source = f"per_device_train_batch_size {batch} x max_length {max_length} of {type(args).__name__}"
+    if sequence_shards > 1:
+        return batch * -(-max_length // sequence_shards), f"{source}, over {sequence_shards} sequence shards"
+    return batch * max_length, source
+
+
+def _sequence_shards(trainer: Any) -> int:
+    """Into how many shards the trainer's accelerator splits each sequence: accelerate's context parallelism
+    (`ParallelismConfig.cp_size`) or DeepSpeed's Ulysses sequence parallelism (`sp_size`); 1 without either."""
+    config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    sizes = [getattr(config, name, None) for name in ("cp_size", "sp_size")]
+    return math.prod(size for size in sizes if isinstance(size, int) and size > 1)
 
 
 class _ConsoleHeadlines(TrainerCallback):
@@ -137,7 +149,7 @@ class ActivationOffloadingCallback(TrainerCallback):
             context.remove_hooks()
             return
         self._context = context
-        longest = _longest_step_of(args)
+        longest = _longest_step_of(args, _sequence_shards(trainer))
         if context.budget_controller is not None and longest is not None:
             context.budget_controller.expect_longest_step(*longest)
         self._place_console_headlines(trainer)

@@ -153,3 +153,24 @@ def test_the_longest_step_of_a_trl_config_is_its_max_length_times_the_batch():
         4096, "per_device_train_batch_size 4 x max_length 1024 of SimpleNamespace")  # fmt: skip
     for max_length in ({}, {"max_length": None}, {"max_length": True}):  # no length, None, a flag
         assert _longest_step_of(SimpleNamespace(per_device_train_batch_size=4, **max_length)) is None
+
+
+def test_under_context_or_sequence_parallelism_the_longest_step_is_a_ranks_shard_of_the_sequence():
+    """accelerate's context parallelism (`cp_size`) and DeepSpeed's Ulysses (`sp_size`) give each rank's layers its
+    shard of every sequence: the longest step a rank plans for is the shard's, not the whole sequence's, which no plan
+    of one rank need fit."""
+    from hf_offload.callbacks.callback import _longest_step_of, _sequence_shards
+
+    def trainer(**sizes):
+        return SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=SimpleNamespace(**sizes)))
+
+    assert _sequence_shards(trainer(cp_size=4, sp_size=1, tp_size=2, dp_shard_size=2)) == 4  # TP splits no sequence
+    assert _sequence_shards(trainer(cp_size=1, sp_size=8)) == 8
+    assert _sequence_shards(trainer(cp_size=None, sp_size=None)) == 1
+    assert _sequence_shards(SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=None))) == 1
+    assert _sequence_shards(SimpleNamespace()) == 1
+    args = SimpleNamespace(max_length=1_048_577, per_device_train_batch_size=2)
+    assert _longest_step_of(args, 4) == (2 * 262_145, "per_device_train_batch_size 2 x max_length 1048577 of "
+                                         "SimpleNamespace, over 4 sequence shards")  # fmt: skip
+    assert _longest_step_of(args, 1) == (2 * 1_048_577, "per_device_train_batch_size 2 x max_length 1048577 of "
+                                         "SimpleNamespace")  # fmt: skip
