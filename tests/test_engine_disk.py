@@ -20,6 +20,7 @@ from test_engine import assert_bitwise_equal, cpu_engine, grads_of, round_trip, 
 
 from hf_offload import OffloadActivations, OffloadOptions, disk_tier
 from hf_offload.disk_tier import DiskOffloadDirError
+from hf_offload.host_memory import read_host_memory
 
 
 def disk_engine(tmp_path: Path, streams: bool, **options) -> OffloadActivations:
@@ -135,6 +136,22 @@ def test_a_failed_write_keeps_the_tensor_on_device(tmp_path, monkeypatch, caplog
     assert stats["tensors_kept_disk_failed"] > 0 and stats["bytes_spilled_to_disk"] == 0
     assert sum("writing a spilled activation" in record.getMessage() for record in caplog.records) == 1
     gc.collect()
+    assert files_in(tmp_path) == []
+
+
+def test_no_staging_buffer_is_taken_past_the_hosts_reserve(tmp_path, caplog) -> None:
+    """The staging buffers count against no cap, but the host's reserve is the pool's: with the host at its reserve,
+    what the pool refuses finds no buffer to go through to the disk and stays on the device, with one warning."""
+    model = tiny_mlp()
+    reference = grads_of(model, None)
+    engine = disk_engine(tmp_path, streams=True, host_memory_reserve_bytes=read_host_memory().total_bytes - 1)
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        for _ in range(2):
+            assert_bitwise_equal(grads_of(model, engine), reference)
+    stats = engine.consume_stats()
+    assert stats["tensors_kept_host_reserve"] > 0 and stats["bytes_spilled_to_disk"] == 0
+    assert engine._staging == []
+    assert sum("staging buffer" in record.getMessage() for record in caplog.records) == 1
     assert files_in(tmp_path) == []
 
 

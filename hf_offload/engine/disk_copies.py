@@ -9,8 +9,9 @@ Lifetimes, on a GPU:
   * A refused tensor's span goes D2H into a pinned staging buffer on the D2H stream, after an event on the compute
     stream, as a pool block's copy does (`_copy_out`); its GPU original stays referenced until the copy's event has
     completed. The staging set is at most two buffers, each as large as the largest tensor spilled so far, allocated
-    at first need and counted against nothing else (not the pool's cap, not a memory plan); a spill that finds both
-    busy waits for the older one's write (`disk_wait_s`).
+    at first need and counted against no cap and no memory plan, but never past the host's reserve (the pool's): a
+    tensor with no staging buffer to be had stays on the GPU (`host_reserve`, or `pinned_alloc_failed`); a spill
+    that finds both busy waits for the older one's write (`disk_wait_s`).
   * Once that event has completed (polled where finished copies are, `_release_finished`, and at the forward's end),
     the staging buffer is spilled (`DiskTier.spill`) and the GPU original let go. A spill refused (the disk's reserve)
     keeps the original instead: the tensor stays on the GPU, counted as `disk_reserve`.
@@ -143,6 +144,7 @@ class _DiskCopies:
         self._disk = tier
         self._spilled: weakref.WeakSet[_DiskCopy] = weakref.WeakSet()  # the copies alive, for `close_disk`
         self._staging: list[_Staging] = []
+        self._staging_refusal: str | None = None  # why the last staging buffer could not be had (`_staging_tensor`)
         self._disk_d2h: deque[tuple[_DiskCopy, _Staging]] = deque()  # D2H copies not spilled yet, in order
         self._disk_writes: list[tuple[weakref.ref[_DiskCopy], _Staging | None, Any]] = []  # writes not settled
         self._disk_read_queue: deque[weakref.ref[_DiskCopy]] = deque()  # prefetched, waiting for a staging buffer
@@ -171,6 +173,10 @@ class _DiskCopies:
         self.warn_once("disk_spill", "hf_offload: the pinned host pool has no room for further activations: they go "
                        f"to the disk tier in {self._disk.directory} (experimental)")  # fmt: skip
         lane = self._lane(tensor.device)
+        slot = None if lane.d2h is None else self._staging_slot(nbytes, wait=True)
+        if lane.d2h is not None and slot is None:
+            self._staging_refused(nbytes)
+            return _kept(tensor)
         span = tensor.detach().as_strided((numel,), (1,), start)
         copy = _DiskCopy(self, lane, tensor, start, numel, position)
         self._spilled.add(copy)
@@ -185,7 +191,6 @@ class _DiskCopies:
             copy.handle, copy.staging = handle, host
             self._disk_writes.append((weakref.ref(copy), None, handle))
         else:
-            slot = self._staging_slot(nbytes, wait=True)
             compute = lane.compute_stream()  # before any stream switch: see `streams`
             view = slot.view(nbytes, tensor.dtype)
             lane.d2h.wait_for(compute)  # the span's producer kernels first
@@ -210,6 +215,14 @@ class _DiskCopies:
             self._stats.unoffloaded(reason, nbytes)
         else:
             self._stats.kept(reason, nbytes)
+
+    def _staging_refused(self, nbytes: int) -> None:
+        """Counts a tensor kept where it was for want of a staging buffer (`_staging_tensor`), and says why once."""
+        reason = self._staging_refusal
+        why = "would leave the host less than its reserve" if reason == "host_reserve" else "could not be pinned"
+        self.warn_once(f"disk_staging_{reason}", f"hf_offload: a staging buffer of {nbytes / 2**20:.0f} MiB for "
+                       f"the disk tier {why}: activations the pool refuses stay on the {self.device_type}")  # fmt: skip
+        self._stats.kept(reason, nbytes)
 
     def _release_finished_and_spill(self, lane: _Lane) -> None:
         _HostCopies._release_finished(self, lane)
@@ -275,16 +288,23 @@ class _DiskCopies:
 
     def _staging_slot(self, nbytes: int, wait: bool) -> _Staging | None:
         """A free staging buffer of at least `nbytes`, made or grown as needed (at most `_STAGING_BUFFERS`); with
-        `wait`, waits for a busy one, else None when none is free."""
+        `wait`, waits for a busy one, else None when none is free. None also where a buffer that large cannot be had
+        (`_staging_tensor`)."""
         while True:
             self._poll_disk()
             for slot in self._staging:
                 if slot.free():
                     if slot.tensor.numel() < nbytes:
-                        slot.tensor = self._staging_tensor(nbytes)
+                        tensor = self._staging_tensor(nbytes)
+                        if tensor is None:
+                            return None
+                        slot.tensor = tensor
                     return slot
             if len(self._staging) < _STAGING_BUFFERS:
-                self._staging.append(_Staging(self._staging_tensor(nbytes)))
+                tensor = self._staging_tensor(nbytes)
+                if tensor is None:
+                    return None
+                self._staging.append(_Staging(tensor))
                 return self._staging[-1]
             if not wait:
                 return None
@@ -303,8 +323,19 @@ class _DiskCopies:
                 self._poll_disk_reads()  # copies the read to the device, or forgets it if its copy is gone
             self._staging.append(self._staging.pop(0))  # the other one next time
 
-    def _staging_tensor(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.use_pin_memory)
+    def _staging_tensor(self, nbytes: int) -> torch.Tensor | None:
+        """A pinned buffer of `nbytes`; None where taking it would leave the host less than the pool's reserve (the
+        staging buffers are the tier's and count against no cap, but the reserve is the host's), or where the pinned
+        allocation fails. The tensor the buffer was for then stays where it is."""
+        pool = self._host_pool()
+        if pool.reserve is not None and not pool.reserve.allows(nbytes):
+            self._staging_refusal = "host_reserve"
+            return None
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.use_pin_memory)
+        except RuntimeError:  # the host has no pinnable memory left
+            self._staging_refusal = "pinned_alloc_failed"
+            return None
 
     # ------------------------------------------------------------------ backward
 

@@ -15,6 +15,7 @@ import torch
 from _gpu_models import assert_bitwise_equal, build_model, dispose, make_batch, make_ctx, mlp_saving_3_gib, run_steps
 
 from hf_offload import OffloadActivations
+from hf_offload.host_memory import read_host_memory
 
 MIB = 2**20
 
@@ -74,3 +75,23 @@ def test_an_mlp_spills_gib_to_disk_bitwise(tmp_path, record) -> None:
     assert _files(tmp_path) == []
     engine.remove_hooks()
     assert engine._disk.closed and list(tmp_path.iterdir()) == []
+
+
+def test_no_staging_buffer_is_pinned_past_the_hosts_reserve(tmp_path, record) -> None:
+    """A reserve 320 MiB below the memory available: a 256 MiB pool fits above it, the 128 MiB staging buffers the
+    disk tier would pin next do not, so what the pool refuses stays on the GPU, bitwise, and the host stays above its
+    reserve (the buffers count against no cap, but the reserve is the host's)."""
+    grads = mlp_saving_3_gib()
+    reference = grads(None)
+    reserve = read_host_memory().available_bytes - 320 * MIB
+    engine = OffloadActivations(max_pinned_bytes=256 * MIB, disk_offload_dir=str(tmp_path), disk_reserve_bytes=0,
+                                host_memory_reserve_bytes=reserve)  # fmt: skip
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(grads(engine), reference))
+    available = read_host_memory().available_bytes
+    stats = engine.get_stats()
+    record("kept_host_reserve_mib", stats["bytes_kept_host_reserve"] / MIB, show=True)
+    record("available_above_reserve_mib", (available - reserve) / MIB, show=True)
+    assert stats["tensors_kept_host_reserve"] > 0 and stats["bytes_spilled_to_disk"] == 0
+    assert available >= reserve
+    engine.remove_hooks()
