@@ -42,10 +42,12 @@ def plan_on_rank(rank: int, port: int, results) -> None:
 
 
 def train_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...], ...], budget: int,
-                  available_gib: tuple[float, ...], max_tokens: int | None = None) -> None:  # fmt: skip
+                  available_gib: tuple[float, ...], max_tokens: int | None = None,
+                  sharded: bool = False) -> None:  # fmt: skip
     """One of two gloo ranks training the budget tests' tiny Llama (`budget_runs.tiny_llama`) under `budget` in CPU
     test mode, each on its own sequence lengths and with its own host memory available (`available_gib`, of 128 GiB,
-    two local ranks), and the run's longest step put at `max_tokens` (`memory_budget_max_tokens`).
+    two local ranks), and the run's longest step put at `max_tokens` (`memory_budget_max_tokens`). With `sharded`,
+    each rank trains on its half of every sequence (`budget_runs.train`'s `shard`), as under context parallelism.
 
     Puts, per step, the plan in force (code and tokens) and the pool's cap; whether the losses and gradients equal
     those of the same steps without offloading, bitwise; and the most host memory this rank's pool could take."""
@@ -58,8 +60,8 @@ def train_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...],
     host_memory.read_host_memory = lambda root="/": host_memory.HostMemory(128 * 2**30, available)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        mine = lengths[rank]
-        baseline = train(tiny_llama(), Unchanged(), steps=len(mine), lengths=mine)
+        mine, shard = lengths[rank], (rank, 2) if sharded else None
+        baseline = train(tiny_llama(), Unchanged(), steps=len(mine), lengths=mine, shard=shard)
         model = tiny_llama()
         context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=budget,
                                                  memory_budget_max_tokens=max_tokens)  # fmt: skip
@@ -69,7 +71,7 @@ def train_on_rank(rank: int, port: int, results, lengths: tuple[tuple[int, ...],
             plan = context.memory_plan
             steps.append(None if plan is None else (plan.code, plan.tokens, context._host_pool().cap_bytes))
 
-        trained = train(model, context, steps=len(mine), lengths=mine, after_step=record)
+        trained = train(model, context, steps=len(mine), lengths=mine, after_step=record, shard=shard)
         exact = len(trained) == len(baseline) and all(torch.equal(a, b) for a, b in zip(trained, baseline))
         outcome = (steps, exact, context.host_caps().most_bytes)
     except Exception as error:  # the parent asserts on it

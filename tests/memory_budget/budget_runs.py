@@ -27,16 +27,24 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
 
 
 def train(model, context, steps: int = 5, lengths: tuple[int, ...] = (16,),
-          after_step: Callable[[], None] | None = None) -> list[torch.Tensor]:  # fmt: skip
+          after_step: Callable[[], None] | None = None,
+          shard: tuple[int, int] | None = None) -> list[torch.Tensor]:  # fmt: skip
     """Losses and, at the end, every gradient of a few AdamW steps (each step the next sequence length);
-    `after_step` is called after each."""
+    `after_step` is called after each. With `shard` (index, count), the model sees that shard of each sequence,
+    with its positions, as a rank does under context or sequence parallelism."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(1)
     results = []
     for step in range(steps):
         ids = torch.randint(VOCAB, (2, lengths[min(step, len(lengths) - 1)]))
+        positions = None
+        if shard is not None:
+            index, count = shard
+            width = ids.shape[1] // count
+            ids = ids[:, index * width : (index + 1) * width]
+            positions = torch.arange(index * width, (index + 1) * width).expand_as(ids)
         with context:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids, position_ids=positions).loss
         loss.backward()
         results.append(loss.detach())
         if step == steps - 1:

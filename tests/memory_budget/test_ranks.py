@@ -107,3 +107,19 @@ def test_fsdp2_sharded_layers_are_probed_and_planned_on_both_ranks_and_stay_exac
     assert codes == other_codes
     assert codes[:2] == [None, None]  # the profiled steps
     assert len(codes[-1]) == LAYERS and set(codes[-1]) & set("cC"), codes
+
+
+def test_ranks_that_each_hold_a_shard_of_the_sequences_plan_for_their_shard_and_agree():
+    """Under context or sequence parallelism a rank's layers see its shard of every sequence: here each rank trains
+    on its half of 2 x 64 tokens, with the shard's positions. `memory_budget_max_tokens` is a rank's (what the Trainer
+    passes from a TRL config: max_length x batch over cp_size or sp_size), the ranks agree on one plan, made for the
+    shard's 64 tokens, and each rank's training is bitwise that of its shard without offloading."""
+    lengths = ((64,) * 5, (64,) * 5)
+    outcomes = on_two_ranks(train_on_rank, lengths, int(planned_minimum() * 1.5), (100.0, 100.0), 2 * 32, True)
+    for rank in (0, 1):
+        assert outcomes[rank][0] != "error", outcomes[rank]
+    (steps, exact, _), (other_steps, other_exact, _) = outcomes[0], outcomes[1]
+    assert exact and other_exact
+    assert steps == other_steps
+    assert steps[:2] == [None, None]  # the profiled steps
+    assert [step[1] for step in steps[2:]] == [64, 64, 64]
