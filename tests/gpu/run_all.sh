@@ -78,8 +78,10 @@ if $PY -c "import pytest_timeout" >/dev/null 2>&1; then TIMEOUT_ARGS="--timeout=
 echo "run_all: pytest ${PYTEST_PATHS:-tests/gpu}"
 set -o pipefail
 # --continue-on-collection-errors: a module whose imports fail here (a package missing from the image) is
-# reported as an error without stopping the other modules.
-timeout "${PYTEST_TIMEOUT_S:-360}" $PY -m pytest ${PYTEST_PATHS:-tests/gpu} -q -rA --maxfail=30 $TIMEOUT_ARGS \
+# reported as an error without stopping the other modules. At the suite's limit pytest gets SIGINT, not SIGTERM: it
+# then stops as on Ctrl-C and still writes its summary (the tests that passed, the one it was in, the durations)
+# and the junit xml, where a killed run leaves a line of dots; 30 s later it is killed.
+timeout -s INT -k 30 "${PYTEST_TIMEOUT_S:-360}" $PY -m pytest ${PYTEST_PATHS:-tests/gpu} -q -rA --maxfail=30 $TIMEOUT_ARGS \
     --continue-on-collection-errors \
     -p no:cacheprovider -W ignore::FutureWarning -W ignore::DeprecationWarning \
     --durations=15 --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
@@ -122,6 +124,7 @@ grep -E '^(FAILED|ERROR) ' "$OUT/gpu_tests.log" | cut -c1-220 | head -20
 echo "---- first failure, traceback tail ----"
 awk '/^=+ FAILURES =+$/{f=1;next} f&&/^=+ /{exit} f' "$OUT/gpu_tests.log" | awk '/^_+ .* _+$/{n++} n==1' | tail -30 | cut -c1-300
 echo "================ pytest result ================"
+grep -E ': KeyboardInterrupt$' "$OUT/gpu_tests.log" | sed 's/^/stopped at the time limit in: /'
 tail -1 "$OUT/gpu_tests.log"
 echo "run_all: pytest rc=$PYTEST_RC ($((T1 - T0)) s), peak_1b rc=$PEAK_RC ($((T2 - T1)) s)," \
     "soak_1b rc=$SOAK_RC ($((T3 - T2)) s), files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
