@@ -401,13 +401,12 @@ class OffloadOptions:
     memory_budget_max_tokens: int | None = _option(
         None, Rule(_COUNT, minimum=1, optional=True), "The most tokens a training step of the run will hold, per "
         "device and micro-step (sequences x their padded length, e.g. per_device_train_batch_size x max_length; under "
-        "context or sequence parallelism, a rank's shard of that), "
-        "where the run knows it ahead: the memory budget's first plan then checks that a step that long fits, and "
-        "raises its InfeasibleBudgetError there, before the run trains on, if no plan does. `None` (`none` on the "
-        "command line): the plans follow the longest step seen, and a longer step that no plan fits runs over the "
-        "budget with a warning; under the Trainer, a TRL config's `max_length` times the batch size (over the "
-        "accelerator's cp_size or sp_size) is checked the "
-        "same way, with a warning instead of the error. Only with a memory_budget.",
+        "context or sequence parallelism, a rank's shard of that), where the run knows it ahead: the memory budget's "
+        "first plan then checks that a step that long fits, and raises its InfeasibleBudgetError there, before the "
+        "run trains on, if no plan does. `None` (`none` on the command line): the plans follow the longest step seen, "
+        "and a longer step that no plan fits runs over the budget with a warning; under the Trainer, a TRL config's "
+        "`max_length` times the batch size (over the accelerator's cp_size or sp_size) is checked the same way, with "
+        "a warning instead of the error. Only with a memory_budget.",
         argument="memory_budget_max_tokens")  # fmt: skip
     tile_mlp: str | bool = _option(
         AUTO, Rule(_AUTO_FLAG), "Run each decoder layer's MLP over chunks of as many tokens as the hidden size, so "
