@@ -12,7 +12,7 @@
 # - ends with a short summary: pass/fail counts, failures, the recorded memory numbers, the 1B table, the soak;
 #   exits non-zero when pytest or the soak failed.
 # Environment knobs: PYTEST_PATHS (test files to run instead of tests/gpu), PYTEST_ARGS (extra pytest
-# arguments), PEAK_1B_ARGS (arguments for peak_1b.py),
+# arguments), WHEELS (folders of carried wheels to install, default .whl), PEAK_1B_ARGS (arguments for peak_1b.py),
 # SKIP_1B=1, PYTEST_TIMEOUT_S (whole-suite limit, default 360), PEAK_TIMEOUT_S (default 170),
 # SOAK_STEPS (default 500), SOAK_ARGS (more arguments for soak_1b.py, e.g. --no-ckpt --seq 1024), SKIP_SOAK=1,
 # SOAK_TIMEOUT_S (default 240; the script itself stops stepping after --max-seconds, default 170).
@@ -38,11 +38,13 @@ mkdir -p "$SRC"
 for f in pyproject.toml setup.cfg setup.py MANIFEST.in README.md LICENSE hf_offload callbacks; do
     [ -e "$f" ] && cp -r "$f" "$SRC/"
 done
-# Wheels carried in .whl/ (e.g. trl, liger-kernel: not in the GPU image) go to the same target.
-if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
-        >"$OUT/install.log" 2>&1 && echo "run_all: installed carried wheels: $(ls .whl | tr '\n' ' ')"
-fi
+# Wheels carried in the folders WHEELS names (.whl/ by default: e.g. trl, liger-kernel, not in the GPU image) go to
+# the same target, ahead of the image's packages: a folder of newer transformers wheels tests today's releases.
+for wheels in ${WHEELS:-.whl}; do
+    ls "$wheels"/*.whl >/dev/null 2>&1 || continue
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$wheels"/*.whl \
+        >>"$OUT/install.log" 2>&1 && echo "run_all: installed carried wheels: $(ls "$wheels" | tr '\n' ' ')"
+done
 if $PY -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" "$SRC" >>"$OUT/install.log" 2>&1; then
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     export PYTHONSAFEPATH=1
