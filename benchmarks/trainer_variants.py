@@ -49,6 +49,7 @@ import transformers
 import hf_offload
 
 GIB = 2**30
+SHAPE = ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq", "batch")  # the arguments of a shape
 
 
 class _StepClock(transformers.TrainerCallback):
@@ -133,8 +134,7 @@ def run_variant(variant: str, args: argparse.Namespace, work: Path) -> dict[str,
 def run_in_fresh_process(variant: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """`run_variant` in a new Python process: this script again, one variant, one round, its own output folder."""
     child_out = out / f"process-{len(list(out.glob('process-*')))}"
-    options = {key: getattr(args, key) for key in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab",
-                                                   "seq", "batch", "steps", "warmup", "seed")}  # fmt: skip
+    options = {key: getattr(args, key) for key in (*SHAPE, "steps", "warmup", "seed")}
     command = [sys.executable, __file__, "--variants", variant, "--rounds", "1", "--out", str(child_out)]
     command += [item for key, value in options.items() for item in (f"--{key.replace('_', '-')}", str(value))]
     subprocess.run(command, check=True)
@@ -162,8 +162,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     variants = args.variants
-    shape = {key: getattr(args, key) for key in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab",
-                                                 "seq", "batch")}  # fmt: skip
+    shape = {key: getattr(args, key) for key in SHAPE}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"shape {shape}", flush=True)  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
