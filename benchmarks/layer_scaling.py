@@ -51,7 +51,7 @@ def build_layer(precision: str) -> tuple[Any, Any]:
 
     device = torch.device("cuda")
     notes: list[str] = []
-    liger = apply_liger(device, notes)
+    liger = apply_liger(device, notes, "llama")
     scenario = Scenario(**SHAPE, layers=1, vocab=1024, seq=1 << 20, batch=1, lora=True, liger=liger,
                         force_ckpt=False, steps=1, warmup=1)  # fmt: skip
     model = build_model(scenario, 0, device, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})

@@ -16,8 +16,8 @@ TRL (`packing_strategy="wrapped"`: blocks of exactly `max_length`). hf-offload i
 `hf_offload.callbacks.trl.SFTConfig`, as a TRL script would be.
 
 Every step is recorded as it ends, in <out>/long_context_sft[-<tag>].json (a run cut short keeps what it measured): its
-time, the device's peak (`max_memory_allocated`, reset as the step begins: the budget's controller reads its own
-counter, `measurements.OwnPeakCounter`), the least host memory available while it ran (read every 0.5 s), the pinned
+time and tokens, the device's peak (`max_memory_allocated`, reset as the step begins: the budget's controller reads its
+own counter, `measurements.OwnPeakCounter`), the least host memory available while it ran (read every 0.5 s), the pinned
 pool's bytes, the disk tier's (`--disk-offload-dir`) and the plan the layers ran (and the latest plan's table). A step
 that runs out of memory is recorded with the allocator's figures. `--max-pinned-gib` caps the pinned pool: a host with
 less memory, stood in for.
@@ -95,6 +95,7 @@ class _StepRecorder(transformers.TrainerCallback):
         self.host = _LeastAvailableHost()
         self.trainer: transformers.Trainer | None = None
         self._start = 0.0
+        self._tokens_seen = 0
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.cuda:
@@ -107,7 +108,9 @@ class _StepRecorder(transformers.TrainerCallback):
         if self.cuda:
             torch.cuda.synchronize()
         record: dict[str, Any] = {"step": state.global_step, "seconds": time.perf_counter() - self._start,
+                                  "tokens": state.num_input_tokens_seen - self._tokens_seen,
                                   "least_host_available_gib": self.host.take() / GIB}  # fmt: skip
+        self._tokens_seen = state.num_input_tokens_seen
         if self.cuda:
             record["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         context = _offloading_context(self.trainer)
@@ -138,13 +141,16 @@ def _offloading_context(trainer: transformers.Trainer | None) -> Any:
 
 
 def _packed_documents(tokens: int, steps: int, vocab: int, seed: int, shortest: int, longest: int) -> datasets.Dataset:
-    """Random token documents, enough for `steps` blocks of `tokens` once packed."""
+    """Random token documents that pack into exactly `steps` + 1 blocks of `tokens`.
+
+    Exactly: a packed remainder would be a block shorter than the rest, and the Trainer's shuffled order may draw it
+    first, which would make the first step short."""
     rng = random.Random(seed)
-    documents, total = [], 0
-    while total < tokens * (steps + 1):
-        length = rng.randint(shortest, longest)
+    documents, left = [], tokens * (steps + 1)
+    while left:
+        length = min(rng.randint(shortest, longest), left)
         documents.append([rng.randrange(3, vocab) for _ in range(length)])
-        total += length
+        left -= length
     return datasets.Dataset.from_dict({"input_ids": documents})
 
 
@@ -200,8 +206,9 @@ def main() -> int:
 
     device = torch.device("cuda" if cuda else "cpu")
     notes: list[str] = []
-    result["liger"] = apply_liger(device, notes) if scenario.liger else False
+    result["liger"] = apply_liger(device, notes, scenario.family) if scenario.liger else False
     model = build_model(scenario, args.seed, device)
+    result["forward"] = type(model).forward.__module__  # Liger's module where its fused loss is in force
     shortest = min(1024, args.tokens // 4)
     dataset = _packed_documents(args.tokens, args.steps, args.vocab, args.seed, shortest, min(65536, args.tokens))
     config = SFTConfig(
@@ -212,6 +219,7 @@ def main() -> int:
         activation_offloading_max_pinned_mib=None if args.max_pinned_gib is None else args.max_pinned_gib * 1024,
         activation_offloading_disk_offload_dir=args.disk_offload_dir,
         logging_steps=1, disable_tqdm=True, seed=args.seed, dataloader_num_workers=0,
+        include_num_input_tokens_seen=True,  # each step's tokens, recorded: a short first step would be no cold start
     )  # fmt: skip
     recorder = _StepRecorder(result, save, cuda)
     trainer = trl.SFTTrainer(

@@ -98,7 +98,7 @@ def main() -> int:
 
     device = torch.device("cuda")
     notes: list[str] = []
-    result["liger"] = apply_liger(device, notes)
+    result["liger"] = apply_liger(device, notes, "llama")
     longest = max(args.tokens, args.profile_tokens, 2**20)
     model = apply_lora(build_model(eight_b(args.layers, longest), args.seed, device))
     params = [p for p in model.parameters() if p.requires_grad]

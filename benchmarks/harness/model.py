@@ -56,7 +56,7 @@ def liger_call(family_name: str = "llama") -> str:
     )
 
 
-def apply_liger(device: torch.device, notes: list[str], family_name: str = "llama") -> bool:
+def apply_liger(device: torch.device, notes: list[str], family_name: str) -> bool:
     """Liger's class-level patch of the family; it must come before the model is built. Returns whether it was
     applied (why not goes to ``notes``: the mode then runs without)."""
     patch = family(family_name).liger_patch  # an unknown family is the caller's error, not a missing Liger
