@@ -364,8 +364,8 @@ class OffloadOptions:
         "it; without one, no reserve (the cap alone). `0`: no reserve.", argument="host_memory_reserve_mib",
         argument_unit="MiB")  # fmt: skip
     disk_offload_dir: str | None = _option(
-        None, Rule(_PATH, optional=True), "Experimental (bitwise on an H100; its speed at long context not yet "
-        "measured): a directory on a fast local disk (NVMe, not a network file system) where activations that the "
+        None, Rule(_PATH, optional=True), "Experimental (bitwise on an H100; measured at long context on one disk "
+        "only): a directory on a fast local disk (NVMe, not a network file system) where activations that the "
         "pinned host pool has no room for (past its cap or the host's reserve) are written to files and read back in "
         "backward, instead of staying on the accelerator. Bitwise the same training; each file goes once backward has "
         "used its tensor, and the run's directory (`hf_offload-<pid>-*` under this one) when the context is dropped "

@@ -29,6 +29,7 @@ __all__ = [
     "StepMeasurements",
     "budget_bytes",
     "first_steps_head_bytes",
+    "first_steps_logits_bytes",
     "tail_kept",
 ]
 
@@ -62,6 +63,25 @@ def first_steps_head_bytes(model: nn.Module, tokens: int) -> int:
     if (getattr(type(model).forward, "__module__", "") or "").startswith("liger_kernel"):
         return tokens * hidden * _FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN
     return tokens * vocabulary * _HEAD_BYTES_PER_TOKEN_AND_VOCABULARY
+
+
+def first_steps_logits_bytes(model: nn.Module, tokens: int) -> int:
+    """Of `first_steps_head_bytes`, what is certain: the logits (tokens x vocabulary, in the output head's dtype) where
+    the model's forward is transformers' own, which makes them whole before its loss; 0 where another forward (Liger's
+    fused linear cross-entropy, ...) may never make them, or the model has no output head.
+
+    Args:
+        model: the unwrapped model.
+        tokens: the step's tokens (sequences x length).
+    """
+    if not (getattr(type(model).forward, "__module__", "") or "").startswith("transformers."):
+        return 0
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return 0
+    return tokens * weight.shape[0] * weight.element_size()
 
 
 def tail_kept(engine: OffloadActivations | None) -> int:

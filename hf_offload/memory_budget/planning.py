@@ -1,13 +1,14 @@
 """Planning at run time: the plan in force, made for a step's tokens with the memory held now, and put on the layers.
 
 The profiled steps run the safe plan (every decoder layer fully checkpointed, its input offloaded: the lowest memory
-that works without a plan), decided once the probes are in (`Planner.apply_safe_plan`): if it is predicted not to fit
-the budget and tiling would lower its peak, it tiles every layer's MLP, or, where even that is predicted not to fit
-and tiling whole layers is lower still, every layer whole. It offloads the inputs the pinned pool has room for and
-keeps the rest on the device; where no safe plan fits, the profiled steps run the planner's plan for the first step's
-tokens (with the pool grown where that is what fits), decided before the layers it places run: a run whose first step
-is already long is planned for it, not profiled into running out of memory. Where even the lowest-memory plan is
-predicted to exceed the device, an `InfeasibleBudgetError` there.
+that works without a plan), decided once the probes are in (`Planner.apply_safe_plan`); it offloads the inputs the
+pinned pool has room for and keeps the rest on the device. Where it is predicted not to fit the budget, they run the
+planner's plan for the first step's tokens (the pool grown where that is what fits, tiling only where nothing exact
+fits), decided before the layers it places run: a run whose first step is already long is planned for it, not
+profiled into running out of memory or into a plan that tiles every layer. Where even the lowest-memory plan is
+predicted to exceed the device, with the head counted as the logits the model certainly makes, an
+`InfeasibleBudgetError` there. Under torch.distributed, where each rank decides its profiled steps alone, they choose
+between safe plans only: untiled, with every MLP tiled, or every layer tiled whole.
 
 Then `search.choose_plan` plans for the budget (`Planner.plan_and_apply`), `layer_actions.apply_layer_actions` applies
 the plan and the engine's windows are sized; a budget no plan fits is an `InfeasibleBudgetError` at the first plan. A
@@ -20,6 +21,7 @@ planner puts it in force. Under torch.distributed every rank runs rank 0's plan 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -34,7 +36,7 @@ from ..units import format_bytes
 from .calibrate import calibrate
 from .closed_loop import STATIC_GROWTH_TOLERANCE, peak_correction
 from .host import choose_plan_with_host
-from .measurements import HeldMemory, LongestStep
+from .measurements import HeldMemory, LongestStep, first_steps_logits_bytes
 from .plan_application import LayerStarts, LayersUnderPlan, engine_settings
 from .plan_checks import PlanChecks
 from .plans_by_length import PlansByLength
@@ -43,7 +45,7 @@ from .profile import StepProfile, in_proportion, layer_tiling_available, tiling_
 from .profiled_steps import ProfiledSteps
 from .ranks import AgreedHostCaps, RankAgreement, runs_alone
 from .search import InfeasibleBudgetError, choose_plan, prediction_margin_bytes, safe_code, smallest_budget
-from .simulate import MeasuredStep, Plan, chunk_sizes, simulate
+from .simulate import MeasuredStep, Plan, chunk_sizes, memory_order, simulate
 from .spec import MemoryBudget
 
 __all__ = ["Planner"]
@@ -52,6 +54,17 @@ logger = logging.getLogger(__name__)
 
 # Where the pinned pool is full and there is no disk tier, the way past the host.
 _DISK_HINT = "; or set activation_offloading_disk_offload_dir to a fast local disk"
+
+
+def _logits_hint(logits_bytes: int, device_bytes: int) -> str:
+    """What a first step's refusal adds where the logits the model makes whole are a large share of the device."""
+    if logits_bytes * 10 < device_bytes:
+        return ""
+    return (
+        f" The model's output head makes its logits whole, {format_bytes(logits_bytes)} at this step's tokens "
+        "before the loss copies them to float32: a fused loss that never makes them, such as Liger's fused "
+        "linear cross-entropy (use_liger_kernel=True), holds a small share of that."
+    )
 
 
 class Planner:
@@ -113,54 +126,52 @@ class Planner:
         """The profiled steps' plan, once the probes are in, for the step's own tokens, before the layers it decides
         run; `first_step`: decided in the first step.
 
-        The safe plan where it is predicted to fit the budget: every layer fully checkpointed, its input offloaded;
-        its MLP tiled too if it is predicted not to fit untiled and tiling is predicted to lower its peak (at long
-        context an untiled layer's recompute alone can exceed the device); the whole layer tiled if even that is
-        predicted not to fit and tiling whole layers is predicted lower still. Where none of these fits, the
-        planner's plan for this step (`_plan_profiled_steps`): a run whose first step is already long (packing to
-        `max_length`) would otherwise run every input to a full pinned pool and keep the rest on the device (an
-        8B-class model at 327,680 tokens ran out of GPU memory so, where a plan that keeps some inputs and tiles
-        others fitted). The layers that ran before the last kind was probed keep the untiled safe plan in the first
-        step. Decided again as the second step begins, with the memory held then: the optimizer's state, made by the
-        first step's optimizer step (on an H200, 16 layers of S1's shape, AdamW: the first step peaked at 8.29 GiB,
-        the second at 8.92, over a budget of 8.80 GiB that a tiled plan met at 8.69)."""
+        The safe plan where it is predicted to fit the budget: every layer fully checkpointed, its input offloaded.
+        Where it is not, the planner's plan for this step (`_plan_profiled_steps`): the fastest predicted to fit, the
+        pinned pool grown where that is what fits, tiling only where nothing exact fits. A run whose first step is
+        already long (packing to `max_length`) would otherwise run every input to a full pinned pool and keep the rest
+        on the device (an 8B-class model at 327,680 tokens ran out of GPU memory so), and the safe plan tiled throughout
+        is slow (the same model and length on an H100: every layer tiled whole, 398 s; every MLP tiled, 306 s). Under
+        torch.distributed each rank decides its profiled steps alone, so only between safe plans: the safe plan with
+        every MLP tiled, or every layer tiled whole, where that is what fits (they differ in what they tile and offload,
+        not in which layers they recompute, which FSDP's collectives follow).
+
+        The layers that ran before the last kind was probed keep the untiled safe plan in the first step. Decided
+        again as the second step begins, with the memory held then: the optimizer's state, made by the first step's
+        optimizer step (on an H200, 16 layers of S1's shape, AdamW: the first step peaked at 8.29 GiB, the second at
+        8.92, over a budget of 8.80 GiB that a tiled plan met at 8.69)."""
         profile = self._profiled_steps.profile_now(tokens)
         budget_bytes = self._budget_bytes()
         code = safe_code(profile)
         peak = simulate(profile, code).peak_bytes
+        if peak > budget_bytes and self._engine() is not None and runs_alone():
+            planned = self._plan_profiled_steps(profile, budget_bytes, first_step)
+            logger.info("hf_offload: the profiled steps run plan %r, made for their %d tokens and predicted to peak at "
+                        "%.2f GiB (budget %.2f GiB; %s): the safe plan %r is predicted to peak at %.2f GiB",
+                        planned.code, tokens, planned.predicted.peak_bytes / 2**30, budget_bytes / 2**30,
+                        "over it, the lowest plan the model knows of" if planned.predicted.peak_bytes > budget_bytes
+                        else "within it", code, peak / 2**30)  # fmt: skip
+            # Not the plan in force (`memory_plan`): the profiled steps run it, and the first plan comes after.
+            settings = engine_settings(planned.code, self._windows(planned), host_cap_bytes=planned.host_cap_bytes)
+            self.apply(planned.code, forwards, settings, tile_tokens=planned.tile_tokens,
+                       layer_tile_tokens=planned.layer_tile_tokens)  # fmt: skip
+            return
         not_lower = []  # the tilings that could not lower the prediction, and why
         for letters, available, what in (("Tt", tiling_available, "every MLP"), ("Ll", layer_tiling_available,
                                                                                   "every layer whole")):  # fmt: skip
             if peak <= budget_bytes:
-                continue
+                break
             if not available(profile):
                 not_lower.append(f"tiling {what} is not available")
                 continue
             tiled_code = safe_code(profile, letters)
             tiled = simulate(profile, tiled_code).peak_bytes
-            if tiled < peak:  # tiling can cost memory (two chunks of 4K on a 7B shape)
+            if memory_order(profile, tiled_code) < memory_order(profile, code):  # tiling can cost memory
                 logger.info("hf_offload: the profiled steps tile %s: plan %r is predicted to peak at %.2f GiB, over "
                             "the budget of %.2f GiB", what, code, peak / 2**30, budget_bytes / 2**30)  # fmt: skip
                 code, peak = tiled_code, tiled
             else:
                 not_lower.append(f"tiling {what} is predicted to peak at {tiled / 2**30:.2f} GiB")
-        # Under torch.distributed each rank decides its profiled steps alone, so only between safe plans: they differ
-        # in what they tile and offload, not in which layers they recompute (FSDP's collectives follow those).
-        engine = self._engine()
-        if peak > budget_bytes and engine is not None and runs_alone():
-            planned = self._plan_profiled_steps(profile, budget_bytes, first_step)
-            if planned.predicted.peak_bytes < peak:
-                logger.info("hf_offload: the profiled steps run plan %r, made for their %d tokens and predicted to "
-                            "peak at %.2f GiB (budget %.2f GiB; %s): the safe plan %r is predicted to peak at "
-                            "%.2f GiB", planned.code, tokens, planned.predicted.peak_bytes / 2**30,
-                            budget_bytes / 2**30, "over it, the lowest plan the model knows of"
-                            if planned.predicted.peak_bytes > budget_bytes else "within it", code,
-                            peak / 2**30)  # fmt: skip
-                # Not the plan in force (`memory_plan`): the profiled steps run it, and the first plan comes after.
-                settings = engine_settings(planned.code, self._windows(planned), host_cap_bytes=planned.host_cap_bytes)
-                self.apply(planned.code, forwards, settings, tile_tokens=planned.tile_tokens,
-                           layer_tile_tokens=planned.layer_tile_tokens)  # fmt: skip
-                return
         if peak > budget_bytes:  # said, so that a profiled step over the budget can be told apart from a wrong model
             logger.info("hf_offload: the profiled steps run plan %r, predicted to peak at %.2f GiB, over the budget of "
                         "%.2f GiB: %s", code, peak / 2**30, budget_bytes / 2**30,
@@ -181,14 +192,19 @@ class Planner:
         try:
             return self.choose(profile, budget_bytes, prediction_margin_bytes(budget_bytes), [])
         except InfeasibleBudgetError as error:
-            # Less the head's bytes, which the first step only estimates: a refusal rests on what was measured.
             total = self._meter.total()
-            lowest = error.lowest_plan.predicted.peak_bytes - profile.head_bytes
+            # The head's bytes are only estimated before the second step measures them, so a refusal counts only
+            # what is certain of them: the logits, where the model's own forward makes them whole.
+            model = self._model()
+            logits = 0 if model is None else first_steps_logits_bytes(model, profile.tokens)
+            certain = dataclasses.replace(profile, head_bytes=logits, host_cap_bytes=error.lowest_plan.host_cap_bytes)
+            lowest = simulate(certain, error.lowest_plan.code).peak_bytes
             if first_step and total is not None and lowest > total:
                 raise InfeasibleBudgetError(
                     f"hf_offload: memory_budget: the first step, of {profile.tokens} tokens, fits no plan, and the "
-                    f"lowest-memory one is predicted to exceed the device's {format_bytes(total)}: {error}",
-                    error.budget_bytes, error.minimum_bytes, error.lowest_plan) from None  # fmt: skip
+                    f"lowest-memory one is predicted to exceed the device's {format_bytes(total)}: {error}"
+                    f"{_logits_hint(logits, total)}", error.budget_bytes, error.minimum_bytes,
+                    error.lowest_plan) from None  # fmt: skip
             return error.lowest_plan
 
     # ------------------------------------------------------------------ plans

@@ -333,7 +333,8 @@ class ProfiledSteps:
         measured.step_s = self._meter.seconds(measured.step_start, self._meter.mark())
         measured.safe_code = code
         engine = self._engine()
-        if self._meter.device is None and engine is not None:  # the last step's statistics: the second's
+        # The last step's statistics: the second's. An engine that stood aside (a plan that moves nothing) saw none.
+        if self._meter.device is None and engine is not None and engine.standing_aside is None:
             measured.head_saved_bytes = int(engine.get_stats()["bytes_kept_exempt"])
         self._record_profiled_step()
 
@@ -377,8 +378,10 @@ class ProfiledSteps:
         probes = [measured.probes[self._kinds[index]] for index in self.order]
         head_bytes = measured.head_bytes
         if head_bytes is None and self._meter.device is None:  # CPU test mode: what the head and loss saved
-            head_bytes = measured.head_saved_bytes or 0
-        elif head_bytes is None:  # before the measured step: the profiled steps' plan leaves the head room
+            head_bytes = measured.head_saved_bytes
+        if head_bytes is None and (self._meter.device is not None or measured.step_s is not None):
+            # Not measured: before the measured step, where the profiled steps' plan leaves the head room; in the CPU
+            # test mode, a measured step whose plan moved nothing, so that no saved tensor reached the engine.
             model = self._model()
             head_bytes = 0 if model is None else first_steps_head_bytes(model, measured.step_tokens)
         static_bytes, gradient_bytes = self._held_memory.static_bytes()
@@ -398,7 +401,7 @@ class ProfiledSteps:
             layers=tuple(layers),
             static_bytes=static_bytes,
             gradient_bytes=gradient_bytes,
-            head_bytes=max(head_bytes, 0),
+            head_bytes=max(head_bytes or 0, 0),
             backward_working_bytes=working_bytes,
             quadratic_backward_working_bytes=quadratic_working_bytes,
             head_s=measured.head_s or 0.0,

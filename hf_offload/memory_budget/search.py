@@ -30,6 +30,7 @@ from .simulate import (
     gradients_at_backward,
     late_gradients_bytes,
     layer_options,
+    memory_order,
     prediction_of,
     simulate_step,
 )
@@ -416,7 +417,7 @@ class _Search:
                 return self.fastest([*measured_here, *filter(self.admissible, [polished])] or [polished]), lowest
             if measured_here:
                 return self.fastest(measured_here), lowest
-            if tiled[1].peak_bytes < lowest[1].peak_bytes:
+            if memory_order(self.profile, "".join(tiled[0])) < memory_order(self.profile, "".join(lowest[0])):
                 lowest = tiled
         return None, lowest
 

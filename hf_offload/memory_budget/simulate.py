@@ -114,6 +114,7 @@ __all__ = [
     "MeasuredStep",
     "Plan",
     "late_gradients_bytes",
+    "memory_order",
     "optimizer_step_bytes",
     "simulate",
     "simulated_step",
@@ -594,6 +595,19 @@ def simulated_step(profile: StepProfile, code: str, prefetch_window_bytes: int |
     """`simulate`'s step-level results (`SimulatedStep`: the head's point and its reloads included), with the same
     arguments and errors."""
     return _simulated(profile, code, prefetch_window_bytes)[1]
+
+
+def memory_order(profile: StepProfile, code: str) -> tuple[int, int]:
+    """The key that orders plans by memory, lowest first: the predicted peak, then, where peaks tie, the peak with the
+    head and loss costing nothing.
+
+    A long step's head can set the peak of every plan (before the second step measures it, from an estimate of its
+    logits), so that tiling leaves the peak where it was; the plan whose layers hold the least is still the lower
+    one. Ordered by the peak alone, a first step of 229,376 tokens (Qwen3-8B's shape, H100) kept its layers untiled
+    and ran out of memory in a layer's recomputation.
+    """
+    without_head = dataclasses.replace(profile, head_bytes=0)
+    return simulated_step(profile, code).peak_bytes, simulated_step(without_head, code).peak_bytes
 
 
 def _simulated(profile: StepProfile, code: str,

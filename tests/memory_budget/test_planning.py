@@ -31,7 +31,7 @@ from step_comparisons import relative_difference
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 from hf_offload.host_memory import HostMemory
 from hf_offload.memory_budget import controller as controller_module
-from hf_offload.memory_budget import probes
+from hf_offload.memory_budget import measurements, probes
 from hf_offload.memory_budget import profiled_steps as profiled_steps_module
 from hf_offload.memory_budget.search import plan_of, safe_code
 from hf_offload.memory_budget.simulate import simulate
@@ -79,8 +79,9 @@ def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step(capl
             model.zero_grad(set_to_none=True)  # gradients held would be micro-steps accumulating: no plan until a step
     said = [record.getMessage() for record in caplog.records if "the profiled steps run plan" in record.getMessage()]
     assert len(said) == 2 and all(message.startswith(f"hf_offload: the profiled steps run plan {'C' * LAYERS!r}, "
-                                                     "predicted to peak at ") for message in said)  # fmt: skip
-    assert "tiling every MLP is not available; tiling every layer whole is not available" in said[0]
+                                                     "made for their 32 tokens and predicted to peak at ")
+                                  and "over it, the lowest plan the model knows of" in message
+                                  for message in said)  # fmt: skip
     with pytest.raises(InfeasibleBudgetError) as error, context:
         model(input_ids=ids, labels=ids)
     assert str(error.value).startswith("the memory budget of 1.00 KiB (1024 bytes) is below the smallest peak")
@@ -281,9 +282,9 @@ def test_tiling_is_planned_when_no_exact_plan_fits_and_is_close():
     results, context, seen, model = long_run(budget)
     plan = context.memory_plan
     assert set(plan.code) & set("Tt") and plan.tile_tokens == 64 and plan.predicted.peak_bytes <= budget
-    # The profiled steps are predicted not to fit untiled either: they tile too (the probe runs before the layers).
-    # The planned ones tile the layers the plan says, no more.
-    assert seen == [[True] * LAYERS] * 2 + [[letter in "Tt" for letter in plan.code]] * 2
+    # The profiled steps are predicted not to fit untiled either: they run the plan made for their tokens, which tiles
+    # (the probe runs before the layers). The planned ones tile the layers the plan says, no more.
+    assert seen[0] == seen[1] and any(seen[0]) and seen[2:] == [[letter in "Tt" for letter in plan.code]] * 2
     for a, b in zip(results, baseline):  # summed chunk by chunk: close, not bitwise
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     context.remove_hooks()
@@ -336,12 +337,12 @@ def test_the_second_profiled_step_is_tiled_when_the_memory_held_since_the_first_
 
 
 def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
-    """A budget between the lowest plan with tiled MLPs and the lowest with whole layers tiled: the profiled steps
-    tile every layer whole, the first layer of the first step too, from whose pre-hook the profiled steps' plan was
-    applied; the plan then tiles whole the layers that cannot do without (the first ones, whose backward comes last)
-    and polishes the others back to faster actions, although the profiled steps measured every layer tiled whole.
-    The predicted peak keeps under the budget, and the losses stay within the tiled layer's tolerance of the untiled
-    run (fp32: 1e-5 of each tensor's largest value), not bitwise. Without the action, the same budget is refused."""
+    """A budget between the lowest plan with tiled MLPs and the lowest with whole layers tiled: the profiled steps run
+    the plan made for their tokens, which tiles the first layer whole, from the first step's first layer on, from whose
+    pre-hook it was applied; the plan then tiles whole the layers that cannot do without (the first ones, whose backward
+    comes last) and polishes the others back to faster actions. The predicted peak keeps under the budget, and the
+    losses stay within the tiled layer's tolerance of the untiled run (fp32: 1e-5 of each tensor's largest value), not
+    bitwise. Without the action, the same budget is refused."""
     from hf_offload.memory_budget.simulate import simulate
     from hf_offload.tiled.layer_op import _TiledLayerFunction
 
@@ -360,20 +361,20 @@ def test_layers_are_tiled_whole_when_nothing_else_fits(monkeypatch):
     whole_layers = [letter in "Ll" for letter in plan.code]
     assert plan.code.startswith("L") and not all(whole_layers), plan.code
     assert plan.layer_tile_tokens == 64 and plan.predicted.peak_bytes <= budget
-    # The profiled steps' every layer ran tiled, the first step's first layer too, then the plan's tiled ones; and the
-    # probe, in chunks of a half and a quarter of the tokens, `_PROBE_RUNS` times each.
-    assert len(calls) == 2 * LAYERS + 2 * sum(whole_layers) + 2 * probes._PROBE_RUNS
+    # The tiled layers of each step, the first step's first layer too; and the probe, in chunks of a half and a
+    # quarter of the tokens, `_PROBE_RUNS` times each.
+    assert seen[0] == seen[1] and seen[0][0] and seen[2:] == [whole_layers] * 2
+    assert len(calls) == sum(map(sum, seen)) + 2 * probes._PROBE_RUNS
     # The rest of the step is what the profiled step's time leaves beyond the model of the plan it ran, tiled here:
     # against `C`'s model the tiling's own time counted as the rest of every plan's step.
     controller = context.budget_controller
     controller.profiled_steps.measured.step_s = 10.0  # a step longer than either model: nothing clamped to zero
     profile = controller.profiled_steps.profile_now(controller.profiled_steps.measured.step_tokens)
     untimed = dataclasses.replace(profile, other_s=0.0)
-    assert simulate(untimed, "L" * LAYERS).step_s != simulate(untimed, "C" * LAYERS).step_s
-    assert profile.other_s == pytest.approx(10.0 - simulate(untimed, "L" * LAYERS).step_s)
+    ran = controller.profiled_steps.measured.safe_code
+    assert ran[0] in "Ll" and simulate(untimed, ran).step_s != simulate(untimed, "C" * LAYERS).step_s
+    assert profile.other_s == pytest.approx(10.0 - simulate(untimed, ran).step_s)
     assert f"{sum(whole_layers)} layers run whole in chunks of 64 tokens" in plan.format_table()
-    # The profiled steps are predicted not to fit with tiled MLPs either: they tile every layer whole.
-    assert seen == [[True] * LAYERS] * 2 + [whole_layers] * 2
     losses, steps = results[:4], len(results[:4])
     assert all(relative_difference(a, b) <= 1e-5 for a, b in zip(losses, baseline[:steps]))
     # The last step's gradients, after three AdamW steps whose normalised updates carry the earlier steps' rounding
@@ -597,6 +598,31 @@ def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_
     assert f"(budget {budget / 2**30:.2f} GiB; within it): the safe plan {safe!r} is predicted to peak at" in said[0]
 
 
+def test_a_first_step_the_untiled_safe_plan_does_not_fit_runs_the_planners_plan_not_every_layer_tiled(monkeypatch):
+    """Where the safe plan fits only with its MLPs tiled, the profiled steps run the planner's plan for their tokens,
+    which tiles only where it must: the safe plan tiled throughout is slow (an 8B-class model's first step of 327,680
+    tokens on an H100: every layer tiled whole, 398 s; every MLP tiled, 306 s)."""
+    roomy = long_run(10 * 2**30, steps=1)[1].budget_controller
+    tokens = roomy.profiled_steps.measured.step_tokens
+    profile = roomy.profiled_steps.profile_now(tokens)
+    untiled, tiled = (simulate(profile, safe_code(profile, letters)).peak_bytes for letters in ("Cc", "Tt"))
+    assert tiled < untiled
+    budget = (untiled + tiled) // 2
+    chosen = []
+
+    def choose(self, *args, original=controller_module.Planner.choose, **kwargs):
+        chosen.append(original(self, *args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(controller_module.Planner, "choose", choose)
+    _, context, seen, _ = long_run(budget, steps=1)
+    planner = context.budget_controller.planner
+    assert chosen and context.budget_controller.plan is None  # chosen in the first step, which it ran
+    assert planner.code == chosen[0].code != safe_code(profile, "Tt")
+    assert chosen[0].predicted.peak_bytes <= budget
+    assert seen == [[letter in "Tt" for letter in planner.code]]  # from the first layer on
+
+
 def test_a_first_step_no_plan_fits_on_the_device_is_refused_before_its_layers_run(monkeypatch):
     """Where even the lowest-memory plan is predicted to exceed the device's memory, the first step is refused as its
     first layer starts, naming what it would need and what it lacks: never an out-of-memory error inside it."""
@@ -611,6 +637,47 @@ def test_a_first_step_no_plan_fits_on_the_device_is_refused_before_its_layers_ru
     assert str(error).startswith(refusal)
     assert "memory is what this step lacks" in str(error)
     assert set(seen) == {0}  # refused in the first layer's pre-hook (the probes call it too): no layer ran
+
+
+def test_a_first_step_whose_logits_alone_exceed_the_device_is_refused_naming_them(monkeypatch):
+    """The head's bytes are only estimated before the second step measures them, so the first step's refusal counts
+    only what is certain of them: the logits, which transformers' own forward makes whole. A step that no plan fits
+    because of them is refused before its layers run, and the error names them and a fused loss; counting no head,
+    it ran (Qwen3-8B's shape at 229,376 tokens without a fused loss, on an H100: out of memory inside the step)."""
+
+    def first_step(total=None):
+        if total is not None:
+            monkeypatch.setattr(probes.Meter, "total", lambda self: total)
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=4096, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1,
+                                          attn_implementation="sdpa")  # fmt: skip
+        model = transformers.LlamaForCausalLM(config).train()
+        context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=1, tile_mlp=False,
+                                                 tile_layer=False)  # fmt: skip
+        ids = torch.randint(4096, (2, 64))
+        with context:
+            model(input_ids=ids, labels=ids).loss.backward()
+        return context, model
+
+    context, model = first_step()  # no device memory to refuse against: it runs
+    controller = context.budget_controller
+    tokens = controller.profiled_steps.measured.step_tokens
+    profile = controller.profiled_steps.profile_now(tokens)
+    with pytest.raises(InfeasibleBudgetError) as lowest:
+        controller.planner.choose(profile, 1, 0, [])
+    logits = measurements.first_steps_logits_bytes(model, tokens)
+    assert logits == 128 * 4096 * 4
+    code = lowest.value.lowest_plan.code
+    without_head, with_logits = (simulate(dataclasses.replace(profile, head_bytes=head), code).peak_bytes
+                                 for head in (0, logits))  # fmt: skip
+    assert without_head < with_logits
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        first_step(total=(without_head + with_logits) // 2)
+    message = str(refused.value)
+    assert message.startswith(f"hf_offload: memory_budget: the first step, of {tokens} tokens, fits no plan")
+    assert "The model's output head makes its logits whole, 2.00 MiB at this step's tokens" in message
+    assert "Liger's fused linear cross-entropy" in message
 
 
 def _recording(method, seen: list):

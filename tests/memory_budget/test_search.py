@@ -461,6 +461,19 @@ def test_the_refusal_names_the_lowest_plan_layers_tiled_whole_included() -> None
     assert error.value.lowest_plan.code == "T" * 32 and "tiled whole" not in str(error.value)
 
 
+def test_where_the_head_sets_every_plans_peak_the_lowest_plan_is_the_one_whose_layers_hold_least() -> None:
+    # A first step's head, estimated from its logits (Qwen3-8B's vocabulary at 229,376 tokens, without a fused loss),
+    # above every plan's layers: tiling leaves the peak where it was. Ordered by the peak alone, the refusal's lowest
+    # plan kept the layers untiled, and the step that ran it ran out of memory in a layer's recomputation.
+    profile = tiled_layer_profile(head_bytes=200 * GIB)
+    peaks = {letter: simulate(profile, letter * 32) for letter in "CTL"}
+    assert len({prediction.peak_bytes for prediction in peaks.values()}) == 1
+    assert all(prediction.peak_at == "head" for prediction in peaks.values())
+    with pytest.raises(InfeasibleBudgetError) as error:
+        choose_plan(profile, 60 * GIB)
+    assert error.value.lowest_plan.code == "L" * 32
+
+
 def test_a_plan_of_any_code_gets_the_widest_window_that_fits() -> None:
     profile = s1_profile()
     chosen = choose_plan(profile, 20 * GIB)
