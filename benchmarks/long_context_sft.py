@@ -4,15 +4,17 @@ already as long as every other, under `activation_offloading_memory_budget="auto
 
     python benchmarks/long_context_sft.py --tokens 327680 --steps 2 --out $OUT
     python benchmarks/long_context_sft.py --family qwen3 --tokens 294912 --out $OUT               # Qwen3-8B's shape
+    python benchmarks/long_context_sft.py --precision qlora --tokens 524288 --steps 1 --out $OUT  # 4-bit base
     python benchmarks/long_context_sft.py --max-pinned-gib 24 --disk-offload-dir /nvme/tmp --out $OUT  # a small host
     python benchmarks/long_context_sft.py --tiny --out /tmp/sft     # CPU smoke run: a tiny model, the CPU test mode
 
 The model: an 8B-class shape (hidden 4096, intermediate 14336, 32 layers, 32/8 heads, vocabulary --vocab, 32,768 by
 default: a family whose vocabulary the other long-context benchmarks do not use; with `--family qwen3`, Qwen3-8B's:
-intermediate 12288, 36 layers, head dimension 128, vocabulary 151,936), random bf16 weights built from a
-config, LoRA r=16 on all linear layers (peft, through `SFTTrainer`'s `peft_config`), Liger's kernels with its fused
-linear cross-entropy, batch 1. The data: random token documents of 1,024-65,536 tokens, already tokenized, packed by
-TRL (`packing_strategy="wrapped"`: blocks of exactly `max_length`). hf-offload is configured through
+intermediate 12288, 36 layers, head dimension 128, vocabulary 151,936), random bf16 weights built from a config (with
+`--precision qlora` the decoder's linear layers then quantized to 4-bit NF4, as `long_context.py` does), LoRA r=16 on
+all linear layers (peft, through `SFTTrainer`'s `peft_config`), Liger's kernels with its fused linear cross-entropy,
+batch 1. The data: random token documents of 1,024-65,536 tokens, already tokenized, packed by TRL
+(`packing_strategy="wrapped"`: blocks of exactly `max_length`). hf-offload is configured through
 `hf_offload.callbacks.trl.SFTConfig`, as a TRL script would be.
 
 Every step is recorded as it ends, in <out>/long_context_sft[-<tag>].json (a run cut short keeps what it measured): its
@@ -168,6 +170,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=327680, help="max_length: every step's tokens")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--family", choices=sorted(_FAMILIES), default="llama")
+    parser.add_argument(
+        "--precision",
+        choices=["bf16", "qlora"],
+        default="bf16",
+        help="qlora: the decoder's linear layers in 4-bit NF4 (bitsandbytes), LoRA on top",
+    )
     parser.add_argument("--layers", type=int, default=None, help="default: the family's")
     parser.add_argument("--vocab", type=int, default=None, help="default: the family's")
     parser.add_argument("--max-pinned-gib", type=float, default=None, help="activation_offloading_max_pinned_mib")
@@ -178,6 +186,8 @@ def main() -> int:
     parser.add_argument("--tag", default=None, help="appended to the output file's name")
     parser.add_argument("--out", default="long_context_out")
     args = parser.parse_args()
+    if args.tiny and args.precision == "qlora":
+        parser.error("--precision qlora needs a GPU (bitsandbytes' 4-bit layers): leave out --tiny")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = not args.tiny
@@ -198,7 +208,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "argv": sys.argv, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "scenario": scenario.describe(),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-        "transformers": transformers.__version__, "trl": trl.__version__,
+        "transformers": transformers.__version__, "trl": trl.__version__, "precision": args.precision,
         "host_total_gib": psutil.virtual_memory().total / GIB, "steps": [],
     }  # fmt: skip
 
@@ -214,6 +224,10 @@ def main() -> int:
     notes: list[str] = []
     result["liger"] = apply_liger(device, notes, scenario.family) if scenario.liger else False
     model = build_model(scenario, args.seed, device)
+    if args.precision == "qlora":
+        from long_context import quantize_decoder_nf4
+
+        result["quantization"] = quantize_decoder_nf4(model)
     result["forward"] = type(model).forward.__module__  # Liger's module where its fused loss is in force
     shortest = min(1024, args.tokens // 4)
     dataset = _packed_documents(args.tokens, args.steps, args.vocab, args.seed, shortest, min(65536, args.tokens))
