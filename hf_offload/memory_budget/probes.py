@@ -389,18 +389,37 @@ class _ProbedCall:
     def __init__(self, layer: nn.Module, args: tuple, kwargs: dict, meter: Meter) -> None:
         self.layer, self.meter = layer, meter
         self.step_tokens = args[0].shape[:-1].numel()
-        args, kwargs = first_tokens(args, kwargs, PROBE_MAX_TOKENS)
         # The step's KV cache (transformers makes one even in training) must not grow by the probes' keys and values.
         kwargs = {
             name: None if name in _CACHE_ARGUMENTS or is_cache(value) else value for name, value in kwargs.items()
         }
         kwargs["use_cache"] = False
-        self.args, self.kwargs = args, kwargs
-        self.hidden = args[0]
-        self.tokens = self.hidden.shape[:-1].numel()
+        self._step_call = args, kwargs
+        self.first_dim_only = False  # how the arguments are cut (`first_tokens`)
         self.parameters = [p for p in layer.parameters() if p.requires_grad]
         self.pointers = parameter_storages(layer.parameters())
-        self.forward = self.forward_on(args, kwargs)
+        self._cut()
+
+    def _cut(self) -> None:
+        self.args, self.kwargs = first_tokens(*self._step_call, PROBE_MAX_TOKENS, first_dim_only=self.first_dim_only)
+        self.hidden = self.args[0]
+        self.tokens = self.hidden.shape[:-1].numel()
+        self.forward = self.forward_on(self.args, self.kwargs)
+
+    def first_run(self) -> _Kept:
+        """The first run of the layer kept. Where its arguments, cut to the probe's tokens, do not fit together (a
+        dimension other than the sequence's as long as it, such as a rotary table's head size, was cut too), they
+        are cut again along the first such dimension of each argument only (`first_tokens`), and it runs on those."""
+        try:
+            return self.run_kept(self.forward)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError):
+            if self.tokens == self.step_tokens or self.first_dim_only:  # not cut, or cut so already
+                raise
+        self.first_dim_only = True
+        self._cut()
+        return self.run_kept(self.forward)
 
     def forward_on(self, args: tuple, kwargs: dict) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """The layer's forward on these arguments, from a fresh leaf copy of their hidden states: that leaf, and the
@@ -421,8 +440,8 @@ class _ProbedCall:
         """The layer kept (`_run_kept`), and its backward's seconds selectively checkpointed, which recomputes: each
         of the `_PROBE_RUNS`, the two interleaved, the fastest after the first."""
         kept_runs, checkpointed_s = [], []
-        for _ in range(_PROBE_RUNS):
-            kept_runs.append(self.run_kept(self.forward))
+        for run in range(_PROBE_RUNS):
+            kept_runs.append(self.run_kept(self.forward) if run else self.first_run())
             with checkpointing_as(self.layer, selective_checkpoint_function()):
                 x, out = self.forward()
             checkpointed_start = self.meter.mark()
@@ -445,7 +464,7 @@ class _ProbedCall:
         runs = [(self.tokens, kept)]
         try:
             for fewer in (self.tokens // 2, self.tokens // 4):
-                args, kwargs = first_tokens(self.args, self.kwargs, fewer)
+                args, kwargs = first_tokens(self.args, self.kwargs, fewer, first_dim_only=self.first_dim_only)
                 run = self.run_kept(self.forward_on(args, kwargs))
                 runs.append((args[0].shape[:-1].numel(), run))
         except torch.OutOfMemoryError:
@@ -626,7 +645,7 @@ def is_cache(value: Any) -> bool:
     return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
 
 
-def first_tokens(args: tuple, kwargs: dict, max_tokens: int) -> tuple[tuple, dict]:
+def first_tokens(args: tuple, kwargs: dict, max_tokens: int, first_dim_only: bool = False) -> tuple[tuple, dict]:
     """A decoder layer's arguments cut to the first tokens of each sequence, at most `max_tokens` in all.
 
     The first tokens of a causal sequence are a sequence of their own: the hidden states are cut along their
@@ -634,6 +653,10 @@ def first_tokens(args: tuple, kwargs: dict, max_tokens: int) -> tuple[tuple, dic
     embeddings, cache positions, both sequence dimensions of a 4-d attention mask). Short calls are returned
     unchanged, and so are packed ones (a vision tower's 2-d hidden states, whose sequences' bounds other arguments
     such as `cu_seqlens` give: cutting would break them).
+
+    With `first_dim_only`, an argument of fewer than 4 dimensions is cut along the first dimension as long as the
+    sequence only: where another is as long (rotary tables of 32 values a head at a length of 32 tokens), cutting
+    every such dimension makes arguments that do not fit together.
     """
     hidden = args[0]
     batch, length = hidden.shape[:-2].numel(), hidden.shape[-2]
@@ -644,9 +667,9 @@ def first_tokens(args: tuple, kwargs: dict, max_tokens: int) -> tuple[tuple, dic
     def cut(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        for dim, size in enumerate(value.shape):
-            if size == length:
-                value = value.narrow(dim, 0, keep)
+        dims = [dim for dim, size in enumerate(value.shape) if size == length]
+        for dim in dims[:1] if first_dim_only and value.dim() < 4 else dims:
+            value = value.narrow(dim, 0, keep)
         return value.contiguous()
 
     return (hidden[..., :keep, :].contiguous(), *tree_map(cut, args[1:])), tree_map(cut, kwargs)

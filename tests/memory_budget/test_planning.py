@@ -561,12 +561,16 @@ def test_past_a_capped_pinned_pool_the_plan_offloads_to_the_disk_tier(monkeypatc
     assert any("\nDisk: " in line and "of what the step offloads goes to the disk tier" in line for line in said)
 
 
-def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_its_layers(monkeypatch, caplog):
+@pytest.mark.parametrize("probe_tokens", [None, 64], ids=["probed-whole", "probed-on-an-eighth"])
+def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_its_layers(monkeypatch, caplog,
+                                                                                          probe_tokens):  # fmt: skip
     """A run whose first step is already long (packing to `max_length`): the safe plan's inputs would fill the pinned
     pool and the rest stay on the device (an 8B-class model at 327,680 tokens ran out of GPU memory so). Here a
     budget that the first step, as the model predicts it, meets only with a plan that grows the pool: that step runs
     the planner's plan, made for its own tokens as its first layer starts, and no input stays on the device for want
-    of host memory."""
+    of host memory. Also where the probes see an eighth of the step's tokens, as they see a long step's first 32K."""
+    if probe_tokens is not None:
+        monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", probe_tokens)
     default_cap = 3 * HOST_INPUT_BYTES // 2
     # The first step as the controller sees it once the probes are in (under a budget that plans nothing yet): the
     # safe plan offloads the inputs the pool has room for and keeps the others on the device.

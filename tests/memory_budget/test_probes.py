@@ -61,6 +61,18 @@ def test_the_first_tokens_of_every_sequence_argument():
     assert args[0] is packed and kwargs["cu_seqlens"] is bounds
 
 
+def test_the_first_tokens_cut_again_where_a_table_is_as_wide_as_the_sequence_is_long():
+    """Rotary tables of 10 values a head at 10 tokens a sequence: cut along every dimension of that size, the table
+    loses its values too; `first_dim_only` cuts the sequence's alone, and a 4-d mask still along both."""
+    hidden, mask, cos = torch.zeros(2, 10, 16), torch.zeros(2, 1, 10, 10), torch.zeros(2, 10, 10)
+    call = {"attention_mask": mask, "position_embeddings": (cos, cos), "position_ids": torch.arange(10)[None]}
+    _, every = first_tokens((hidden,), call, 8)
+    assert every["position_embeddings"][0].shape == (2, 4, 4)
+    args, first = first_tokens((hidden,), call, 8, first_dim_only=True)
+    assert args[0].shape == (2, 4, 16) and first["attention_mask"].shape == (2, 1, 4, 4)
+    assert first["position_embeddings"][0].shape == (2, 4, 10) and first["position_ids"].tolist() == [[0, 1, 2, 3]]
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "jamba"])
 def test_the_probes_leave_no_trace_in_the_first_step(arch):
     """The first step, whose layers are probed, returns what it returns without a budget: as many router logits as
