@@ -6,8 +6,9 @@ parameters (layers compiled, whole model compiled), and 1.088 and 1.132 GiB each
 
     python tests/gpu/_trainer_compile_run.py OUTPUT_DIR {regional,offloaded,whole}
 
-writes OUTPUT_DIR/result.pt: the losses, the weights, the peak above the parameters, Dynamo's graph and graph break
-counts, the offloading statistics and whether the Trainer compiled the model as a whole.
+writes OUTPUT_DIR/result.pt: the losses, the weights, the peak above the parameters (and by phase, from the fifth
+step on), Dynamo's graph and graph break counts, the offloading statistics and whether the Trainer compiled the model
+as a whole.
 """
 
 from __future__ import annotations
@@ -33,6 +34,47 @@ VARIANTS = {  # name: (the Trainer's torch_compile, activation_offloading, layer
 }
 
 
+class PhasePeaks(transformers.TrainerCallback):
+    """The device's peak in each phase of the steps from the fifth on (after the steps whose peak hf-offload measures
+    itself, by phases: its second, or up to its fourth), above the memory resident before training: the forward and
+    backward, the optimizer step, and the rest of the step; and the run's peak, which those readings' resets would
+    otherwise hide."""
+
+    _FIRST_STEP = 5
+
+    def __init__(self, resident: int) -> None:
+        self.resident = resident
+        self.highest = 0
+        self.peaks = {"forward and backward": 0, "optimizer step": 0, "rest of the step": 0}
+
+    def _read(self, state: transformers.TrainerState, phase: str) -> None:
+        """Ends `phase` of the step under way (`global_step` counts the steps done before it)."""
+        if state.global_step + 1 < self._FIRST_STEP:
+            return
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - self.resident
+        self.highest = max(self.highest, peak)
+        if phase != "before":
+            self.peaks[phase] = max(self.peaks[phase], peak)
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self._read(state, "before" if state.global_step + 1 == self._FIRST_STEP else "rest of the step")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self._read(state, "forward and backward")
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self._read(state, "optimizer step")
+
+    def run_peak(self) -> int:
+        """The run's peak above the resident memory, the last step's rest included."""
+        torch.cuda.synchronize()
+        rest = torch.cuda.max_memory_allocated() - self.resident
+        self.peaks["rest of the step"] = max(self.peaks["rest of the step"], rest)
+        return max(self.highest, rest)
+
+
 def train(output_dir: pathlib.Path, variant: str) -> dict:
     """8 AdamW steps of the Trainer (checkpointing on, bf16) on `build(...)`."""
     torch_compile, offloading, compile_by_hand = VARIANTS[variant]
@@ -52,17 +94,19 @@ def train(output_dir: pathlib.Path, variant: str) -> dict:
                                    data_collator=transformers.default_data_collator)  # fmt: skip
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    resident = torch.cuda.memory_allocated()
+    phase_peaks = PhasePeaks(torch.cuda.memory_allocated())
+    trainer.add_callback(phase_peaks)
     trainer.train()
-    torch.cuda.synchronize()
+    peak = phase_peaks.run_peak()
     offloading_callback = trainer.callback_handler.callbacks[0]
     return {
         "losses": [record["loss"] for record in trainer.state.log_history if "loss" in record],
         "weights": [p.detach().cpu().clone() for p in trainer.model.parameters()],
-        "peak_gib": (torch.cuda.max_memory_allocated() - resident) / 2**30,
+        "peak_gib": peak / 2**30,
         "graphs": (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())),
         "stats": dict(getattr(offloading_callback, "stats", {})),
         "whole": isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule),
+        "phase_peaks_gib": {phase: round(nbytes / 2**30, 3) for phase, nbytes in phase_peaks.peaks.items()},
     }
 
 

@@ -66,7 +66,9 @@ def test_trainer_torch_compile_under_offloading_exact_and_never_above_whole_comp
     record("", {"peak_gib_regional": round(regional["peak_gib"], 3), "peak_gib_whole": round(whole["peak_gib"], 3),
                 "peak_gib_offloaded": round(offloaded["peak_gib"], 3), "graphs_regional": regional["graphs"],
                 "graphs_offloaded": offloaded["graphs"], "bytes_offloaded": offloaded["stats"].get("bytes_offloaded"),
-                "losses_equal": offloaded["losses"] == regional["losses"]}, show=True)  # fmt: skip
+                "losses_equal": offloaded["losses"] == regional["losses"],
+                **{f"phase_peaks_gib_{name}": run["phase_peaks_gib"] for name, run in
+                   (("regional", regional), ("offloaded", offloaded), ("whole", whole))}}, show=True)  # fmt: skip
     assert regional["losses"] == again["losses"]  # the comparison means something
     assert offloaded["losses"] == regional["losses"] and len(offloaded["losses"]) == 8
     assert all(torch.equal(a, b) for a, b in zip(offloaded["weights"], regional["weights"]))
