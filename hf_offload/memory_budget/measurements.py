@@ -11,6 +11,7 @@ training.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import weakref
 from typing import Any
 
@@ -45,6 +46,15 @@ _FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN = 12
 _HEAD_BYTES_PER_TOKEN_AND_VOCABULARY = 10
 
 
+def _forward_module(model: nn.Module) -> str:
+    """The module that defines the forward the model runs: its instance's own where one is set (Liger, given a model,
+    patches the instance: what the Trainer's `use_liger_kernel=True` does), else its class's, seen through wrappers
+    that keep the function they wrap (accelerate's mixed precision keeps `_original_forward` and sets `__wrapped__`)."""
+    forward = getattr(model, "_original_forward", None) or getattr(model, "forward", None)
+    function = inspect.unwrap(getattr(forward, "__func__", forward))
+    return getattr(getattr(function, "__func__", function), "__module__", None) or ""
+
+
 def first_steps_head_bytes(model: nn.Module, tokens: int) -> int:
     """The output head and loss's peak over what the forward leaves, for a step of `tokens`, estimated from the model's
     configuration until the second step measures it: where the first step is already long (packing to `max_length`),
@@ -60,7 +70,7 @@ def first_steps_head_bytes(model: nn.Module, tokens: int) -> int:
     hidden, vocabulary = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
     if not isinstance(hidden, int) or not isinstance(vocabulary, int):
         return 0
-    if (getattr(type(model).forward, "__module__", "") or "").startswith("liger_kernel"):
+    if _forward_module(model).startswith("liger_kernel"):
         return tokens * hidden * _FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN
     return tokens * vocabulary * _HEAD_BYTES_PER_TOKEN_AND_VOCABULARY
 
@@ -74,7 +84,7 @@ def first_steps_logits_bytes(model: nn.Module, tokens: int) -> int:
         model: the unwrapped model.
         tokens: the step's tokens (sequences x length).
     """
-    if not (getattr(type(model).forward, "__module__", "") or "").startswith("transformers."):
+    if not _forward_module(model).startswith("transformers."):
         return 0
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
