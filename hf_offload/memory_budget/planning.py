@@ -165,13 +165,13 @@ class Planner:
                 not_lower.append(f"tiling {what} is not available")
                 continue
             tiled_code = safe_code(profile, letters)
-            tiled = simulate(profile, tiled_code).peak_bytes
-            if memory_order(profile, tiled_code) < memory_order(profile, code):  # tiling can cost memory
+            tiled = memory_order(profile, tiled_code)  # its peak first
+            if tiled < memory_order(profile, code):  # tiling can cost memory
                 logger.info("hf_offload: the profiled steps tile %s: plan %r is predicted to peak at %.2f GiB, over "
                             "the budget of %.2f GiB", what, code, peak / 2**30, budget_bytes / 2**30)  # fmt: skip
-                code, peak = tiled_code, tiled
+                code, peak = tiled_code, tiled[0]
             else:
-                not_lower.append(f"tiling {what} is predicted to peak at {tiled / 2**30:.2f} GiB")
+                not_lower.append(f"tiling {what} is predicted to peak at {tiled[0] / 2**30:.2f} GiB")
         if peak > budget_bytes:  # said, so that a profiled step over the budget can be told apart from a wrong model
             logger.info("hf_offload: the profiled steps run plan %r, predicted to peak at %.2f GiB, over the budget of "
                         "%.2f GiB: %s", code, peak / 2**30, budget_bytes / 2**30,
