@@ -11,14 +11,17 @@ whose repeatability is checked first.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
 import torch._dynamo
 from compile_runs import bitwise_equal, build, train
+from torch.profiler import ProfilerActivity, profile
 
 import hf_offload
+from hf_offload.regional_compilation import checkpointed_side_effects_not_replayed
 
 INPUT_IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
 
@@ -90,3 +93,66 @@ def test_a_memory_budget_under_compilation_trains_and_says_what_it_costs(caplog)
     assert context.memory_plan is not None and torch.isfinite(loss)
     traced = hasattr(type(model.model.layers[0]).forward, "__wrapped__")  # the checkpointing wrapper of `forward`
     assert sum("memory_budget with a compiled model" in r.message for r in caplog.records) == (1 if traced else 0)
+
+
+def _checkpointed_around_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gives transformers' decoder layers 5.17's structure, whichever transformers is installed: the checkpoint in
+    `GradientCheckpointingLayer.__call__`, around the layer's whole call, and Llama's `forward` without one."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if "__call__" in vars(GradientCheckpointingLayer):
+        return  # transformers < 5.24 itself
+
+    def call(self, *args, **kwargs):
+        module_call = super(GradientCheckpointingLayer, self).__call__
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(functools.partial(module_call, **kwargs), *args)
+        return module_call(*args, **kwargs)
+
+    monkeypatch.setattr(GradientCheckpointingLayer, "__call__", call)
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", LlamaDecoderLayer.forward.__wrapped__)
+
+
+def _forward_and_backward_peak(model: torch.nn.Module, runs: torch.nn.Module) -> int:
+    """The highest sum of the CPU memory allocated by a step's forward and backward (the profiler's allocations and
+    frees in order), after two steps that compile and warm up."""
+    input_ids = torch.randint(0, 1024, (2, 1024), generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        with checkpointed_side_effects_not_replayed():  # for the model compiled whole, as in compile_runs.train
+            loss = runs(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step(), step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
+    live = peak = 0
+    for event in sorted(profiler.profiler.function_events, key=lambda event: event.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def test_a_layer_checkpointed_around_its_call_is_compiled_with_its_checkpoint_inside(monkeypatch):
+    # transformers < 5.24 checkpoints around the call that `layer.compile()` compiles: backward recomputes the layer by
+    # running its compiled forward, which makes every tensor that graph saves at once. compile_decoder_layers puts the
+    # checkpoint inside the compiled graph, whose backward recomputes as it needs (regional_compilation.py).
+    _checkpointed_around_the_call(monkeypatch)
+    peaks = {}
+    for how in ("layer.compile()", "compile_decoder_layers", "whole"):
+        torch._dynamo.reset()
+        model = build(checkpointing=True, device="cpu", hidden=512, layers=2, vocab=1024)
+        if how == "layer.compile()":
+            for layer in model.model.layers:
+                layer.compile()
+        elif how == "compile_decoder_layers":
+            hf_offload.compile_decoder_layers(model)
+            assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # what logs and warnings name
+        if how != "whole":  # as the Trainer's torch_compile=True under offloading does
+            hf_offload.compile_loss(model)
+        runs = torch.compile(model) if how == "whole" else model
+        peaks[how] = _forward_and_backward_peak(model, runs)
+    assert peaks["compile_decoder_layers"] < 0.8 * peaks["layer.compile()"], peaks
+    assert peaks["compile_decoder_layers"] <= peaks["whole"], peaks
