@@ -77,9 +77,8 @@ def test_an_eager_forward_of_part_of_the_model_is_not_taken_for_a_compiled_one()
 
 
 def test_a_memory_budget_under_compilation_trains_and_says_what_it_costs(caplog):
-    # The planner's hooks must run, so where Dynamo traces them (transformers that checkpoint a layer inside its
-    # forward) they break the compiled graphs: one warning says so. Where the layer's whole call is checkpointed, the
-    # controller starts each layer from its checkpoint function, eagerly, and nothing is traced or said.
+    # The planner's hooks must run, so where Dynamo traces them they break the compiled graphs: one warning says so.
+    # compile_decoder_layers checkpoints inside each layer's forward on every transformers release (before 5.24 too).
     model = build(checkpointing=True, device="cpu")
     hf_offload.compile_decoder_layers(model)
     context = hf_offload.get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget="1GiB")
@@ -91,8 +90,7 @@ def test_a_memory_budget_under_compilation_trains_and_says_what_it_costs(caplog)
             loss.backward()
             model.zero_grad(set_to_none=True)  # gradients held would be micro-steps accumulating: no plan until a step
     assert context.memory_plan is not None and torch.isfinite(loss)
-    traced = hasattr(type(model.model.layers[0]).forward, "__wrapped__")  # the checkpointing wrapper of `forward`
-    assert sum("memory_budget with a compiled model" in r.message for r in caplog.records) == (1 if traced else 0)
+    assert sum("memory_budget with a compiled model" in r.message for r in caplog.records) == 1
 
 
 def _checkpointed_around_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
