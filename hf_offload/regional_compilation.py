@@ -73,7 +73,9 @@ def compile_decoder_layers(model: nn.Module, **compile_options: Any) -> list[nn.
     """Compile each decoder layer of `model` in place (`nn.Module.compile`), once.
 
     The layers are those `find_decoder_layers` finds on the model under its wrappers (DDP, PEFT, ...); a layer
-    compiled already is left as it is. The head, the loss and everything between the layers stay uncompiled.
+    compiled already is left as it is. The head, the loss and everything between the layers stay uncompiled. On
+    transformers before 5.24 a layer's class becomes a subclass of the same name whose `forward` checkpoints itself,
+    as from 5.24 on, so that the checkpoint is inside the compiled graph (the module docstring says why).
 
     Args:
         model: the model, bare or wrapped.
