@@ -95,10 +95,15 @@ def compile_decoder_layers(model: nn.Module, **compile_options: Any) -> list[nn.
 
 
 def _checkpointed_around_its_call(layer: nn.Module) -> bool:
-    """Whether the layer's call is transformers < 5.24's `GradientCheckpointingLayer.__call__`, which checkpoints it."""
+    """Whether the layer's call is transformers < 5.24's `GradientCheckpointingLayer.__call__`, which checkpoints it,
+    and its `forward` its class's. A `forward` of the instance's own (accelerate's hooks put one there, which calls the
+    forward of the class it had then) would bypass the subclass's, and the layer would not be checkpointed: such a layer
+    keeps its class and its checkpoint around the call."""
     call = type(layer).__call__
-    return any(base.__name__ == "GradientCheckpointingLayer" and vars(base).get("__call__") is call
-               for base in type(layer).__mro__)  # fmt: skip
+    return "forward" not in vars(layer) and any(
+        base.__name__ == "GradientCheckpointingLayer" and vars(base).get("__call__") is call
+        for base in type(layer).__mro__
+    )
 
 
 @functools.cache

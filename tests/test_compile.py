@@ -154,3 +154,15 @@ def test_a_layer_checkpointed_around_its_call_is_compiled_with_its_checkpoint_in
         peaks[how] = _forward_and_backward_peak(model, runs)
     assert peaks["compile_decoder_layers"] < 0.8 * peaks["layer.compile()"], peaks
     assert peaks["compile_decoder_layers"] <= peaks["whole"], peaks
+
+
+def test_a_layer_with_a_forward_of_its_own_keeps_its_checkpoint_around_the_call(monkeypatch):
+    # accelerate's hooks set an instance `forward` that calls the class's forward of the time: the subclass's forward,
+    # which checkpoints, would never run, so that layer keeps the class whose call checkpoints it.
+    _checkpointed_around_the_call(monkeypatch)
+    model = build(checkpointing=True, device="cpu")
+    hooked, plain = model.model.layers
+    layer_class = type(hooked)
+    hooked.forward = functools.partial(layer_class.forward, hooked)
+    hf_offload.compile_decoder_layers(model)
+    assert type(hooked) is layer_class and type(plain) is not layer_class and isinstance(plain, layer_class)
