@@ -95,7 +95,8 @@ def test_a_memory_budget_under_compilation_trains_and_says_what_it_costs(caplog)
 
 def _checkpointed_around_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gives transformers' decoder layers 5.17's structure, whichever transformers is installed: the checkpoint in
-    `GradientCheckpointingLayer.__call__`, around the layer's whole call, and Llama's `forward` without one."""
+    `GradientCheckpointingLayer.__call__`, around the layer's whole call, Llama's `forward` without one, and no
+    `__init_subclass__` that would wrap a subclass's `forward` in one."""
     from transformers.modeling_layers import GradientCheckpointingLayer
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -109,6 +110,7 @@ def _checkpointed_around_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
         return module_call(*args, **kwargs)
 
     monkeypatch.setattr(GradientCheckpointingLayer, "__call__", call)
+    monkeypatch.delattr(GradientCheckpointingLayer, "__init_subclass__")
     monkeypatch.setattr(LlamaDecoderLayer, "forward", LlamaDecoderLayer.forward.__wrapped__)
 
 
