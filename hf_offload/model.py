@@ -342,6 +342,17 @@ def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def checkpoints_its_whole_call(layer: nn.Module) -> bool:
+    """Whether transformers checkpoints the decoder layer around its whole call, hooks and all: releases before 5.24,
+    whose `GradientCheckpointingLayer.__call__` hands the checkpoint function `partial(super().__call__, **kwargs)`.
+    Later releases checkpoint inside the layer's `forward`."""
+    call = type(layer).__call__
+    return any(
+        base.__name__ == "GradientCheckpointingLayer" and vars(base).get("__call__") is call
+        for base in type(layer).__mro__
+    )
+
+
 def first_tensor(output: Any) -> torch.Tensor | None:
     """The module's main output: the tensor itself, or the first element of a tuple (attention returns weights too)."""
     if isinstance(output, (tuple, list)) and output:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .model import find_decoder_layers, unwrap_model
+from .model import checkpoints_its_whole_call, find_decoder_layers, unwrap_model
 
 __all__ = ["compile_decoder_layers", "compile_loss", "checkpointed_side_effects_not_replayed"]
 
@@ -95,15 +95,11 @@ def compile_decoder_layers(model: nn.Module, **compile_options: Any) -> list[nn.
 
 
 def _checkpointed_around_its_call(layer: nn.Module) -> bool:
-    """Whether the layer's call is transformers < 5.24's `GradientCheckpointingLayer.__call__`, which checkpoints it,
-    and its `forward` its class's. A `forward` of the instance's own (accelerate's hooks put one there, which calls the
-    forward of the class it had then) would bypass the subclass's, and the layer would not be checkpointed: such a layer
-    keeps its class and its checkpoint around the call."""
-    call = type(layer).__call__
-    return "forward" not in vars(layer) and any(
-        base.__name__ == "GradientCheckpointingLayer" and vars(base).get("__call__") is call
-        for base in type(layer).__mro__
-    )
+    """Whether transformers checkpoints the layer around its whole call (`checkpoints_its_whole_call`) and its `forward`
+    is its class's. A `forward` of the instance's own (accelerate's hooks put one there, which calls the forward of the
+    class it had then) would bypass the subclass's, and the layer would not be checkpointed: such a layer keeps its
+    class and its checkpoint around the call."""
+    return "forward" not in vars(layer) and checkpoints_its_whole_call(layer)
 
 
 @functools.cache

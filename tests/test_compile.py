@@ -17,8 +17,10 @@ import logging
 import pytest
 import torch
 import torch._dynamo
+from checkpoint_around_the_call import checkpoint_around_the_call
 from compile_runs import bitwise_equal, build, train
 from torch.profiler import ProfilerActivity, profile
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import hf_offload
 from hf_offload.regional_compilation import checkpointed_side_effects_not_replayed
@@ -93,27 +95,6 @@ def test_a_memory_budget_under_compilation_trains_and_says_what_it_costs(caplog)
     assert sum("memory_budget with a compiled model" in r.message for r in caplog.records) == 1
 
 
-def _checkpointed_around_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Gives transformers' decoder layers 5.17's structure, whichever transformers is installed: the checkpoint in
-    `GradientCheckpointingLayer.__call__`, around the layer's whole call, Llama's `forward` without one, and no
-    `__init_subclass__` that would wrap a subclass's `forward` in one."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    if "__call__" in vars(GradientCheckpointingLayer):
-        return  # transformers < 5.24 itself
-
-    def call(self, *args, **kwargs):
-        module_call = super(GradientCheckpointingLayer, self).__call__
-        if self.gradient_checkpointing and self.training:
-            return self._gradient_checkpointing_func(functools.partial(module_call, **kwargs), *args)
-        return module_call(*args, **kwargs)
-
-    monkeypatch.setattr(GradientCheckpointingLayer, "__call__", call)
-    monkeypatch.delattr(GradientCheckpointingLayer, "__init_subclass__")
-    monkeypatch.setattr(LlamaDecoderLayer, "forward", LlamaDecoderLayer.forward.__wrapped__)
-
-
 def _forward_and_backward_peak(model: torch.nn.Module, runs: torch.nn.Module) -> int:
     """The highest sum of the CPU memory allocated by a step's forward and backward (the profiler's allocations and
     frees in order), after two steps that compile and warm up."""
@@ -139,7 +120,7 @@ def test_a_layer_checkpointed_around_its_call_is_compiled_with_its_checkpoint_in
     # transformers < 5.24 checkpoints around the call that `layer.compile()` compiles: backward recomputes the layer by
     # running its compiled forward, which makes every tensor that graph saves at once. compile_decoder_layers puts the
     # checkpoint inside the compiled graph, whose backward recomputes as it needs (regional_compilation.py).
-    _checkpointed_around_the_call(monkeypatch)
+    checkpoint_around_the_call(monkeypatch, LlamaDecoderLayer)
     peaks = {}
     for how in ("layer.compile()", "compile_decoder_layers", "whole"):
         torch._dynamo.reset()
@@ -161,7 +142,7 @@ def test_a_layer_checkpointed_around_its_call_is_compiled_with_its_checkpoint_in
 def test_a_layer_with_a_forward_of_its_own_keeps_its_checkpoint_around_the_call(monkeypatch):
     # accelerate's hooks set an instance `forward` that calls the class's forward of the time: the subclass's forward,
     # which checkpoints, would never run, so that layer keeps the class whose call checkpoints it.
-    _checkpointed_around_the_call(monkeypatch)
+    checkpoint_around_the_call(monkeypatch, LlamaDecoderLayer)
     model = build(checkpointing=True, device="cpu")
     hooked, plain = model.model.layers
     layer_class = type(hooked)

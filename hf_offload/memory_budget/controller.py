@@ -195,7 +195,7 @@ class MemoryBudgetController:
 
     def _training_forward(self, module: nn.Module) -> bool:
         """A forward of the training step: not evaluation, and not a checkpoint's recomputation inside backward
-        (transformers before 5.2x checkpoints `__call__`, so the layers' hooks run again there)."""
+        (transformers before 5.24 checkpoints `__call__`, so the layers' hooks run again there)."""
         in_backward = torch._C._current_graph_task_id() != -1
         return module.training and torch.is_grad_enabled() and not in_backward
 

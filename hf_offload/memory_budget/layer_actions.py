@@ -133,7 +133,7 @@ def _layer_function(action: str, offload_input: bool, engine: OffloadActivations
 class _TiledLayerCheckpoint:
     """The `_gradient_checkpointing_func` of a layer tiled whole.
 
-    The tiled forward is the layer's `forward` and its own checkpoint: transformers 5.2x, which checkpoints a
+    The tiled forward is the layer's `forward` and its own checkpoint: transformers 5.24 on, which checkpoints a
     layer's `forward`, handing this function `partial(forward, layer, **kwargs)`, calls this function only where the
     tiled forward runs the layer untiled (a call of at most one chunk), and where the call looked the layer's forward
     up before the plan tiled it: the controller applies the profiled steps' plan from the pre-hook of the first
@@ -168,7 +168,7 @@ class _TiledLayerCheckpoint:
 
 def whole_call_layer(function: Callable[..., Any]) -> nn.Module | None:
     """The layer whose whole call, hooks and all, a checkpoint function was handed as `function` (transformers 5.17's
-    `partial(super().__call__, **kwargs)`); None for anything else (5.2x's `partial(forward, layer, **kwargs)`)."""
+    `partial(super().__call__, **kwargs)`); None for anything else (5.24's `partial(forward, layer, **kwargs)`)."""
     if not isinstance(function, functools.partial) or function.args:
         return None
     layer = getattr(function.func, "__self__", None)

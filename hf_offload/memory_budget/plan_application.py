@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from ..engine import CopyWindows, EngineSettings, OffloadActivations
+from ..model import checkpoints_its_whole_call
 from .actions import ACTIONS
 from .layer_actions import AppliedActions, apply_layer_actions, whole_call_layer
 from .simulate import Plan
@@ -57,9 +58,9 @@ class LayersUnderPlan:
         self._engine = weakref.ref(engine)
         self._layers = layers
         self._applied: AppliedActions | None = None
-        # transformers before 5.2x checkpoints a layer's whole call: the layer then starts from its checkpoint
+        # transformers before 5.24 checkpoints a layer's whole call: the layer then starts from its checkpoint
         # function, before the call (`_StartsBeforeTheCall`).
-        self._whole_call = any(type(layer).__call__ is not nn.Module.__call__ for layer in layers)
+        self._whole_call = any(checkpoints_its_whole_call(layer) for layer in layers)
 
     def apply(self, code: str, order: Sequence[int], settings: EngineSettings, layer_starts: LayerStarts,
               tile_tokens: int = 0, layer_tile_tokens: int = 0) -> None:  # fmt: skip
@@ -105,14 +106,14 @@ class LayersUnderPlan:
 class _StartsBeforeTheCall:
     """A planned layer's `_gradient_checkpointing_func` where transformers checkpoints the layer's whole call.
 
-    transformers releases whose `GradientCheckpointingLayer` overrides `__call__` (5.17 on the H100 here; 5.2x
-    checkpoints the layer's `forward` instead) hand the checkpoint function the layer's whole call, whose pre-hooks
-    run inside the checkpoint, after the call has looked the layer's `forward` up; the recomputation in backward
-    looks it up again. A plan that tiled the layer from its pre-hook (the first step's, once the probes are in; a
-    longer step's) ran it untiled in the forward and tiled in the recomputation: "a different number of tensors was
-    saved during the original forward and recomputation: 40 and 10", on the H100. So the layer's start (`starts`,
-    the controller's pre-hook, which its pre-hook then repeats to no effect) runs here, before the call, and the call
-    goes to the checkpoint function of the plan in force after it, or runs without one if that plan does not
+    transformers releases before 5.24 (5.17 on the GPU image; later ones checkpoint the layer's `forward` instead)
+    hand the checkpoint function the layer's whole call (`checkpoints_its_whole_call`), whose pre-hooks run inside
+    the checkpoint, after the call has looked the layer's `forward` up; the recomputation in backward looks it up
+    again. A plan that tiled the layer from its pre-hook (the first step's, once the probes are in; a longer step's)
+    ran it untiled in the forward and tiled in the recomputation: "a different number of tensors was saved during the
+    original forward and recomputation: 40 and 10", on the H100. So the layer's start (`starts`, the controller's
+    pre-hook, which its pre-hook then repeats to no effect) runs here, before the call, and the call goes to the
+    checkpoint function of the plan in force after it, or runs without one if that plan does not
     checkpoint the layer.
     """
 

@@ -50,7 +50,7 @@ def gathered_for_probe(layer: nn.Module) -> Iterator[int]:
     "got mixed torch.Tensor and DTensor") and reduce gradients of its own. So the probes call the layer with its
     forward hooks set aside (the controller's own pre-hook ignores the probes' calls anyway, and transformers' output
     recorders see nothing outside the step's context), on parameters that the step's call gathered already where
-    transformers checkpoints `forward`, after the hooks (5.2x), or that `unshard()` gathers here and `reshard()`
+    transformers checkpoints `forward`, after the hooks (5.24 on), or that `unshard()` gathers here and `reshard()`
     frees again where it checkpoints the whole call and the probe runs before the hooks (5.17,
     `plan_application._StartsBeforeTheCall`). Every rank probes the same kinds of layer in the same step, so every rank
     joins the gather's collective.

@@ -5,7 +5,6 @@ the hooks are removed, a fault in the measured profiled step, and the Trainer ta
 What the objects it owns do is in the files named after them: `test_profiled_steps.py`, `test_plan_checks.py` and
 `test_planning.py`."""
 
-import functools
 import gc
 import logging
 import weakref
@@ -25,6 +24,7 @@ from budget_runs import (
     tiny_llama,
     train,
 )
+from checkpoint_around_the_call import checkpoint_around_the_call
 from step_comparisons import relative_difference
 
 from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
@@ -92,25 +92,6 @@ def test_the_trainer_near_the_minimum_runs_longer_padded_batches_on_the_lowest_p
     assert train_losses(tight) == train_losses(baseline)
 
 
-def checkpoint_whole_calls(monkeypatch, layer_class: type) -> None:
-    """Makes `layer_class` checkpoint as transformers 5.17's `GradientCheckpointingLayer` does (the H100's): its
-    forward as the model wrote it, and a `__call__` that hands the checkpoint the layer's whole call, hooks and all.
-    On a transformers that checkpoints the whole call itself (the older releases), the class is left as it is."""
-    if not hasattr(layer_class.forward, "__wrapped__"):  # its forward is not the later releases' checkpointing wrapper
-        return
-    monkeypatch.setattr(layer_class, "forward", layer_class.forward.__wrapped__)
-
-    def whole_call(self, *args, **kwargs):
-        if self.gradient_checkpointing and self.training:
-            # A recomputation would fill a cache again (5.17 names it `past_key_values`, later releases `cache`).
-            kwargs.update(use_cache=False, **{name: None for name in ("past_key_values", "cache") if name in kwargs})
-            return self._gradient_checkpointing_func(functools.partial(super(layer_class, self).__call__, **kwargs),
-                                                     *args)  # fmt: skip
-        return super(layer_class, self).__call__(*args, **kwargs)
-
-    monkeypatch.setattr(layer_class, "__call__", whole_call)
-
-
 def test_layers_whose_whole_call_is_checkpointed_start_before_it_and_are_tiled_whole(monkeypatch):
     """transformers 5.17 checkpoints a decoder layer's whole call, which looks the layer's forward up after its
     pre-hooks: the first step's first layer, from whose pre-hook the profiled steps' plan is applied, ran untiled in
@@ -124,7 +105,7 @@ def test_layers_whose_whole_call_is_checkpointed_start_before_it_and_are_tiled_w
     baseline, roomy, _, _ = long_run(10 * 2**30, record=tiled_whole)
     profile = roomy.budget_controller.profile
     budget = (simulate(profile, "L" * LAYERS).peak_bytes + simulate(profile, "T" * LAYERS).peak_bytes) // 2
-    checkpoint_whole_calls(monkeypatch, type(tiny_llama().model.layers[0]))
+    checkpoint_around_the_call(monkeypatch, type(tiny_llama().model.layers[0]))
     calls = []
     monkeypatch.setattr(_TiledLayerFunction, "apply", lambda *args, apply=_TiledLayerFunction.apply: calls.append(1)
                         or apply(*args))  # fmt: skip
