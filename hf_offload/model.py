@@ -335,22 +335,20 @@ def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         within a stack, and for most models across stacks, but some register a language model before the vision
         tower that runs first (the memory budget's controller takes the order from the first step's calls).
     """
-    return [
-        (name, module)
-        for name, module in model.named_modules()
-        if any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
-    ]
+    return [(name, module) for name, module in model.named_modules() if _checkpointing_layer_class(module) is not None]
+
+
+def _checkpointing_layer_class(module: nn.Module) -> type | None:
+    """transformers' `GradientCheckpointingLayer` among the module's classes, matched by name; None when absent."""
+    return next((cls for cls in type(module).__mro__ if cls.__name__ == "GradientCheckpointingLayer"), None)
 
 
 def checkpoints_its_whole_call(layer: nn.Module) -> bool:
     """Whether transformers checkpoints the decoder layer around its whole call, hooks and all: releases before 5.24,
     whose `GradientCheckpointingLayer.__call__` hands the checkpoint function `partial(super().__call__, **kwargs)`.
     Later releases checkpoint inside the layer's `forward`."""
-    call = type(layer).__call__
-    return any(
-        base.__name__ == "GradientCheckpointingLayer" and vars(base).get("__call__") is call
-        for base in type(layer).__mro__
-    )
+    base = _checkpointing_layer_class(layer)
+    return base is not None and vars(base).get("__call__") is type(layer).__call__
 
 
 def first_tensor(output: Any) -> torch.Tensor | None:
