@@ -192,3 +192,18 @@ def test_trainer_with_a_memory_budget(tmp_path, corpus, record, capsys):
     assert not differing, f"weights differ under the memory budget: {differing[:5]}"
     assert planned and planned[0]["offload/plan_predicted_peak_gib"] <= budget / 2**30
     assert "Memory plan for" in printed.out + printed.err
+
+
+def test_trainer_with_liger_kernels_exact(tmp_path, corpus, record, capsys):
+    """`use_liger_kernel=True`: the Trainer patches the model's instances with Liger's RMSNorm, SwiGLU MLP and fused
+    linear cross-entropy, whose backwards write into their saved tensors; with offloading they get the reloaded copies,
+    and training is bitwise the same.
+
+    Last in this file: Liger also replaces transformers' Llama classes for the rest of the process."""
+    pytest.importorskip("liger_kernel", reason="carry liger-kernel's wheel in .whl/")
+    texts, tokenizer = corpus
+    features = [tokenizer(text, truncation=True, max_length=SHAPE["seq_len"]) for text in texts]
+
+    off = train_with_trainer(tmp_path / "off", tokenizer, features, use_liger_kernel=True)
+    on = train_with_trainer(tmp_path / "on", tokenizer, features, use_liger_kernel=True, activation_offloading=True)
+    compare("Trainer+Liger", off, on, record, capsys)
