@@ -9,7 +9,8 @@ budget and the tiled MLP read models through it. It answers:
 2. *What is the tail of the forward?*  The output head and the final norm run last in the forward, so their saved
    tensors are the first ones backward needs: moving them to the host and straight back only costs bandwidth, and
    the head's input/logits are often the largest tensors of the step (`find_output_head`).
-3. *What must never be offloaded?*  The tail above, and every Liger kernel module (`find_liger_modules`).
+3. *What must never be offloaded?*  The tail above, and every Liger kernel module (`find_liger_modules`). Which
+   functions did Liger put in the model's code (`find_liger_functions`), whose kernels write in place?
 4. *Where are the blocks?*  The checkpointable decoder layers (`find_decoder_layers`) and each block's attention
    (`find_attention_modules`), where reloads are timed under checkpointing.
 
@@ -19,6 +20,8 @@ hf-offload never imports them.
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,6 +33,7 @@ __all__ = [
     "find_head",
     "find_output_head",
     "find_liger_modules",
+    "find_liger_functions",
     "find_attention_modules",
     "find_decoder_layers",
     "compiled_as_a_whole",
@@ -284,6 +288,31 @@ def find_liger_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """
     model = unwrap_model(model)
     return [(name, module) for name, module in model.named_modules() if name and _is_liger(name, module)]
+
+
+def find_liger_functions(model: nn.Module) -> list[str]:
+    """Return the Liger functions patched into the modules that define the model's classes.
+
+    `apply_liger_kernel_to_llama` and its siblings (and the Trainer's `use_liger_kernel=True`, through them) replace
+    module-level functions of transformers' modeling files, e.g. `modeling_llama.apply_rotary_pos_emb`, for every
+    model of the family. Liger's rotary embedding writes the rotated queries and keys into the projections' outputs
+    in place, in a Triton kernel that neither autograd nor a dispatch mode sees: a selective checkpoint, which keeps
+    those outputs by reference, would hand the recomputation queries already rotated, and rotate them again.
+
+    Args:
+        model: the model, bare or wrapped (it is unwrapped with `unwrap_model` first).
+
+    Returns:
+        `"module.function"` names, sorted; empty without Liger's functions.
+    """
+    module_names = {type(module).__module__ for module in unwrap_model(model).modules()}
+    found = []
+    for module_name in sorted(name for name in module_names if not name.startswith("liger_kernel")):
+        module = sys.modules.get(module_name)
+        for attribute, value in vars(module).items() if module is not None else ():
+            if inspect.isfunction(value) and (value.__module__ or "").startswith("liger_kernel"):
+                found.append(f"{module_name}.{attribute}")
+    return found
 
 
 def outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

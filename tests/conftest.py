@@ -27,7 +27,8 @@ Where a new test goes: next to the module it tests, in the file named after it.
   and `test_soak_script.py` (soak_1b.py); each puts that folder on the path to import its script.
 - GPU-only behaviour: `tests/gpu/test_gpu_<topic>.py`, run by `bash tests/gpu/run_all.sh` on a GPU machine.
 Shared helpers live in one place per use: `helpers.py` (the tiny model and its data, Trainer runs), `compile_runs.py`,
-`qlora_models.py`, `ranks.py`, `step_comparisons.py` (one step's loss and gradients, and how two steps compare:
+`qlora_models.py`, `ranks.py`, `in_place_rope.py` (a stand-in for Liger's in-place rotary embedding),
+`step_comparisons.py` (one step's loss and gradients, and how two steps compare:
 the tiled ops' and the budget's tolerances), `memory_budget/step_profiles.py` (the step profiles of the pure modules'
 tests), `memory_budget/budget_runs.py` (the tiny Llama's runs under a budget, shared by the controller's tests and
 those of the objects it owns), and `gpu/_gpu_models.py` (the model families, shared with the CPU family tests).

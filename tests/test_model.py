@@ -393,6 +393,16 @@ def test_liger_modules_found_by_name_and_by_class_module_path():
     assert hook_counts(model.other_act) == (0, 0)
 
 
+def test_liger_functions_found_in_the_code_of_the_models_classes(monkeypatch):
+    from in_place_rope import patch_in_place_rope
+
+    model = tiny_llama()
+    assert hf_model.find_liger_functions(model) == []
+    patch_in_place_rope(monkeypatch)
+    assert hf_model.find_liger_functions(model) == ["transformers.models.llama.modeling_llama.apply_rotary_pos_emb"]
+    assert hf_model.find_liger_functions(tiny_gpt2()) == []  # another family's code is not Llama's
+
+
 def _count_packs(inside, run) -> tuple[int, int, int]:
     """Independently count (tensors saved while `inside()`, their bytes, tensors saved otherwise) by `run()`."""
     counts = [0, 0, 0]

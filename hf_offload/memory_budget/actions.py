@@ -22,6 +22,7 @@ __all__ = [
     "NO_TILING",
     "OFFLOAD",
     "SELECTIVE",
+    "SELECTIVE_LETTERS",
     "SELECTIVE_OFFLOAD",
     "TILED_LAYER",
     "TILED_LAYERS",
@@ -85,6 +86,11 @@ ACTIONS: dict[str, LayerAction] = {
     )
 }
 _BY_NAME = {(action.action, action.offload_input): action for action in ACTIONS.values()}
+# The letters of the actions that checkpoint selectively: a model with in-place kernels rules them out
+# (`StepProfile.selective_checkpoint`).
+SELECTIVE_LETTERS = "".join(
+    action.letter for action in ACTIONS.values() if action.action in (SELECTIVE, SELECTIVE_OFFLOAD)
+)
 
 
 def action_named(action: str, offload_input: bool) -> LayerAction:

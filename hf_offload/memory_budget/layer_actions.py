@@ -58,7 +58,7 @@ from torch.utils.checkpoint import (
 )
 
 from ..engine import OffloadActivations
-from ..model import find_decoder_layers
+from ..model import find_decoder_layers, find_liger_functions
 from ..random_state import RandomState, random_state, set_random_state
 from ..tiled.apply import ForwardsReplaced, apply_tiled_layer, apply_tiled_mlp
 from ..tiled.integration import tiled_forward
@@ -464,9 +464,10 @@ def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: S
         An `AppliedActions` whose `remove()` restores the layers' checkpointing, MLPs and forwards.
 
     Raises:
-        ValueError: the number of actions differs from the number of decoder layers, an action is unknown, or a
-            layer's MLP or the layer itself cannot be tiled (see `apply_tiled_mlp`, `apply_tiled_layer`). Nothing is
-            changed then.
+        ValueError: the number of actions differs from the number of decoder layers, an action is unknown, a
+            selective checkpoint is asked of a model whose code runs Liger's in-place kernels (`find_liger_functions`:
+            its gradients would differ), or a layer's MLP or the layer itself cannot be tiled (see `apply_tiled_mlp`,
+            `apply_tiled_layer`). Nothing is changed then.
     """
     layers = [module for _, module in find_decoder_layers(model)]
     if len(actions) != len(layers):
@@ -475,6 +476,14 @@ def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: S
     unknown = sorted({entry.action for entry in actions} - set(_NAMES))
     if unknown:
         raise ValueError(f"unknown layer actions {unknown}: a layer's action is one of {list(_NAMES)}")
+    selective = sorted({entry.action for entry in actions} & {SELECTIVE, SELECTIVE_OFFLOAD})
+    in_place = find_liger_functions(model) if selective else []
+    if in_place:
+        raise ValueError(f"the plan checkpoints layers selectively ({', '.join(selective)}), but Liger's functions in "
+                         f"the model's code ({', '.join(in_place)}) write into the outputs of matrix products in "
+                         "place, unseen by autograd: a selective "
+                         "checkpoint keeps those outputs for its recomputation, which would see them already "
+                         "written, and the gradients would differ. Give those layers another action.")  # fmt: skip
     applied = AppliedActions()
     # First, as each apply_tiled_* checks every layer it tiles before it changes any: one that raises undoes the others.
     tiled_mlps = [i for i, entry in enumerate(actions) if entry.action == FULL_TILED]

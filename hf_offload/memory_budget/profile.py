@@ -213,6 +213,9 @@ class StepProfile:
             prefetch point fires at the logits' gradient, when the loss's temporaries are gone, so the head's point
             of the model (which counts those reloads on top of `head_bytes`) is that much too high. Learned by the
             controller from the peaks it measured exactly (at least what a plan that ran peaked below that point).
+        selective_checkpoint: whether a layer may be checkpointed selectively (`S`, `s`, `X`): not where the model
+            runs kernels that write into a matrix product's output in place, unseen by autograd, which a selective
+            checkpoint keeps for the recomputation (Liger's rotary embedding, `model.find_liger_functions`).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -247,6 +250,7 @@ class StepProfile:
     disk_cap_bytes: int = 0
     disk_write_bytes_per_s: float = 0.0
     disk_read_bytes_per_s: float = 0.0
+    selective_checkpoint: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

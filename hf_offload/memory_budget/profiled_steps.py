@@ -36,6 +36,7 @@ from torch import nn
 
 from ..disk_tier import DiskTierError, measure_disk_bandwidth
 from ..engine import OffloadActivations, default_prefetch_window_bytes
+from ..model import find_liger_functions
 from ..options import OffloadOptions
 from ..peak import queue_after_backward
 from ..random_state import random_state_untouched
@@ -130,6 +131,7 @@ class ProfiledSteps:
         # Tokens per chunk of a tiled MLP and of a layer tiled whole; 0 where the planner may not tile so.
         self._tile_tokens = _tile_tokens(model, options.tile_mlp, apply_tiled_mlp, "the MLPs")
         self._layer_tile_tokens = _tile_tokens(model, options.tile_layer, apply_tiled_layer, "whole layers")
+        self._selective_checkpoint = _selective_checkpoint(model)
 
     # ------------------------------------------------------------------ the first step
 
@@ -422,6 +424,7 @@ class ProfiledSteps:
             tail_bytes=self._tail_bound_bytes(),
             input_offload_s=_INPUT_OFFLOAD_HOST_S,
             saved_offload_s=_SAVED_OFFLOAD_HOST_S,
+            selective_checkpoint=self._selective_checkpoint,
         )  # fmt: skip
         if measured.step_s is not None:  # the rest of the step: what the model of the safe step does not explain
             # Of the plan that step ran: on a 7B shape whose profiled steps tiled every layer whole, the tiling's time
@@ -479,6 +482,17 @@ def _tiled_fields(
             working_field: max(probe.at_step(getattr(probe, probe_working)) for probe in probes),
             chunk_field: math.ceil(max(getattr(probe, probe_per_token) for probe in probes) * tile_tokens),
             sequence_field: max(probe.at_step(getattr(probe, probe_sequence) or 0) for probe in probes)}  # fmt: skip
+
+
+def _selective_checkpoint(model: nn.Module) -> bool:
+    """Whether the planner may checkpoint layers selectively (`StepProfile.selective_checkpoint`): not where Liger's
+    in-place functions run in the model's code (`find_liger_functions`), and the log says so."""
+    in_place = find_liger_functions(model)
+    if in_place:
+        logger.info("hf_offload: the planner does not checkpoint layers selectively: Liger's functions in the model's "
+                    "code (%s) write into the outputs of matrix products in place, unseen by autograd, which a "
+                    "selective checkpoint keeps for its recomputation", ", ".join(in_place))  # fmt: skip
+    return not in_place
 
 
 def _tile_tokens(model: nn.Module, option: str | bool, apply: Callable[..., Any], what: str) -> int:

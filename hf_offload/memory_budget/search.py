@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from ..units import format_bytes
-from .actions import ACTIONS, KEEP
+from .actions import ACTIONS, KEEP, SELECTIVE_LETTERS
 from .checks import is_int
 from .profile import StepProfile, layer_tiling_available, tiling_available
 from .simulate import (
@@ -64,6 +64,13 @@ STEP_TIME_NOISE = 0.02
 _PLANNED = "KOSsCc"
 
 
+def _planned(profile: StepProfile) -> str:
+    """`_PLANNED`, less the selective actions where the profile rules them out (`StepProfile.selective_checkpoint`)."""
+    if profile.selective_checkpoint:
+        return _PLANNED
+    return "".join(letter for letter in _PLANNED if letter not in SELECTIVE_LETTERS)
+
+
 def _own_seconds(profile: StepProfile, options: list[dict[str, LayerOption]]) -> list[dict[str, float]]:
     """Per layer and action, the time it adds as if every other layer kept everything.
 
@@ -108,7 +115,7 @@ def _greedy_plans(
     profile: StepProfile,
     options: list[dict[str, LayerOption]],
     seconds: list[dict[str, float]],
-    planned: str = _PLANNED,
+    planned: str,
 ) -> list[list[str]]:
     """The greedy's sequence of plans from keeping everything, each one layer change further than the last.
 
@@ -312,6 +319,7 @@ class _Search:
         self.limit = budget_bytes - margin_bytes
         self.by_code = {step.code: step for step in measured}
         self.options = [layer_options(profile, layer) for layer in profile.layers]
+        self.planned = _planned(profile)
         self.seconds = _own_seconds(profile, self.options)
         self.time_scale = self._model_error_in_time()
 
@@ -378,10 +386,10 @@ class _Search:
         one whatever it measured, the last resort.
         """
         others = [*measured]
-        greedy = self.first_fitting(_greedy_plans(self.profile, self.options, self.seconds))
+        greedy = self.first_fitting(_greedy_plans(self.profile, self.options, self.seconds, self.planned))
         if greedy is not None:
             others.append(self.polish(*greedy))
-        in_place = _greedy_plans(self.profile, self.options, self.seconds, planned=_PLANNED.replace("O", ""))
+        in_place = _greedy_plans(self.profile, self.options, self.seconds, planned=self.planned.replace("O", ""))
         offloaded_first = self.fastest_offload_prefix(in_place, _offload_prefix_limit(self.profile, self.options))
         if offloaded_first is not None:
             others.append(self.polish(*offloaded_first))
@@ -402,7 +410,7 @@ class _Search:
             The plan, or None where no tiling fits; and the lowest-memory plan of `lowest` and those tried, for the
             refusal to name (tiling can cost memory).
         """
-        planned = _PLANNED
+        planned = self.planned
         for kind, (letters, available) in enumerate(_TILINGS, start=1):
             measured_here = self.measured_candidates(tiling_kind=kind)
             if not available(self.profile) or (measured_only and measured_here):
@@ -462,13 +470,15 @@ class _Search:
                 best = found
         return best
 
-    def polish(self, letters: list[str], run: SimulatedStep, planned: str = _PLANNED) -> _Candidate:
+    def polish(self, letters: list[str], run: SimulatedStep, planned: str | None = None) -> _Candidate:
         """Moves each layer, once, to the first action that still fits and makes the step faster.
 
-        A layer tries the actions of `planned` no dearer on their own than its current one, cheapest first (ties
-        included: an input kept rather than offloaded costs the same recompute and no copy). The layers that could
-        save the most go first; on ties the last first, whose changes freed memory for the fewest points of the step.
+        A layer tries the actions of `planned` (by default the exact ones the profile allows) no dearer on their own
+        than its current one, cheapest first (ties included: an input kept rather than offloaded costs the same
+        recompute and no copy). The layers that could save the most go first; on ties the last first, whose changes
+        freed memory for the fewest points of the step.
         """
+        planned = planned or self.planned
         seconds = self.seconds
         order = sorted(
             range(len(letters)),

@@ -104,7 +104,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..units import byte_unit, format_bytes
-from .actions import ACTIONS, FULL_TILED, TILED_LAYER, action_named
+from .actions import ACTIONS, FULL_TILED, SELECTIVE_LETTERS, TILED_LAYER, action_named
 from .checks import check_bytes, check_seconds
 from .profile import LayerProfile, StepProfile, layer_tiling_available, tiling_available
 
@@ -266,7 +266,8 @@ class SimulatedStep(NamedTuple):
 
 
 def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerOption]:
-    """The layer under each action code (the tiled ones only when `tiling_available`, `layer_tiling_available`)."""
+    """The layer under each action code (the selective ones only when `StepProfile.selective_checkpoint`, the tiled
+    ones only when `tiling_available`, `layer_tiling_available`)."""
     saved, selective, inputs = layer.saved_bytes, layer.selective_bytes, layer.input_bytes
     working = profile.backward_working_bytes
     # A recomputation holds the forward's peak while the output's gradient waits for it.
@@ -278,12 +279,13 @@ def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerO
     options = {
         "K": LayerOption(saved, 0, 0.0, *times, **peak),
         "O": LayerOption(0, saved, 0.0, *times, sends_saved, **peak),
-        "S": LayerOption(selective, inputs, layer.selective_recompute_s, *recomputed, sends_input, **peak),
-        "s": LayerOption(selective + inputs, 0, layer.selective_recompute_s, *recomputed, **peak),
-        "X": LayerOption(0, selective + inputs, layer.selective_recompute_s, *recomputed, sends_saved, **peak),
         "C": LayerOption(0, inputs, layer.forward_s, *recomputed, sends_input, **peak),
         "c": LayerOption(inputs, 0, layer.forward_s, *recomputed, **peak),
     }
+    if profile.selective_checkpoint:
+        options["S"] = LayerOption(selective, inputs, layer.selective_recompute_s, *recomputed, sends_input, **peak)
+        options["s"] = LayerOption(selective + inputs, 0, layer.selective_recompute_s, *recomputed, **peak)
+        options["X"] = LayerOption(0, selective + inputs, layer.selective_recompute_s, *recomputed, sends_saved, **peak)
     if tiling_available(profile):
         saved_tiled = layer.tiled_saved_bytes + profile.tile_chunk_bytes
         tiled_working = _backward_working(saved_tiled, profile.tiled_backward_working_bytes,
@@ -548,6 +550,9 @@ def check_code(profile: StepProfile, code: str) -> None:
     missing = unavailable_tiling(profile, code)
     if missing:
         raise ValueError(f"plan code {code!r} {missing}")
+    if set(code) & set(SELECTIVE_LETTERS) and not profile.selective_checkpoint:
+        raise ValueError(f"plan code {code!r} checkpoints selectively ({', '.join(SELECTIVE_LETTERS)}), which this "
+                         "model's in-place kernels rule out (StepProfile.selective_checkpoint)")  # fmt: skip
 
 
 def unavailable_tiling(profile: StepProfile, code: str) -> str:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from helpers import checkpointing_enable
+from in_place_rope import patch_in_place_rope
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
@@ -74,6 +75,36 @@ def test_every_plan_is_bitwise_equal_to_no_offloading(code, attention):
         for name, grad in grads.items():
             assert torch.equal(grad, baseline[1][name]), name
     applied.remove()
+    context.remove_hooks()
+
+
+def test_an_in_place_rotary_embedding_rules_out_selective_checkpoints(monkeypatch):
+    """Liger's rotary embedding rotates the projections' outputs in place, unseen by autograd: torch's selective
+    checkpoint keeps those outputs (matrix products') for its recomputation, which then rotates them a second time,
+    and the gradients differ. `apply_layer_actions` refuses the selective actions on such a model, changing nothing;
+    the other actions stay bitwise equal."""
+    patch_in_place_rope(monkeypatch)
+    baseline = step(tiny_llama("sdpa"))
+    model = tiny_llama("sdpa")
+    for layer in model.model.layers:  # the selective action's checkpoint, set by hand
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = layer_actions.selective_checkpoint_function()
+    loss, grads = step(model)
+    assert torch.equal(loss, baseline[0]) and not torch.equal(grads["model.embed_tokens.weight"],
+                                                              baseline[1]["model.embed_tokens.weight"])  # fmt: skip
+    model = tiny_llama("sdpa")
+    context = get_act_offloading_ctx_manager(model, device_type="cpu")
+    for code in ("SSSS", "KsKK", "XXXX"):
+        with pytest.raises(ValueError, match=r"selectively .*modeling_llama\.apply_rotary_pos_emb"):
+            apply_layer_actions(model, context, actions(code))
+        assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+    for code in ("KOcC", "CCCC", "OOOO"):
+        applied = apply_layer_actions(model, context, actions(code))
+        for _ in range(2):
+            loss, grads = step(model, context)
+            assert torch.equal(loss, baseline[0])
+            assert all(torch.equal(grad, baseline[1][name]) for name, grad in grads.items()), code
+        applied.remove()
     context.remove_hooks()
 
 

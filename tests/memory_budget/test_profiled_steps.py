@@ -9,7 +9,18 @@ import logging
 import pytest
 import torch
 import transformers
-from budget_runs import LAYERS, VOCAB, accumulate, budget_for_the_trial, long_run, planned, tiny_llama, train
+from budget_runs import (
+    LAYERS,
+    VOCAB,
+    Unchanged,
+    accumulate,
+    budget_for_the_trial,
+    long_run,
+    planned,
+    tiny_llama,
+    train,
+)
+from in_place_rope import patch_in_place_rope
 
 from hf_offload import get_act_offloading_ctx_manager
 from hf_offload.memory_budget import probes
@@ -25,6 +36,19 @@ def test_the_profile_counts_the_mask_and_rotary_tables_the_model_gives_its_layer
     head_size = config.hidden_size // config.num_attention_heads
     mask, tables, positions = 2 * 64 * 64 * 4, 2 * 64 * head_size * 4, 64 * 8
     assert (profile.call_argument_bytes, profile.quadratic_call_argument_bytes) == (mask + tables + positions, mask)
+
+
+def test_liger_functions_in_the_models_code_rule_out_selective_checkpoints(monkeypatch, caplog):
+    """With Liger's rotary embedding (an in-place stand-in, `in_place_rope`), the profile offers the planner no
+    selective checkpoint, the log says why, and the budget's run trains bitwise as the model does without it."""
+    assert planned(10 * 2**30)[1].budget_controller.profile.selective_checkpoint
+    patch_in_place_rope(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        results, context = planned(10 * 2**30)
+    assert not context.budget_controller.profile.selective_checkpoint
+    assert "does not checkpoint layers selectively: Liger's functions in the model's code" in caplog.text
+    unchanged = train(tiny_llama(), Unchanged())
+    assert len(results) == len(unchanged) and all(torch.equal(a, b) for a, b in zip(results, unchanged))
 
 
 def test_a_model_whose_layers_cannot_be_tiled_whole_is_planned_without_it(caplog):
