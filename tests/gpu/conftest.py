@@ -6,6 +6,8 @@
 - Deterministic algorithms are switched on around every test here (and restored after, so that CPU tests
   collected in the same session are unaffected); the fixture ``nondeterministic`` switches them off for the
   memory tests, which use SDPA kernels that have no deterministic backward.
+- ``liger_patches_undone`` puts back what Liger's patches replace in transformers' Llama code, after a test that
+  applies them.
 - Tests report numbers through the ``record`` fixture; they are written to $OUT/gpu_test_numbers.json (or
   ./gpu_test_numbers.json when $OUT is unset) and the ones marked ``show=True`` are printed in the terminal
   summary.
@@ -92,6 +94,25 @@ def nondeterministic():
     """Deterministic algorithms off for this test (memory measurements with SDPA)."""
     torch.use_deterministic_algorithms(False)
     yield
+
+
+@pytest.fixture
+def liger_patches_undone():
+    """Liger's patch of the Llama family (`apply_liger_kernel_to_llama`, which the Trainer's `use_liger_kernel=True`
+    calls) replaces transformers' Llama classes and functions for the whole process: they are put back after the
+    test, so that the tests after it build transformers' own Llama (one test's Liger once made every later full
+    fine-tune under a selective checkpoint differ)."""
+    pytest.importorskip("liger_kernel", reason="carry liger-kernel's wheel in .whl/")
+    from transformers.models.llama import modeling_llama
+
+    attributes = dict(vars(modeling_llama))
+    causal_lm_forward = modeling_llama.LlamaForCausalLM.forward
+    cross_entropy = torch.nn.functional.cross_entropy
+    yield
+    for name, value in attributes.items():
+        setattr(modeling_llama, name, value)
+    modeling_llama.LlamaForCausalLM.forward = causal_lm_forward
+    torch.nn.functional.cross_entropy = cross_entropy
 
 
 @pytest.fixture

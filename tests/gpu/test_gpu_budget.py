@@ -44,6 +44,31 @@ def test_every_layer_action_is_bitwise_equal_to_no_offloading(code, lora):
     dispose(ctx)
 
 
+def test_under_liger_no_selective_checkpoint_and_every_other_action_bitwise(liger_patches_undone):
+    """Liger's rotary embedding rotates the query and key projections' outputs in place, in a Triton kernel: a
+    selective checkpoint would keep those outputs for its recomputation and rotate them again (a full fine-tune's
+    gradients differed). `apply_layer_actions` refuses the selective actions on such a model, as the planner never
+    chooses them there; the other actions stay bitwise equal to no offloading, Liger's kernels included."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama()
+    size = {key: SMALL[key] for key in ("hidden", "layers", "seq")}
+    batch = make_batch("llama", batch=SMALL["batch"], seq=SMALL["seq"])
+    reference = run_steps(build_model("llama", dtype="bf16", **size), batch, steps=3)
+    assert_bitwise_equal(reference, run_steps(build_model("llama", dtype="bf16", **size), batch, steps=3))
+    model = build_model("llama", dtype="bf16", **size)
+    assert type(model.model.layers[0].mlp).__module__.startswith("liger_kernel")
+    ctx = make_ctx(model)
+    with pytest.raises(ValueError, match="apply_rotary_pos_emb"):
+        apply_layer_actions(model, ctx, actions("SSSS"))
+    applied = apply_layer_actions(model, ctx, actions("OCcK"))
+    got = run_steps(model, batch, steps=3, ctx=ctx)
+    assert_bitwise_equal(reference, got, "OCcK")
+    assert all(stats["bytes_offloaded"] > 0 for stats in got.stats)
+    applied.remove()
+    dispose(ctx)
+
+
 @pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
 def test_random_numbers_after_a_stashed_attention_with_dropout_are_drawn_again(backend, record):
     """Attention with dropout draws random numbers, and a selective offload does not run it again: the dropout after

@@ -194,13 +194,10 @@ def test_trainer_with_a_memory_budget(tmp_path, corpus, record, capsys):
     assert "Memory plan for" in printed.out + printed.err
 
 
-def test_trainer_with_liger_kernels_exact(tmp_path, corpus, record, capsys):
+def test_trainer_with_liger_kernels_exact(tmp_path, corpus, record, capsys, liger_patches_undone):
     """`use_liger_kernel=True`: the Trainer patches the model's instances with Liger's RMSNorm, SwiGLU MLP and fused
     linear cross-entropy, whose backwards write into their saved tensors; with offloading they get the reloaded copies,
-    and training is bitwise the same.
-
-    Last in this file: Liger also replaces transformers' Llama classes for the rest of the process."""
-    pytest.importorskip("liger_kernel", reason="carry liger-kernel's wheel in .whl/")
+    and training is bitwise the same."""
     texts, tokenizer = corpus
     features = [tokenizer(text, truncation=True, max_length=SHAPE["seq_len"]) for text in texts]
 
