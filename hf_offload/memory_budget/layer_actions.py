@@ -481,9 +481,9 @@ def apply_layer_actions(model: nn.Module, engine: OffloadActivations, actions: S
     if in_place:
         raise ValueError(f"the plan checkpoints layers selectively ({', '.join(selective)}), but Liger's functions in "
                          f"the model's code ({', '.join(in_place)}) write into the outputs of matrix products in "
-                         "place, unseen by autograd: a selective "
-                         "checkpoint keeps those outputs for its recomputation, which would see them already "
-                         "written, and the gradients would differ. Give those layers another action.")  # fmt: skip
+                         "place, unseen by autograd: a selective checkpoint keeps those outputs for its "
+                         "recomputation, which would see them already written, and the gradients would differ. Give "
+                         "those layers another action.")  # fmt: skip
     applied = AppliedActions()
     # First, as each apply_tiled_* checks every layer it tiles before it changes any: one that raises undoes the others.
     tiled_mlps = [i for i, entry in enumerate(actions) if entry.action == FULL_TILED]

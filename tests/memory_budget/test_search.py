@@ -616,32 +616,32 @@ def test_plans_within_the_noise_of_a_measured_one_end_on_the_simplest() -> None:
     assert choose_plan(profile, 20 * GIB).predicted.step_s <= fastest_s
 
 
-# The pure modules themselves (spec, profile, simulate, search, calibrate, host)
+def docstring_profile() -> StepProfile:
+    """The profile of `choose_plan`'s docstring example: four layers, a selective checkpoint halves what each holds."""
+    layer = LayerProfile(saved_bytes=2 * GIB, selective_bytes=GIB, input_bytes=GIB // 16, forward_s=0.005,
+                         backward_s=0.010, selective_recompute_s=0.002)  # fmt: skip
+    return StepProfile(layers=[layer] * 4, static_bytes=8 * GIB, head_bytes=GIB, backward_working_bytes=2 * GIB,
+                       head_s=0.04, other_s=0.03, d2h_bytes_per_s=55e9, h2d_bytes_per_s=55e9,
+                       host_cap_bytes=64 * GIB, tokens=16384)  # fmt: skip
 
 
 def test_a_profile_that_rules_out_selective_checkpoints_gets_plans_without_them() -> None:
-    layer = LayerProfile(saved_bytes=2 * GIB, selective_bytes=GIB, input_bytes=GIB // 16, forward_s=0.005,
-                         backward_s=0.010, selective_recompute_s=0.002)  # fmt: skip
-    profile = StepProfile(layers=[layer] * 4, static_bytes=8 * GIB, head_bytes=GIB, backward_working_bytes=2 * GIB,
-                          head_s=0.04, other_s=0.03, d2h_bytes_per_s=55e9, h2d_bytes_per_s=55e9,
-                          host_cap_bytes=64 * GIB, tokens=16384)  # fmt: skip
+    profile = docstring_profile()
     assert choose_plan(profile, 16 * GIB).code == "SSSK"
     ruled_out = dataclasses.replace(profile, selective_checkpoint=False)
     for budget in (16 * GIB, 15 * GIB, 14 * GIB, 20 * GIB):
         plan = choose_plan(ruled_out, budget)
         assert not set(plan.code) & set(actions.SELECTIVE_LETTERS) and plan.fits(0), plan.code
-    assert set(layer_options(ruled_out, layer)) == set("KOCc")
+    assert set(layer_options(ruled_out, profile.layers[0])) == set("KOCc")
     with pytest.raises(ValueError, match="selectively"):
         plan_of(ruled_out, "SSSK", 16 * GIB)
 
 
+# The pure modules themselves (spec, profile, simulate, search, calibrate, host)
+
+
 def test_docstring_examples() -> None:
-    layer = LayerProfile(saved_bytes=2 * GIB, selective_bytes=GIB, input_bytes=GIB // 16, forward_s=0.005,
-                         backward_s=0.010, selective_recompute_s=0.002)  # fmt: skip
-    profile = StepProfile(layers=[layer] * 4, static_bytes=8 * GIB, head_bytes=GIB, backward_working_bytes=2 * GIB,
-                          head_s=0.04, other_s=0.03, d2h_bytes_per_s=55e9, h2d_bytes_per_s=55e9,
-                          host_cap_bytes=64 * GIB, tokens=16384)  # fmt: skip
-    results = [doctest.testmod(module, extraglobs={"profile": profile}) for module in PURE_MODULES]
+    results = [doctest.testmod(module, extraglobs={"profile": docstring_profile()}) for module in PURE_MODULES]
     assert sum(tried for _, tried in results) >= 7 and not any(failures for failures, _ in results)
 
 
