@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from ..units import format_bytes
-from .actions import ACTIONS, KEEP, SELECTIVE_LETTERS
+from .actions import ACTIONS, KEEP
 from .checks import is_int
 from .profile import StepProfile, layer_tiling_available, tiling_available
 from .simulate import (
@@ -62,13 +62,6 @@ STEP_TIME_NOISE = 0.02
 # about 2.5 ms each more than the model predicts from their recompute and copies (`benchmarks/run.py`'s plan modes),
 # which left plans with `X` slower than plans without; it stays an action for hand-written plans.
 _PLANNED = "KOSsCc"
-
-
-def _planned(profile: StepProfile) -> str:
-    """`_PLANNED`, less the selective actions where the profile rules them out (`StepProfile.selective_checkpoint`)."""
-    if profile.selective_checkpoint:
-        return _PLANNED
-    return "".join(letter for letter in _PLANNED if letter not in SELECTIVE_LETTERS)
 
 
 def _own_seconds(profile: StepProfile, options: list[dict[str, LayerOption]]) -> list[dict[str, float]]:
@@ -319,7 +312,8 @@ class _Search:
         self.limit = budget_bytes - margin_bytes
         self.by_code = {step.code: step for step in measured}
         self.options = [layer_options(profile, layer) for layer in profile.layers]
-        self.planned = _planned(profile)
+        # Those of `_PLANNED` the profile offers (`layer_options`: no selective ones where the model rules them out).
+        self.planned = "".join(letter for letter in _PLANNED if letter in self.options[0])
         self.seconds = _own_seconds(profile, self.options)
         self.time_scale = self._model_error_in_time()
 
