@@ -17,6 +17,7 @@ import weakref
 import pytest
 import torch
 import transformers
+from in_place_rope import patch_in_place_rope
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -394,8 +395,6 @@ def test_liger_modules_found_by_name_and_by_class_module_path():
 
 
 def test_liger_functions_found_in_the_code_of_the_models_classes(monkeypatch):
-    from in_place_rope import patch_in_place_rope
-
     model = tiny_llama()
     assert hf_model.find_liger_functions(model) == []
     patch_in_place_rope(monkeypatch)
