@@ -146,11 +146,13 @@ class Planner:
         peak = simulate(profile, code).peak_bytes
         if peak > budget_bytes and self._engine() is not None and runs_alone():
             planned = self._plan_profiled_steps(profile, budget_bytes, first_step)
+            # With its table: what each layer was predicted to cost is what a first step slower or higher than the
+            # plans after it is checked against.
             logger.info("hf_offload: the profiled steps run plan %r, made for their %d tokens and predicted to peak at "
-                        "%.2f GiB (budget %.2f GiB; %s): the safe plan %r is predicted to peak at %.2f GiB",
+                        "%.2f GiB (budget %.2f GiB; %s): the safe plan %r is predicted to peak at %.2f GiB\n%s",
                         planned.code, tokens, planned.predicted.peak_bytes / 2**30, budget_bytes / 2**30,
                         "over it, the lowest plan the model knows of" if planned.predicted.peak_bytes > budget_bytes
-                        else "within it", code, peak / 2**30)  # fmt: skip
+                        else "within it", code, peak / 2**30, planned.format_table())  # fmt: skip
             # Not the plan in force (`memory_plan`): the profiled steps run it, and the first plan comes after.
             settings = engine_settings(planned.code, self._windows(planned), host_cap_bytes=planned.host_cap_bytes)
             self.apply(planned.code, forwards, settings, tile_tokens=planned.tile_tokens,

@@ -600,6 +600,10 @@ def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_
     assert said and said[0].startswith(f"hf_offload: the profiled steps run plan {first_step_code!r}, made for their "
                                        f"{HOST_BATCH * HOST_TOKENS} tokens and predicted to peak at ")  # fmt: skip
     assert f"(budget {budget / 2**30:.2f} GiB; within it): the safe plan {safe!r} is predicted to peak at" in said[0]
+    # With the plan's table: what each layer was predicted to cost, one line each.
+    table = said[0].split("\n")
+    assert table[1].startswith(f"Memory plan for {HOST_BATCH * HOST_TOKENS} tokens per step") and table[-1].startswith(
+        f"{HOST_LAYERS - 1:>5}  ")  # fmt: skip
 
 
 def test_a_first_step_the_untiled_safe_plan_does_not_fit_runs_the_planners_plan_not_every_layer_tiled(monkeypatch):
