@@ -351,8 +351,8 @@ class OffloadOptions:
         None, Rule(_FRACTION, maximum=0.9, optional=True), "Cap on pinned host memory, as a fraction (at most 0.9) of "
         "the host memory available, shared by the processes on one host. Past the cap activations stay on the "
         "accelerator (one warning). `None` (`none` on the command line): 0.5, which a memory_budget's plan may go "
-        "past, down to host_memory_reserve, when no exact plan fits within it; a fraction set here is a cap the plan "
-        "keeps to.", argument="max_pinned_memory_fraction")  # fmt: skip
+        "past, down to host_memory_reserve, when no exact plan fits within it (or none without layers tiled whole); a "
+        "fraction set here is a cap the plan keeps to.", argument="max_pinned_memory_fraction")  # fmt: skip
     max_pinned_bytes: int | None = _option(
         None, Rule(_BYTES, optional=True), "Explicit cap on pinned host memory; overrides the fraction, and a "
         "memory_budget's plan keeps to it.", argument="max_pinned_mib", argument_unit="MiB")  # fmt: skip

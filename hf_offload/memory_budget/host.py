@@ -4,15 +4,19 @@ makes the step fit.
 The pool's default cap (half the available host memory, shared by the ranks of a host: `host_memory.py`) keeps a
 plain offloader safe. A plan knows what each GiB of host buys, so under a memory budget `choose_plan_with_host` plans
 within that cap first and raises it, up to what the host's reserve leaves (`host_memory.HostCaps.most_bytes`), only
-when no plan fits within it, or only a plan that tiles MLPs (whose gradients are not bitwise): then the plan says so
-(`Plan.host_growth`) and its table prints how much host it took and why.
+when no plan fits within it, or only one that tiles where the raised cap lets a plan tile less: nothing (tiled
+gradients are not bitwise), or MLPs only where it tiled whole layers. Then the plan says so (`Plan.host_growth`) and
+its table prints how much host it took and why.
 
-Only to fit, not to run faster. Pinned memory is taken from everything else on the host for the whole run (page
-cache, data loader workers, other jobs) and cannot be swapped; growing the pool costs about 0.4 s per GB and
-synchronises the device; and what more host would buy when a plan already fits is speed from offloading saved tensors
-instead of recomputing them, the step model's least reliable prediction (plans with whole layers offloaded ran up to
-1.5x plain checkpointing on the H100 zoo, where the model expected them faster). A sure cost for an unsure gain: the
-default cap holds unless the budget cannot be met without more. Pure: the standard library, `units.py` and the
+Only to fit or to tile less, not to run faster. Pinned memory is taken from everything else on the host for the
+whole run (page cache, data loader workers, other jobs) and cannot be swapped; growing the pool costs about 0.4 s per
+GB and synchronises the device; and what more host would buy when a plan already fits is speed from offloading saved
+tensors instead of recomputing them, the step model's least reliable prediction (plans with whole layers offloaded ran
+up to 1.5x plain checkpointing on the H100 zoo, where the model expected them faster). A sure cost for an unsure gain:
+the default cap holds unless the budget cannot be met without more, or only with layers tiled whole. Those are slow by
+measurement, not by the step model: on an H100, an 8B-class model's step of 327,680 tokens took 398 s with every layer
+tiled whole and 306 s with every MLP tiled; with 8 of its 32 layers tiled whole (a plan within the cap), 321 s, against
+286 s for the plan with the pool grown that tiled MLPs only. Pure: the standard library, `units.py` and the
 budget's pure modules.
 """
 
@@ -34,9 +38,10 @@ def choose_plan_with_host(choose: Callable[[StepProfile], Plan], profile: StepPr
     """The plan `choose` makes within the pool's cap (`profile.host_cap_bytes`), or with the cap raised to
     `most_cap_bytes` where that is what makes the step fit.
 
-    The cap is raised when, within it, no plan fits (an `InfeasibleBudgetError`) or only one that tiles (MLPs or whole
-    layers), and with the raised cap a plan fits (one that tiles nothing, where the default's tiles). That plan then has
-    `host_cap_bytes` = `most_cap_bytes`, `host_default_cap_bytes` = the cap, and `host_growth` saying why.
+    The cap is raised when, within it, no plan fits (an `InfeasibleBudgetError`) or only one that tiles, and with the
+    raised cap a plan fits that tiles less (`_tiling`: nothing, or MLPs only where the default's tiles layers whole).
+    That plan then has `host_cap_bytes` = `most_cap_bytes`, `host_default_cap_bytes` = the cap, and `host_growth`
+    saying why.
 
     Args:
         choose: makes a plan from a profile (`search.choose_plan` with the budget, margin and measured plans).
@@ -64,7 +69,7 @@ def choose_plan_with_host(choose: Callable[[StepProfile], Plan], profile: StepPr
         plan: Plan | None = choose(profile)
     except InfeasibleBudgetError as error:
         plan, refusal = None, error
-    if plan is not None and not _tiles(plan) or most_cap_bytes <= profile.host_cap_bytes:
+    if plan is not None and not _tiling(plan) or most_cap_bytes <= profile.host_cap_bytes:
         if plan is None:
             raise _with_what_dominates(refusal, choose, profile)
         return plan
@@ -83,8 +88,10 @@ def choose_plan_with_host(choose: Callable[[StepProfile], Plan], profile: StepPr
             InfeasibleBudgetError(f"{error} (That is with the pinned host pool grown {grown_by}{bound}.)",
                                   error.budget_bytes, error.minimum_bytes, lowest), choose, grown_profile,
         ) from None  # fmt: skip
-    if plan is not None and _tiles(grown):
-        return plan  # tiled either way: the default cap is enough for that
+    if plan is not None and _tiling(grown) >= _tiling(plan):
+        return plan  # tiled as much either way: the default cap is enough for that
+    if plan is not None and _tiling(grown):
+        why = "no plan without layers tiled whole fits the budget within it"
     return dataclasses.replace(grown, host_default_cap_bytes=profile.host_cap_bytes, host_growth=f"{why}{bound}")
 
 
@@ -113,6 +120,8 @@ def _with_what_dominates(refusal: InfeasibleBudgetError, choose: Callable[[StepP
                                  refusal.lowest_plan)  # fmt: skip
 
 
-def _tiles(plan: Plan) -> bool:
-    """Whether the plan tiles MLPs or whole layers: not bitwise, so worth the host's room where that avoids it."""
-    return bool(plan.tiled_layers or plan.tiled_whole_layers)
+def _tiling(plan: Plan) -> int:
+    """How much the plan tiles: 0 nothing, 1 MLPs only, 2 whole layers. Tiled gradients are not bitwise, and layers
+    tiled whole are slower than tiled MLPs (the module docstring's figures): the host's room that lowers it is worth
+    taking."""
+    return 2 if plan.tiled_whole_layers else 1 if plan.tiled_layers else 0
