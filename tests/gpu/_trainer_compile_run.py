@@ -4,11 +4,13 @@ Runs in a process of its own because one process that trains several Trainers on
 each one's peak as its own script would: in such a sequence the same runs measured 1.151 and 1.064 GiB above the
 parameters (layers compiled, whole model compiled), and 1.088 and 1.132 GiB each in its own process.
 
-    python tests/gpu/_trainer_compile_run.py OUTPUT_DIR {regional,offloaded,whole}
+    python tests/gpu/_trainer_compile_run.py OUTPUT_DIR {regional,offloaded,whole} [--deterministic]
 
 writes OUTPUT_DIR/result.pt: the losses, the weights, the peak above the parameters (and by phase, from the fifth
 step on), Dynamo's graph and graph break counts, the offloading statistics and whether the Trainer compiled the model
-as a whole.
+as a whole. With --deterministic, torch's deterministic algorithms are on (as tests/gpu/conftest.py sets them around
+the tests themselves), which runs compared bitwise need; without, the run is as a user's script runs it, whose peak is
+the one a user sees.
 """
 
 from __future__ import annotations
@@ -111,6 +113,6 @@ def train(output_dir: pathlib.Path, variant: str) -> dict:
 
 
 if __name__ == "__main__":
-    torch.use_deterministic_algorithms(True)  # as tests/gpu/conftest.py sets it around the tests themselves
+    torch.use_deterministic_algorithms("--deterministic" in sys.argv[3:])
     output_dir = pathlib.Path(sys.argv[1])
     torch.save(train(output_dir, sys.argv[2]), output_dir / "result.pt")
