@@ -146,13 +146,16 @@ class Planner:
         peak = simulate(profile, code).peak_bytes
         if peak > budget_bytes and self._engine() is not None and runs_alone():
             planned = self._plan_profiled_steps(profile, budget_bytes, first_step)
-            # With its table: what each layer was predicted to cost is what a first step slower or higher than the
-            # plans after it is checked against.
+            # With the host it had and its table: what each layer was predicted to cost, and what the pinned pool
+            # allowed, is what a first step slower or higher than the plans after it is checked against.
+            caps = self._host_caps.caps()
             logger.info("hf_offload: the profiled steps run plan %r, made for their %d tokens and predicted to peak at "
-                        "%.2f GiB (budget %.2f GiB; %s): the safe plan %r is predicted to peak at %.2f GiB\n%s",
+                        "%.2f GiB (budget %.2f GiB; %s): the safe plan %r is predicted to peak at %.2f GiB; the "
+                        "pinned pool's cap is %s, and it may grow to %s\n%s",
                         planned.code, tokens, planned.predicted.peak_bytes / 2**30, budget_bytes / 2**30,
                         "over it, the lowest plan the model knows of" if planned.predicted.peak_bytes > budget_bytes
-                        else "within it", code, peak / 2**30, planned.format_table())  # fmt: skip
+                        else "within it", code, peak / 2**30, format_bytes(caps.default_bytes),
+                        format_bytes(caps.most_bytes), planned.format_table())  # fmt: skip
             # Not the plan in force (`memory_plan`): the profiled steps run it, and the first plan comes after.
             settings = engine_settings(planned.code, self._windows(planned), host_cap_bytes=planned.host_cap_bytes)
             self.apply(planned.code, forwards, settings, tile_tokens=planned.tile_tokens,

@@ -35,6 +35,7 @@ from hf_offload.memory_budget import measurements, probes
 from hf_offload.memory_budget import profiled_steps as profiled_steps_module
 from hf_offload.memory_budget.search import plan_of, safe_code
 from hf_offload.memory_budget.simulate import simulate
+from hf_offload.units import format_bytes
 
 
 @pytest.fixture(scope="module")
@@ -600,7 +601,9 @@ def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_
     assert said and said[0].startswith(f"hf_offload: the profiled steps run plan {first_step_code!r}, made for their "
                                        f"{HOST_BATCH * HOST_TOKENS} tokens and predicted to peak at ")  # fmt: skip
     assert f"(budget {budget / 2**30:.2f} GiB; within it): the safe plan {safe!r} is predicted to peak at" in said[0]
-    # With the plan's table: what each layer was predicted to cost, one line each.
+    # With the pinned pool's caps then, and the plan's table: what each layer was predicted to cost, one line each.
+    assert said[0].split("\n")[0].endswith(f"the pinned pool's cap is {format_bytes(default_cap)}, and it may grow "
+                                            f"to {format_bytes(context._pool.cap_bytes)}")  # fmt: skip
     table = said[0].split("\n")
     assert table[1].startswith(f"Memory plan for {HOST_BATCH * HOST_TOKENS} tokens per step") and table[-1].startswith(
         f"{HOST_LAYERS - 1:>5}  ")  # fmt: skip
