@@ -19,10 +19,11 @@ batch 1. The data: random token documents of 1,024-65,536 tokens, already tokeni
 
 Every step is recorded as it ends, in <out>/long_context_sft[-<tag>].json (a run cut short keeps what it measured): its
 time and tokens, the device's peak (`max_memory_allocated`, reset as the step begins: the budget's controller reads its
-own counter, `measurements.OwnPeakCounter`), the least host memory available while it ran (read every 0.5 s), the pinned
-pool's bytes, the disk tier's (`--disk-offload-dir`) and the plan the layers ran (and the latest plan's table). A step
-that runs out of memory is recorded with the allocator's figures. `--max-pinned-gib` caps the pinned pool: a host with
-less memory, stood in for.
+own counter, `measurements.OwnPeakCounter`), the least host memory available while it ran (read every 0.5 s) and what
+psutil and hf-offload's pinned pool read as available at its end (as at the start: under a cgroup they can differ),
+the pinned pool's bytes, the disk tier's (`--disk-offload-dir`) and the plan the layers ran (and the latest plan's
+table). A step that runs out of memory is recorded with the allocator's figures. `--max-pinned-gib` caps the pinned
+pool: a host with less memory, stood in for.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from harness.model import apply_liger, build_model  # noqa: E402
 from harness.scenarios import Scenario  # noqa: E402
 
 from hf_offload.callbacks.trl import SFTConfig  # noqa: E402
+from hf_offload.host_memory import read_host_memory  # noqa: E402
 
 GIB = 2**30
 # The families' shapes: Llama-3-8B's layers with a vocabulary the other long-context benchmarks do not use, and
@@ -112,7 +114,8 @@ class _StepRecorder(transformers.TrainerCallback):
             torch.cuda.synchronize()
         record: dict[str, Any] = {"step": state.global_step, "seconds": time.perf_counter() - self._start,
                                   "tokens": state.num_input_tokens_seen - self._tokens_seen,
-                                  "least_host_available_gib": self.host.take() / GIB}  # fmt: skip
+                                  "least_host_available_gib": self.host.take() / GIB,
+                                  "host_available_gib_now": _host_available_gib()}  # fmt: skip
         self._tokens_seen = state.num_input_tokens_seen
         if self.cuda:
             record["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
@@ -133,6 +136,13 @@ class _StepRecorder(transformers.TrainerCallback):
         self.result["steps"].append(record)
         self.save()
         log(f"step {record}")
+
+
+def _host_available_gib() -> dict[str, float]:
+    """The host memory available now as psutil reads it (the kernel's `MemAvailable`) and as hf-offload's pinned pool
+    does (lowered to the room under a cgroup's limit, whose page cache it counts as used unless inactive): where the
+    two differ, the pool's cap and the plans' host were smaller than the host this benchmark's own figures show."""
+    return {"psutil": psutil.virtual_memory().available / GIB, "hf_offload": read_host_memory().available_bytes / GIB}
 
 
 def _offloading_context(trainer: transformers.Trainer | None) -> Any:
@@ -209,7 +219,8 @@ def main() -> int:
         "argv": sys.argv, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "scenario": scenario.describe(),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
         "transformers": transformers.__version__, "trl": trl.__version__, "precision": args.precision,
-        "host_total_gib": psutil.virtual_memory().total / GIB, "steps": [],
+        "host_total_gib": psutil.virtual_memory().total / GIB, "host_available_gib_at_start": _host_available_gib(),
+        "steps": [],
     }  # fmt: skip
 
     def save() -> None:

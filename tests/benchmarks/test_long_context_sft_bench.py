@@ -27,6 +27,8 @@ def test_the_tiny_run_records_every_step_at_full_length(tmp_path):
     # Packed to max_length: the first step is as long as the others; the profiled steps offloaded the layers' inputs.
     assert all(len(step["layers_ran"]) == 2 for step in steps) and all(step["offloaded_gib"] > 0 for step in steps[:2])
     assert all(step["kept_over_host_cap"] == 0 and step["least_host_available_gib"] > 0 for step in steps)
+    readings = [result["host_available_gib_at_start"]] + [step["host_available_gib_now"] for step in steps]
+    assert all(reading.keys() == {"psutil", "hf_offload"} and min(reading.values()) > 0 for reading in readings)
     assert "Memory plan for" in result["plan_table"]  # the third step ran the first plan
     assert "SFTTrainer built" in run.stdout and "first step of 512 tokens" in run.stdout
 
