@@ -62,14 +62,9 @@ def test_trainer_torch_compile_under_offloading_exact_and_never_above_whole_comp
     regional = _train_with_trainer(tmp_path / "a", "regional")
     again = _train_with_trainer(tmp_path / "b", "regional")
     offloaded = _train_with_trainer(tmp_path / "c", "offloaded")
-    # The peaks against the whole-model compile come from runs as users start them, without deterministic algorithms.
-    # The whole model compiled on torch < 2.14 gets its causal mask made whole (transformers' masking_utils never skips
-    # it while Dynamo traces), so its attention cannot run flash attention, which the layers compiled alone run
-    # (is_causal, no mask). Deterministic flash backward holds its query gradient in float32 once per split of the SMs
-    # over batch x heads: 9 x 16 MiB = 144 MiB at this shape on an H100. It was the largest tensor at the regional
-    # runs' peak (the first layer's backward, 85 MiB above the whole-compiled run's: 1.209 against 1.126 GiB; the
-    # largest of the whole-compiled attention's backward was 42 MiB; GPU memory snapshots of the fifth step). Without
-    # deterministic algorithms it is one split.
+    # The peaks against the whole-model compile come from runs as users start them, without deterministic algorithms:
+    # the whole-compiled model runs no flash attention on torch < 2.14, and deterministic flash backward holds 9 x 16
+    # MiB at this shape, the largest tensor at the deterministic regional runs' peak (docs/DESIGN.md, torch.compile).
     offloaded_as_users = _train_with_trainer(tmp_path / "d", "offloaded", deterministic=False)
     whole = _train_with_trainer(tmp_path / "e", "whole", deterministic=False)
     record("", {"peak_gib_regional": round(regional["peak_gib"], 3), "peak_gib_whole": round(whole["peak_gib"], 3),
