@@ -15,8 +15,8 @@ tensors instead of recomputing them, the step model's least reliable prediction 
 up to 1.5x plain checkpointing on the H100 zoo, where the model expected them faster). A sure cost for an unsure gain:
 the default cap holds unless the budget cannot be met without more, or only with layers tiled whole. Those are slow by
 measurement, not by the step model: on an H100, an 8B-class model's step of 327,680 tokens took 398 s with every layer
-tiled whole and 306 s with every MLP tiled; with 8 of its 32 layers tiled whole (a plan within the cap), 321 s, against
-286 s for the plan with the pool grown that tiled MLPs only. Pure: the standard library, `units.py` and the
+tiled whole and 306 s with every MLP tiled; with 8 of its 32 layers tiled whole and 42.5 GiB pinned, 321 s, against
+286 s for a plan with 60 GiB pinned that tiled MLPs only. Pure: the standard library, `units.py` and the
 budget's pure modules.
 """
 
