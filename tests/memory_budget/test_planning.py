@@ -602,10 +602,10 @@ def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_
                                        f"{HOST_BATCH * HOST_TOKENS} tokens and predicted to peak at ")  # fmt: skip
     assert f"(budget {budget / 2**30:.2f} GiB; within it): the safe plan {safe!r} is predicted to peak at" in said[0]
     # With the pinned pool's caps then, and the plan's table: what each layer was predicted to cost, one line each.
-    assert said[0].split("\n")[0].endswith(f"the pinned pool's cap is {format_bytes(default_cap)}, and it may grow "
-                                            f"to {format_bytes(context._pool.cap_bytes)}")  # fmt: skip
-    table = said[0].split("\n")
-    assert table[1].startswith(f"Memory plan for {HOST_BATCH * HOST_TOKENS} tokens per step") and table[-1].startswith(
+    lines = said[0].split("\n")
+    assert lines[0].endswith(f"the pinned pool's cap is {format_bytes(default_cap)}, and it may grow to "
+                             f"{format_bytes(context._pool.cap_bytes)}")  # fmt: skip
+    assert lines[1].startswith(f"Memory plan for {HOST_BATCH * HOST_TOKENS} tokens per step") and lines[-1].startswith(
         f"{HOST_LAYERS - 1:>5}  ")  # fmt: skip
 
 
