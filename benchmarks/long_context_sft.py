@@ -21,9 +21,10 @@ Every step is recorded as it ends, in <out>/long_context_sft[-<tag>].json (a run
 time and tokens, the device's peak (`max_memory_allocated`, reset as the step begins: the budget's controller reads its
 own counter, `measurements.OwnPeakCounter`), the least host memory available while it ran (read every 0.5 s) and what
 psutil and hf-offload's pinned pool read as available at its end (as at the start: under a cgroup they can differ),
-the pinned pool's bytes, the disk tier's (`--disk-offload-dir`) and the plan the layers ran (and the latest plan's
-table). A step that runs out of memory is recorded with the allocator's figures. `--max-pinned-gib` caps the pinned
-pool: a host with less memory, stood in for.
+the pinned pool's bytes and what growing it took in the step (`pool_growth_s`, the training thread's time), the disk
+tier's bytes (`--disk-offload-dir`) and the plan the layers ran (and the latest plan's table). A step that runs out
+of memory is recorded with the allocator's figures. `--max-pinned-gib` caps the pinned pool: a host with less memory,
+stood in for.
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ class _StepRecorder(transformers.TrainerCallback):
                           kept_over_host_cap=stats.get("tensors_kept_over_host_cap", 0),
                           spilled_to_disk_gib=stats.get("bytes_spilled_to_disk", 0) / GIB,
                           read_from_disk_gib=stats.get("bytes_read_from_disk", 0) / GIB,
-                          disk_wait_s=stats.get("disk_wait_s", 0.0))  # fmt: skip
+                          disk_wait_s=stats.get("disk_wait_s", 0.0),
+                          pool_grown_gib=stats.get("pool_grown_bytes", 0) / GIB,
+                          pool_growth_s=stats.get("pool_growth_s", 0.0))  # fmt: skip
             controller = context.budget_controller
             if controller is not None:
                 record["layers_ran"] = controller.plan.code if controller.plan is not None else controller.planner.code

@@ -17,8 +17,10 @@ _LEVELS = frozenset({"pinned_bytes"})
 # One counter per reason a tensor stayed on the accelerator, or offloading stood aside for a step; most are zero in a
 # given run, and zeros only clutter.
 _KEPT_PREFIXES = ("tensors_kept_", "bytes_kept_", "steps_stood_aside_")
-# The disk tier's counters, zero in every run without `disk_offload_dir`: logged only when they are not.
-_DISK_KEYS = ("bytes_spilled_to_disk", "bytes_read_from_disk", "disk_wait_s")
+# Counters that are zero in most intervals, logged only when they are not: the disk tier's, zero in every run without
+# `disk_offload_dir`, and the pinned pool's growth, zero once the first step (or a longer one) has grown it.
+_MOSTLY_ZERO_KEYS = ("bytes_spilled_to_disk", "bytes_read_from_disk", "disk_wait_s", "pool_grown_bytes",
+                     "pool_growth_s")  # fmt: skip
 
 # The entries the console shows, each a figure a person can act on.
 HEADLINE_KEYS = (
@@ -43,7 +45,7 @@ def log_entries(stats: Mapping[str, float], peak_memory_bytes: int | None = None
         headline entries of `HEADLINE_KEYS`.
     """
     entries = {LOG_PREFIX + key: value for key, value in stats.items()
-               if value or not key.startswith(_KEPT_PREFIXES + _DISK_KEYS)}  # fmt: skip
+               if value or not key.startswith(_KEPT_PREFIXES + _MOSTLY_ZERO_KEYS)}  # fmt: skip
     steps = stats["steps"]
     if steps:
         entries[LOG_PREFIX + "bytes_offloaded_per_step"] = stats["bytes_offloaded"] / steps

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -304,6 +305,8 @@ class PinnedHostPool:
         chunk_bytes: the largest chunk the doubling grows to (a larger request still gets a chunk of its own, of its
             exact size on CUDA).
         reserve: a floor of available host memory that every growth checks as it happens; None for none.
+        on_growth: called with the bytes and the seconds of each new chunk: the calling thread's time spent pinning
+            (the training thread's, in a forward).
 
     Attributes:
         refusal: why the last request was refused: `"cap"`, `"reserve"` (growing would have left less than the
@@ -312,12 +315,14 @@ class PinnedHostPool:
     """
 
     def __init__(self, cap_bytes: int, pin_memory: bool, chunk_bytes: int = _LARGEST_CHUNK_BYTES,
-                 reserve: HostReserve | None = None) -> None:  # fmt: skip
+                 reserve: HostReserve | None = None,
+                 on_growth: Callable[[int, float], None] | None = None) -> None:  # fmt: skip
         self.cap_bytes = cap_bytes
         self.default_cap_bytes = cap_bytes
         self.pin_memory = pin_memory
         self.chunk_bytes = chunk_bytes
         self.reserve = reserve
+        self.on_growth = on_growth
         self.refusal: str | None = None
         self.failure: str | None = None
         self._chunks: list[torch.Tensor] = []
@@ -382,11 +387,14 @@ class PinnedHostPool:
                 self.refusal = "reserve"
                 return None
             chunk_size = smallest
+        started = time.perf_counter()
         try:
             chunk = self._new_chunk(chunk_size, exact)
         except (RuntimeError, MemoryError) as error:  # cudaHostAlloc or cudaHostRegister refused: degrade, not crash
             self.failure, self.refusal = f"{type(error).__name__}: {error}", "failed"
             return None
+        if self.on_growth is not None:
+            self.on_growth(chunk_size, time.perf_counter() - started)
         return self._add_chunk(chunk, size)
 
     def _new_chunk(self, nbytes: int, exact: bool) -> torch.Tensor:

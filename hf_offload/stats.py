@@ -57,6 +57,8 @@ class OffloadStats:
         self.bytes_spilled_to_disk = 0  # written to the disk tier (`disk_offload_dir`), of the bytes offloaded
         self.bytes_read_from_disk = 0
         self.disk_wait_seconds = 0.0  # the host blocked on the disk tier: a write to free a staging buffer, a read
+        self.pool_grown_bytes = 0  # the pinned pool's growth: the first step's, or a longer step's
+        self.pool_growth_seconds = 0.0  # the calling thread's time in that growth (pinning host memory)
         self.discarded = False  # a step that did not complete, taken out of the running total (`discard_step`)
         self._wait_seconds = 0.0
         # (start, end) timing events around each stall of the compute stream, not yet read back.
@@ -104,6 +106,8 @@ class OffloadStats:
         out["bytes_spilled_to_disk"] = self.bytes_spilled_to_disk
         out["bytes_read_from_disk"] = self.bytes_read_from_disk
         out["disk_wait_s"] = self.disk_wait_seconds
+        out["pool_grown_bytes"] = self.pool_grown_bytes
+        out["pool_growth_s"] = self.pool_growth_seconds
         return out
 
 
@@ -139,6 +143,7 @@ class StatsRecorder:
         if step.discarded:  # an enclosing region of the same step ended by the same exception
             return
         step.discarded = True
+        # The pool's growth is left in the total: the pool keeps what the aborted step grew it by.
         total.steps -= step.steps
         total.steps_stood_aside -= step.steps_stood_aside
         total.tensors_offloaded -= step.tensors_offloaded
@@ -184,6 +189,11 @@ class StatsRecorder:
     def disk_wait(self, seconds: float) -> None:
         for stats in self._both():
             stats.disk_wait_seconds += seconds
+
+    def pool_grown(self, nbytes: int, seconds: float) -> None:
+        for stats in self._both():
+            stats.pool_grown_bytes += nbytes
+            stats.pool_growth_seconds += seconds
 
     def reload(self, kind: str) -> None:
         """kind: 'prefetch_hits', 'prefetch_misses' or 'inflight_hits'."""
@@ -233,6 +243,10 @@ def format_summary(stats: dict[str, int | float], device_type: str = "cuda", pea
     if accumulation_steps > 1:
         step = "micro-step"
         over = f"{steps} micro-step(s) ({steps / accumulation_steps:g} optimizer steps of {accumulation_steps})"
+    grown = ""
+    if stats.get("pool_grown_bytes"):  # in the steps that grew it: the first, or a longer one
+        grown = (f", grown by {format_bytes(stats['pool_grown_bytes'])} in these {step}s, which took "
+                 f"{stats.get('pool_growth_s', 0.0):.2f} s of the training thread")  # fmt: skip
     lines = [
         f"activation offloading over {over}"
         + (" in CPU test mode (CPU tensors copied to a separate host buffer; no GPU involved):" if test_mode else ":"),
@@ -243,7 +257,7 @@ def format_summary(stats: dict[str, int | float], device_type: str = "cuda", pea
         f"  reloads in backward: {ready}",
         f"  compute waited for copies: {1000.0 * stats.get('compute_wait_s', 0.0) / steps:.2f} ms per {step}",
         f"  {'host buffer' if test_mode else 'pinned host memory'} held (a pool reused every {step}): "
-        f"{format_bytes(stats.get('pinned_bytes', 0))}",
+        f"{format_bytes(stats.get('pinned_bytes', 0))}{grown}",
     ]
     if stats.get("bytes_spilled_to_disk", 0) or stats.get("bytes_read_from_disk", 0):
         lines.append(

@@ -451,6 +451,18 @@ def test_noop_manager_and_exempt_regions() -> None:
     assert stats["tensors_offloaded"] == 1  # exp saves its output; sin's input was hidden by NoOpManager
 
 
+def test_the_pools_growth_is_counted_in_the_step_that_grew_it() -> None:
+    model = tiny_mlp()
+    engine = cpu_engine()
+    grads_of(model, engine)
+    first = engine.get_stats()
+    assert first["pool_grown_bytes"] == engine._pool.capacity > 0 and first["pool_growth_s"] > 0
+    grads_of(model, engine)
+    second = engine.get_stats()
+    assert second["pool_grown_bytes"] == 0 and second["pool_growth_s"] == 0  # the same chunks, reused
+    assert engine.consume_stats()["pool_grown_bytes"] == engine._pool.capacity
+
+
 def test_stats_accumulate_until_consumed() -> None:
     model = tiny_mlp()
     engine = cpu_engine()

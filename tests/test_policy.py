@@ -143,6 +143,20 @@ def test_pool_first_fit_coalesces_and_caps() -> None:
     assert pool.bytes_in_use() == 0
 
 
+def test_the_pool_reports_each_chunk_it_grows_by_and_the_time_it_took() -> None:
+    grown: list[tuple[int, float]] = []
+    pool = PinnedHostPool(cap_bytes=1 << 20, pin_memory=False, chunk_bytes=4096,
+                          on_growth=lambda nbytes, seconds: grown.append((nbytes, seconds)))  # fmt: skip
+    blocks = [pool.allocate(3000) for _ in range(3)]
+    assert [nbytes for nbytes, _ in grown] == [chunk.numel() for chunk in pool._chunks]
+    assert len(grown) == pool.allocations
+    assert sum(nbytes for nbytes, _ in grown) == pool.capacity and all(seconds >= 0 for _, seconds in grown)
+    for block in blocks:
+        pool.free(block)
+    pool.allocate(3000)
+    assert len(grown) == pool.allocations  # a reused range grows nothing
+
+
 def test_a_request_past_the_room_left_releases_the_chunks_no_block_uses() -> None:
     pool = PinnedHostPool(cap_bytes=8192, pin_memory=False, chunk_bytes=2048)
     small = [pool.allocate(2048) for _ in range(3)]  # three chunks of 2 KiB

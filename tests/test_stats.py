@@ -43,3 +43,10 @@ def test_with_gradient_accumulation_the_summary_counts_micro_steps():
     assert summary.startswith("activation offloading over 16 micro-step(s) (4 optimizer steps of 4):")
     assert "moved to host memory per micro-step: 1.00 MiB (2 tensors)" in summary and "per step" not in summary
     assert format_summary(stats, "cuda").startswith("activation offloading over 16 step(s):")
+
+
+def test_the_summary_says_what_growing_the_pool_took_where_it_grew():
+    assert "grown by" not in format_summary(STATS, "cuda")  # the pool made in earlier steps, reused
+    grew = {**STATS, "pool_grown_bytes": 4 * 2**20, "pool_growth_s": 1.5}
+    assert ("  pinned host memory held (a pool reused every step): 4.00 MiB, grown by 4.00 MiB in these steps, which "
+            "took 1.50 s of the training thread") in format_summary(grew, "cuda").splitlines()  # fmt: skip

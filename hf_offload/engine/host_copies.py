@@ -261,7 +261,8 @@ class _HostCopies:
         if self._pool is None:
             cap = host_memory_cap(self.options.max_pinned_memory_fraction, self.options.max_pinned_bytes)
             reserve = host_reserve(self.options.host_memory_reserve_bytes, self.options.memory_budget is not None)
-            self._pool = PinnedHostPool(cap, pin_memory=self.use_pin_memory, reserve=reserve)
+            self._pool = PinnedHostPool(cap, pin_memory=self.use_pin_memory, reserve=reserve,
+                                        on_growth=self._stats.pool_grown)  # fmt: skip
         return self._pool
 
     def host_caps(self) -> HostCaps:

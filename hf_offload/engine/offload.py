@@ -293,8 +293,9 @@ class OffloadActivations(_Regions, _DiskCopies, _Prefetch, _HostCopies, _Streams
         Returns:
             `steps`, `tensors_offloaded`, `bytes_offloaded`, `tensors_kept_<reason>` / `bytes_kept_<reason>` for
             each reason of `stats.KEPT_REASONS`, `prefetch_hits`, `prefetch_misses`, `inflight_hits`,
-            `compute_wait_s`, `pinned_bytes`, and the disk tier's `bytes_spilled_to_disk`, `bytes_read_from_disk`
-            and `disk_wait_s` (the host's time blocked on it).
+            `compute_wait_s`, `pinned_bytes`, the disk tier's `bytes_spilled_to_disk`, `bytes_read_from_disk`
+            and `disk_wait_s` (the host's time blocked on it), and the pinned pool's growth in the step,
+            `pool_grown_bytes` and `pool_growth_s` (the time it took, on the thread that ran the forward).
 
         Example:
 

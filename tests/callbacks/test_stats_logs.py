@@ -30,3 +30,10 @@ def test_the_console_shows_a_few_kib_offloaded_per_step_as_more_than_zero():
     stats = {"steps": 2, "bytes_offloaded": 2 * 28 * 2**10, "compute_wait_s": 0.0}
     shown = f"{log_entries(stats)[HEADLINE_KEYS[0]]:.4g}"
     assert shown == "0.02734" and HEADLINE_KEYS[0].endswith("_mib_per_step")
+
+
+def test_the_pools_growth_is_logged_only_in_the_intervals_that_grew_it():
+    stats = {"steps": 1, "bytes_offloaded": 2**20, "compute_wait_s": 0.0, "pool_grown_bytes": 0, "pool_growth_s": 0.0}
+    assert not {"offload/pool_grown_bytes", "offload/pool_growth_s"} & log_entries(stats).keys()
+    grew = log_entries({**stats, "pool_grown_bytes": 2**20, "pool_growth_s": 0.25})
+    assert grew["offload/pool_grown_bytes"] == 2**20 and grew["offload/pool_growth_s"] == 0.25
