@@ -21,6 +21,7 @@ fails is a refusal too: the pool stops growing and the engine keeps what does no
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -246,6 +247,10 @@ def _pinned_exactly(nbytes: int) -> torch.Tensor:
     before its memory is freed, as `torch.distributed`'s state-dict staging does with the same calls.
     """
     chunk = torch.empty(nbytes, dtype=torch.uint8)
+    # Fault its pages in first, a byte a page, on torch's intra-op threads. Registering would fault them itself, on
+    # one thread, while it holds the CUDA driver's lock; PyTorch's pinned allocator also maps the pages before it
+    # registers them (`pinned_use_cuda_host_register`), for that reason.
+    chunk[:: mmap.PAGESIZE].zero_()
     cudart = torch.cuda.cudart()
     error = int(cudart.cudaHostRegister(chunk.data_ptr(), nbytes, 0))
     if error != 0:
