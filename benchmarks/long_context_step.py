@@ -4,13 +4,16 @@ a few short profiling steps: does a sequence of `--tokens` fit, how fast, at wha
     python benchmarks/long_context_step.py --mode plan@auto --tokens 262144 --out $OUT
 
 Modes: `plan@auto` (hf-offload with `memory_budget="auto"`, the model's own checkpointing off: the library plans per
-layer, tiling MLPs where nothing else fits) and `ckpt+hfo` (non-reentrant checkpointing + hf-offload, no plan).
-The first `--profile-steps` steps run at `--profile-tokens` (the planner profiles its first two and plans at the third);
+layer, tiling MLPs where nothing else fits) and `ckpt+hfo` (non-reentrant checkpointing + hf-offload, no plan). The
+first `--profile-steps` steps run at `--profile-tokens` (the planner profiles its first two and plans at the third);
 then, for `plan@auto`, the library's own model predicts the longest sequence that fits (`--predict`, by bisection over
 `search.choose_plan(profile.scaled(n), budget)`), and `--long-steps` steps run at `--tokens` (0: that prediction,
-rounded down to a multiple of 8192). Every measurement is written to `<out>/long_context_<mode>.json` as it comes, so a
-run cut short by its time limit keeps what it measured. A step that runs out of memory is recorded with the allocator's
-figures at the failure.
+rounded down to a multiple of 8192). With `--profile-steps 0` the first step is already long (a cold start, as a user's
+packed run starts): the library plans it before it from its probes, and nothing is predicted. Comparing its first long
+step with a run's after `--profile-steps 3` is what a cold start costs (each long step records the pinned pool's growth
+and the time it took, which both pay). Every measurement is written to `<out>/long_context_<mode>[-<tag>].json` as it
+comes, so a run cut short by its time limit keeps what it measured. A step that runs out of memory is recorded with the
+allocator's figures at the failure.
 """
 
 from __future__ import annotations
@@ -85,13 +88,17 @@ def main() -> int:
     )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default=None, help="appended to the output file's name")
     parser.add_argument("--out", default="long_context_out")
     args = parser.parse_args()
+    if not args.profile_steps and not args.tokens:
+        parser.error("--profile-steps 0 (a cold start) needs --tokens: with no profiled steps nothing is predicted")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"mode": args.mode, "argv": sys.argv, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                     "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "steps": []}  # fmt: skip
-    path = out / f"long_context_{args.mode.replace('@', '_').replace('+', '_')}.json"
+    tag = f"-{args.tag}" if args.tag else ""
+    path = out / f"long_context_{args.mode.replace('@', '_').replace('+', '_')}{tag}.json"
 
     def save() -> None:
         path.write_text(json.dumps(result, indent=1))
@@ -134,11 +141,13 @@ def main() -> int:
             optimizer.zero_grad(set_to_none=True)
             return record
         seconds = time.perf_counter() - start
+        stats = ctx.get_stats()
         record.update(ok=True, seconds=seconds, tokens_per_s=tokens / seconds, loss=loss.item(),
                       peak_gib=torch.cuda.max_memory_allocated() / GIB,
                       reserved_gib=torch.cuda.max_memory_reserved() / GIB,
                       host_rss_gib=psutil.Process().memory_info().rss / GIB,
-                      offloaded_gib=ctx.get_stats()["bytes_offloaded"] / GIB)  # fmt: skip
+                      offloaded_gib=stats["bytes_offloaded"] / GIB, pool_grown_gib=stats["pool_grown_bytes"] / GIB,
+                      pool_growth_s=stats["pool_growth_s"])  # fmt: skip
         if ctx.memory_plan is not None:
             record["plan"] = ctx.memory_plan.code
             record["predicted_peak_gib"] = ctx.memory_plan.predicted.peak_bytes / GIB
@@ -151,7 +160,7 @@ def main() -> int:
         save()
     tokens = args.tokens
     controller = ctx.budget_controller
-    if controller is not None:
+    if controller is not None and args.profile_steps:
         result["profile"] = {"tokens": controller.profile.tokens, "tile_tokens": controller.profile.tile_tokens,
                              "tile_chunk_gib": controller.profile.tile_chunk_bytes / GIB}  # fmt: skip
         result["predicted_longest"] = predict_longest(ctx)
