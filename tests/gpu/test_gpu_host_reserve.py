@@ -41,8 +41,10 @@ def test_real_pinned_growth_stops_at_the_reserve(record, chunk_mib: int) -> None
     _settle()
     before = read_host_memory().available_bytes
     reserve = before - 3 * GIB
+    grown: list[tuple[int, float]] = []
     pool = PinnedHostPool(cap_bytes=16 * GIB, pin_memory=True, chunk_bytes=chunk_mib * MIB,
-                          reserve=HostReserve(reserve, local_ranks=1))  # fmt: skip
+                          reserve=HostReserve(reserve, local_ranks=1),
+                          on_growth=lambda nbytes, seconds: grown.append((nbytes, seconds)))  # fmt: skip
     request = 200 * MIB  # past the 64 MiB chunk: pinned exactly; within 256 MiB chunks: carved from them
     blocks, lowest = [], before
     while len(blocks) < 64:
@@ -53,6 +55,8 @@ def test_real_pinned_growth_stops_at_the_reserve(record, chunk_mib: int) -> None
         blocks.append(block)
     record("pinned_gib", pool.capacity / GIB, show=True)
     record("available_above_reserve_gib", (lowest - reserve) / GIB, show=True)
+    record("pinning_s_per_gib", sum(seconds for _, seconds in grown) / (pool.capacity / GIB), show=True)
+    assert sum(nbytes for nbytes, _ in grown) == pool.capacity  # every growth reported, with the time it took
     assert pool.refusal == "reserve" and pool.failure is None
     assert 1.5 * GIB <= pool.capacity <= 3 * GIB + chunk_mib * MIB  # what the reserve left, give or take the host
     assert lowest >= reserve
