@@ -52,13 +52,19 @@ WAYS = {
 
 
 def _busy(seconds: float) -> torch.cuda.Event:
-    """Queues about `seconds` of matrix products on the current stream; returns an event recorded after them."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    """Queues about `seconds` of matrix products on the current stream; returns an event recorded after them.
+
+    Products of 16,384 x 16,384 take about 11 ms each on an H100, so a few seconds of them are a few hundred
+    launches: under CUDA's queue of pending launches, which would otherwise block the host before the call."""
+    a = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
+    a @ a  # cuBLAS's first call, out of the timing
     torch.cuda.synchronize()
     started = time.perf_counter()
-    a @ a
+    for _ in range(4):
+        a @ a
     torch.cuda.synchronize()
-    for _ in range(max(1, int(seconds / (time.perf_counter() - started)))):
+    each = (time.perf_counter() - started) / 4
+    for _ in range(max(1, int(seconds / each))):
         a @ a
     done = torch.cuda.Event()
     done.record()
