@@ -24,6 +24,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -103,6 +104,11 @@ def main() -> int:
     def save() -> None:
         path.write_text(json.dumps(result, indent=1))
 
+    # hf-offload's INFO lines say what the probes measured (and how long they took) and which plan a step runs.
+    library_log = logging.StreamHandler(sys.stdout)
+    library_log.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+    logging.getLogger("hf_offload").addHandler(library_log)
+    logging.getLogger("hf_offload").setLevel(logging.INFO)
     device = torch.device("cuda")
     notes: list[str] = []
     result["liger"] = apply_liger(device, notes, "llama")
