@@ -141,7 +141,7 @@ class MemoryBudgetController:
                                             self._meter, self.held_memory, self._peak_counter, self.plan_checks,
                                             host_caps, budget)  # fmt: skip
         engine.track_hook(model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
-        layers_under_plan = LayersUnderPlan(model, engine, self._layers)
+        self._layers_under_plan = layers_under_plan = LayersUnderPlan(model, engine, self._layers)
         engine.track_hook(layers_under_plan)
         self.planner = Planner(engine, model, layers_under_plan, self._layer_starts, memory_budget, options,
                                self._meter, self.held_memory, self.profiled_steps, self.plan_checks, host_caps, budget,
@@ -206,6 +206,7 @@ class MemoryBudgetController:
         self._previous_step_tokens, self._step_tokens = self._step_tokens, 0
         self._input_elements = _input_elements(args, kwargs)
         self.held_memory.step_begins()
+        self._layers_under_plan.forward_begins()
         planner, profiled = self.planner, self.profiled_steps
         if self._measured_step_faulted:  # the measured profiled step did not complete: this one is measured instead
             self._measured_step_faulted = False
@@ -314,6 +315,13 @@ class MemoryBudgetController:
         profiled = self.profiled_steps
         if profiled.probing or not self._training_forward(layer) or not args or not isinstance(args[0], torch.Tensor):
             return  # the probes call the layers too
+        self._plan_at_layer_start(index, layer, args, kwargs)
+        self._layers_under_plan.layer_ran(index)
+
+    def _plan_at_layer_start(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The first step's probes and plans, and a plan for a stack longer than the plan's, as layer `index` of a
+        training forward starts."""
+        profiled = self.profiled_steps
         tokens = args[0].shape[:-1].numel()
         measured, stack = profiled.measured, profiled.stacks[index]
         if self._phase is _Phase.FIRST_STEP:

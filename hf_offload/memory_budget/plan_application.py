@@ -5,6 +5,13 @@
 layer back its own checkpointing and forward (a refused budget's too: its profiled steps' plan may have tiled the
 layers). The engine takes the plan's settings in one call (`engine_settings`, `OffloadActivations.apply_settings`);
 a plan that moves nothing has it stand aside.
+
+A plan may be applied in the middle of a training forward (the first step's, once the last kind of layer is probed at
+its first call; a longer stack's, as that stack starts). The layers that ran before it keep their actions until the
+next forward: a checkpoint's recomputation in backward calls the layer's MLP as it finds it then, and one that the new
+plan tiled or untiled would run other code than the forward did ("a different number of tensors was saved during the
+original forward and recomputation: 93 and 88", a Qwen3.5 linear-attention layer whose MLP the plan made at the next,
+full-attention layer tiled).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from torch import nn
 
 from ..engine import CopyWindows, EngineSettings, OffloadActivations
 from ..model import checkpoints_its_whole_call
-from .actions import ACTIONS
+from .actions import ACTIONS, LayerAction
 from .layer_actions import AppliedActions, apply_layer_actions, whole_call_layer
 from .simulate import Plan
 
@@ -58,6 +65,10 @@ class LayersUnderPlan:
         self._engine = weakref.ref(engine)
         self._layers = layers
         self._applied: AppliedActions | None = None
+        self._actions: list[LayerAction] | None = None  # the actions in force, in registration order
+        self._tile_tokens = self._layer_tile_tokens = 0  # the chunks of the actions in force
+        self._ran: set[int] = set()  # the layers (registration indices) that started in this training forward
+        self._deferred: Callable[[], None] | None = None  # the plan to apply whole as the next forward begins
         # transformers before 5.24 checkpoints a layer's whole call: the layer then starts from its checkpoint
         # function, before the call (`_StartsBeforeTheCall`).
         self._whole_call = any(checkpoints_its_whole_call(layer) for layer in layers)
@@ -71,15 +82,28 @@ class LayersUnderPlan:
         `layer_starts` is the controller's pre-hook of layer `index`, `(index, layer, args, kwargs)`: where
         transformers checkpoints a layer's whole call, it runs before the call (`_StartsBeforeTheCall`). Only the
         layers' checkpoint functions hold it, and the plan's removal gives those back: this object does not refer to
-        the controller, so that a dropped context is freed as soon as it is dropped."""
+        the controller, so that a dropped context is freed as soon as it is dropped.
+
+        Applied in the middle of a training forward, it leaves the layers that ran in it (`layer_ran`) their actions,
+        and reaches them too as the next forward begins (`forward_begins`)."""
         model, engine = self._model(), self._engine()
         if model is None or engine is None:
             return
-        actions = [ACTIONS[letter] for letter in code]
-        by_index = dict(zip(order, actions))
-        in_registration_order = [by_index[index] for index in range(len(actions))]
+        by_index = dict(zip(order, (ACTIONS[letter] for letter in code)))
+        actions = [by_index[index] for index in range(len(code))]
+        deferred = None
+        if self._ran and self._actions is not None:
+            now = [self._actions[i] if i in self._ran else action for i, action in enumerate(actions)]
+            if now != actions:
+                deferred = functools.partial(self.apply, code, order, settings, layer_starts, tile_tokens,
+                                             layer_tile_tokens)  # fmt: skip
+                # The chunk sizes do not change what a tiled op saves (its input and parameters), only its rounding.
+                actions, tile_tokens = now, tile_tokens or self._tile_tokens
+                layer_tile_tokens = layer_tile_tokens or self._layer_tile_tokens
         self.remove()
-        self._applied = apply_layer_actions(model, engine, in_registration_order, tile_tokens, layer_tile_tokens)
+        self._applied = apply_layer_actions(model, engine, actions, tile_tokens, layer_tile_tokens)
+        self._actions, self._tile_tokens, self._layer_tile_tokens = actions, tile_tokens, layer_tile_tokens
+        self._deferred = deferred
         if self._whole_call:
             for index, layer in enumerate(self._layers):
                 if layer.gradient_checkpointing:
@@ -88,6 +112,17 @@ class LayersUnderPlan:
                         starts, layer._gradient_checkpointing_func
                     )
         engine.apply_settings(settings)
+
+    def forward_begins(self) -> None:
+        """A training forward begins: the last one's backward has recomputed its layers, and a plan applied in its
+        middle reaches the layers that ran before it now."""
+        self._ran.clear()
+        if self._deferred is not None:
+            self._deferred()
+
+    def layer_ran(self, index: int) -> None:
+        """Layer `index` (registration order) started in this training forward, after any plan its start applied."""
+        self._ran.add(index)
 
     def apply_engine_settings(self, settings: EngineSettings) -> None:
         """Gives the engine a plan's `settings` alone, where the layers run its actions already (a plan kept for
@@ -101,6 +136,7 @@ class LayersUnderPlan:
         if self._applied is not None:
             self._applied.remove()
             self._applied = None
+        self._actions, self._deferred = None, None
 
 
 class _StartsBeforeTheCall:
