@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import inspect
+import itertools
 import time
 import weakref
 from collections.abc import Callable
@@ -71,6 +73,7 @@ _BANDWIDTH_PROBE_MIN_BYTES = 2**20
 # The names transformers has given a layer's cache argument (5.24 renamed `past_key_values` to `cache`); a value
 # that is a transformers `Cache` is dropped under any name.
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 class Meter:
@@ -389,12 +392,7 @@ class _ProbedCall:
     def __init__(self, layer: nn.Module, args: tuple, kwargs: dict, meter: Meter) -> None:
         self.layer, self.meter = layer, meter
         self.step_tokens = args[0].shape[:-1].numel()
-        # The step's KV cache (transformers makes one even in training) must not grow by the probes' keys and values.
-        kwargs = {
-            name: None if name in _CACHE_ARGUMENTS or is_cache(value) else value for name, value in kwargs.items()
-        }
-        kwargs["use_cache"] = False
-        self._step_call = args, kwargs
+        self._step_call = _without_the_cache(layer, args, kwargs)
         self.first_dim_only = False  # how the arguments are cut (`first_tokens`)
         self.parameters = [p for p in layer.parameters() if p.requires_grad]
         self.pointers = parameter_storages(layer.parameters())
@@ -643,6 +641,23 @@ def call_argument_storages(args: tuple, kwargs: dict) -> dict[int, tuple[int, bo
 def is_cache(value: Any) -> bool:
     """Whether `value` is a transformers cache (a class named `Cache` among its bases), which a probe must not grow."""
     return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
+
+
+def _without_the_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A layer call's arguments with the step's cache left out and `use_cache` off, by name or by position: the
+    step's KV cache (transformers makes one even in training) must not grow by the probes' keys and values, and a
+    model may pass them positionally (RecurrentGemma: `layer(hidden, position_ids, mask, use_cache, cache)`)."""
+    args = tuple(None if is_cache(value) else value for value in args)
+    kwargs = {name: None if name in _CACHE_ARGUMENTS or is_cache(value) else value for name, value in kwargs.items()}
+    try:
+        parameters = inspect.signature(layer.forward).parameters.values()
+    except (TypeError, ValueError):  # a forward without a signature inspect reads: by name only
+        parameters = []
+    positional = [p.name for p in itertools.takewhile(lambda p: p.kind in _POSITIONAL, parameters)]
+    if "use_cache" in positional[: len(args)]:
+        position = positional.index("use_cache")
+        return args[:position] + (False,) + args[position + 1 :], kwargs
+    return args, {**kwargs, "use_cache": False}
 
 
 def first_tokens(args: tuple, kwargs: dict, max_tokens: int, first_dim_only: bool = False) -> tuple[tuple, dict]:

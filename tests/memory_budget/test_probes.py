@@ -102,6 +102,29 @@ def test_a_probe_drops_the_cache_under_any_name():
     assert not is_cache(torch.zeros(2)) and not is_cache(None)
 
 
+def test_a_probe_turns_the_cache_off_where_the_model_passes_use_cache_by_position():
+    """RecurrentGemma calls its layers `layer(hidden, position_ids, mask, use_cache, cache)`: a probe that added
+    `use_cache=False` by name passed it twice (a TypeError in the first step, under any budget)."""
+    config = transformers.RecurrentGemmaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, lru_width=32, attention_window_size=16, conv1d_width=4,
+        block_types=["recurrent", "attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    ids = torch.randint(3, 128, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def first_step(budget=None):
+        torch.manual_seed(0)
+        model = transformers.RecurrentGemmaForCausalLM(config).train()
+        context = make_ctx(model, device_type="cpu", memory_budget=budget) if budget else contextlib.nullcontext()
+        with context:  # with its cache on, its checkpointed layers recompute from a grown cache, without hf-offload too
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss, [p.grad for p in model.parameters()]
+
+    (plain, plain_grads), (probed, probed_grads) = first_step(), first_step(ROOMY)
+    assert torch.equal(probed, plain) and all(map(torch.equal, probed_grads, plain_grads))
+
+
 def test_a_probe_keeps_the_fastest_of_its_runs_after_the_first():
     """The host's stalls add time to some runs: of the probe's runs after the first (kernel selection, allocator
     growth), the fastest forward, backward and selective recompute are kept. A clock that reads each interval as
