@@ -166,6 +166,23 @@ class _TiledForward:
         return tiled_mlp(self.previous, args[0], self.tokens_per_chunk, params)
 
 
+def _recorded_module_types(model: nn.Module) -> tuple[tuple[type, ...], tuple[str, ...]]:
+    """The classes, and class names (or their ends), of the modules whose outputs transformers' output recorders
+    collect inside the decoder layers: each pretrained model's `_can_record_outputs` in `model` (router logits,
+    attention weights), the hidden states aside, which are recorded around whole decoder layers."""
+    classes, names = [], []
+    for module in model.modules():
+        for key, recorder in (getattr(module, "_can_record_outputs", None) or {}).items():
+            if key in _WHOLE_LAYER_RECORDS:
+                continue
+            target = getattr(recorder, "target_class", recorder)
+            if isinstance(target, type):
+                classes.append(target)
+            if getattr(recorder, "class_name", None):
+                names.append(recorder.class_name)
+    return tuple(classes), tuple(names)
+
+
 def mlps_to_tile(model: nn.Module, layers: Iterable[int] | None) -> list[tuple[str, nn.Module]]:
     """The MLPs `apply_tiled_mlp` tiles, `(name, mlp)`, each checked before any is changed.
 
@@ -174,6 +191,7 @@ def mlps_to_tile(model: nn.Module, layers: Iterable[int] | None) -> list[tuple[s
             child, has a mixture-of-experts block there, or is already tiled.
     """
     chosen: list[tuple[str, nn.Module]] = []
+    recorded_classes, recorded_names = _recorded_module_types(model)
     for index, layer_name, layer in selected_decoder_layers(model, layers, "apply_tiled_mlp finds the MLPs in "
                                                             "transformers' decoder layers"):  # fmt: skip
         found = [(attr, layer._modules[attr]) for attr in _MLP_NAMES if layer._modules.get(attr) is not None]
@@ -182,9 +200,14 @@ def mlps_to_tile(model: nn.Module, layers: Iterable[int] | None) -> list[tuple[s
                              f"a child module named {' or '.join(map(repr, _MLP_NAMES))}")  # fmt: skip
         attr, mlp = found[0]
         name = f"{layer_name}.{attr}"
-        if any(sub.rsplit(".", 1)[-1] == _EXPERTS_NAME for sub, _ in mlp.named_modules()):
+        recorded = [type(sub).__name__ for sub in mlp.modules()
+                    if isinstance(sub, recorded_classes) or type(sub).__name__.endswith(recorded_names)]  # fmt: skip
+        if recorded or any(sub.rsplit(".", 1)[-1] == _EXPERTS_NAME for sub, _ in mlp.named_modules()):
+            # Tiled, the router would run once per chunk, and an auxiliary loss read from its recorded outputs would
+            # see each chunk as a layer of its own (JetMoE, whose experts are `input_linear` and `output_linear`).
             raise ValueError(f"{name} ({type(mlp).__name__}) is a mixture-of-experts block: its router's outputs are "
-                             "recorded per call, so it cannot be tiled")  # fmt: skip
+                             f"recorded per call{f' ({recorded[0]})' if recorded else ''}, so it cannot be "
+                             "tiled")  # fmt: skip
         _refuse_tiled_again(name, mlp, _TiledForward)
         chosen.append((name, mlp))
     return chosen

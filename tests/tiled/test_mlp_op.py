@@ -516,6 +516,18 @@ def test_mixture_of_experts_is_refused():
         apply_tiled_mlp(model, CHUNK)
 
 
+def test_a_mixture_of_experts_is_refused_by_its_recorded_router_whatever_its_experts_are_called():
+    """JetMoE's experts are `input_linear` and `output_linear`: its recorded router (`JetMoeTopKGating`) shows the
+    block for what it is. Tiled, its router ran once per chunk and its auxiliary loss took each chunk for a layer."""
+    config = transformers.JetMoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                       kv_channels=16, num_local_experts=2, num_experts_per_tok=1)  # fmt: skip
+    model = transformers.JetMoeForCausalLM(config)
+    refusal = r"model.layers.0.mlp \(JetMoeMoE\) is a mixture-of-experts block: .* per call \(JetMoeTopKGating\)"
+    with pytest.raises(ValueError, match=refusal):
+        apply_tiled_mlp(model, CHUNK)
+
+
 def test_a_module_that_is_not_position_wise_is_an_error():
     def pools(x):  # mixes tokens: (..., n, hidden) -> (..., 1, hidden)
         return x.mean(dim=-2, keepdim=True)
