@@ -411,14 +411,16 @@ class OffloadOptions:
     tile_mlp: str | bool = _option(
         AUTO, Rule(_AUTO_FLAG), "Run each decoder layer's MLP over chunks of as many tokens as the hidden size, so "
         "that its intermediates exist for one chunk at a time: what long sequences need. Not bitwise: weight "
-        "gradients are summed chunk by chunk (equal within rounding). `'auto'`: only in the layers where the "
+        "gradients are summed chunk by chunk (equal within rounding), and dropout in the MLP draws its masks chunk by "
+        "chunk (other masks than untiled). `'auto'`: only in the layers where the "
         "memory_budget planner finds that no plan without it fits (never without a memory_budget); `True`: every "
         "layer; `False`: never.", argument="tile_mlp")  # fmt: skip
     tile_layer: str | bool = _option(
         AUTO, Rule(_AUTO_FLAG), "Run each whole decoder layer over chunks of as many tokens as the hidden size, and "
         "its attention on the whole sequence one group of heads at a time, in forward and backward (a checkpoint of "
         "its own): about a third of the memory per token of a checkpointed layer with its MLP tiled, for one more "
-        "attention forward. Not bitwise (weight gradients summed chunk by chunk). `'auto'`: only in the layers where "
+        "attention forward. Not bitwise (weight gradients summed chunk by chunk; dropout in the layer draws its masks "
+        "chunk by chunk, other masks than untiled). `'auto'`: only in the layers where "
         "the memory_budget planner finds that no plan fits without it, not even with tiled MLPs (never without a "
         "memory_budget, nor for models whose layers cannot be tiled, which the log says); `True`: every layer, "
         "without a memory_budget; `False`: never.", argument="tile_layer")  # fmt: skip
