@@ -81,8 +81,9 @@ class LayersUnderPlan:
 
         `layer_starts` is the controller's pre-hook of layer `index`, `(index, layer, args, kwargs)`: where
         transformers checkpoints a layer's whole call, it runs before the call (`_StartsBeforeTheCall`). Only the
-        layers' checkpoint functions hold it, and the plan's removal gives those back: this object does not refer to
-        the controller, so that a dropped context is freed as soon as it is dropped.
+        layers' checkpoint functions and a plan deferred to the next forward hold it, and the plan's removal gives
+        those back; the controller holds the engine weakly, so that a dropped context is freed as soon as it is
+        dropped.
 
         Applied in the middle of a training forward, it leaves the layers that ran in it (`layer_ran`) their actions,
         and reaches them too as the next forward begins (`forward_begins`)."""
