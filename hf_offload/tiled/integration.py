@@ -172,14 +172,16 @@ def _recorded_module_types(model: nn.Module) -> tuple[tuple[type, ...], tuple[st
     attention weights), the hidden states aside, which are recorded around whole decoder layers."""
     classes, names = [], []
     for module in model.modules():
-        for key, recorder in (getattr(module, "_can_record_outputs", None) or {}).items():
+        for key, recorders in (getattr(module, "_can_record_outputs", None) or {}).items():
             if key in _WHOLE_LAYER_RECORDS:
                 continue
-            target = getattr(recorder, "target_class", recorder)
-            if isinstance(target, type):
-                classes.append(target)
-            if getattr(recorder, "class_name", None):
-                names.append(recorder.class_name)
+            # One recorder, or several for one output (transformers 5.17: JetMoE's attention and its MLP's router).
+            for recorder in recorders if isinstance(recorders, (list, tuple)) else [recorders]:
+                target = getattr(recorder, "target_class", recorder)
+                if isinstance(target, type):
+                    classes.append(target)
+                if getattr(recorder, "class_name", None):
+                    names.append(recorder.class_name)
     return tuple(classes), tuple(names)
 
 
