@@ -88,6 +88,11 @@ def main() -> int:
         help="steps at --tokens (the first may allocate the pinned pool; compare the later ones)",
     )
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument(
+        "--memory-budget",
+        default="auto",
+        help="plan@auto's memory_budget (a larger card held to a smaller one's budget: e.g. 75.22GiB, an H100's auto)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default=None, help="appended to the output file's name")
     parser.add_argument("--out", default="long_context_out")
@@ -97,7 +102,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"mode": args.mode, "argv": sys.argv, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                    "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "steps": []}  # fmt: skip
+                    "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                    "memory_budget": args.memory_budget, "steps": []}  # fmt: skip
     tag = f"-{args.tag}" if args.tag else ""
     path = out / f"long_context_{args.mode.replace('@', '_').replace('+', '_')}{tag}.json"
 
@@ -117,7 +123,7 @@ def main() -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, result["optimizer"] = make_optimizer(params, notes)
     if args.mode == "plan@auto":
-        ctx = hf_offload.get_act_offloading_ctx_manager(model, memory_budget="auto")
+        ctx = hf_offload.get_act_offloading_ctx_manager(model, memory_budget=args.memory_budget)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ctx = hf_offload.get_act_offloading_ctx_manager(model)
