@@ -243,6 +243,9 @@ class LayerProbe:
     # or why the quadratic parts were not measured (every byte then grows in proportion).
     quadratic_working_bytes: int = 0
     quadratic_error: str | None = None
+    # The wall-clock seconds of each of the probe's measurements, in the order they ran (`_probe_outside_the_step`):
+    # what a long first step's probe cost goes to, its first calls of the layer's kernels included (the first).
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def at_step(self, nbytes: int) -> int:
         """`nbytes` measured by this probe, grown to the call it was cut from."""
@@ -354,10 +357,21 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
                             tile_layer: Callable[[int], Any] | None) -> LayerProbe:  # fmt: skip
     """`probe_layer`'s measurements, in order: kept and selectively checkpointed, its attention timed apart, its
     quadratic parts, then each tiling it is given."""
+    seconds: dict[str, float] = {}
+    began = time.perf_counter()
+
+    def measured(what: str) -> None:  # each measurement ends waiting for the device (`Meter.seconds`)
+        nonlocal began
+        now = time.perf_counter()
+        seconds[what], began = now - began, now
+
     call = _ProbedCall(layer, args, kwargs, meter)
     kept, checkpointed_backward_s = call.kept_and_checkpointed()
+    measured("kept and selectively checkpointed")
     attention_forward_s, attention_backward_s = _time_attention(layer, call.forward, call.parameters, meter)
+    measured("attention")
     quadratic, quadratic_error = call.quadratic_parts(kept)
+    measured("on fewer tokens")
     profile = LayerProfile(
         saved_bytes=kept.saved_bytes,
         selective_bytes=kept.selective_bytes,
@@ -374,14 +388,16 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         forward_peak_bytes=kept.forward_working_bytes or 0,
         quadratic_forward_peak_bytes=quadratic["forward_working"],
     )
-    probe = LayerProbe(profile, kept.working_bytes, call.tokens, call.step_tokens,
+    probe = LayerProbe(profile, kept.working_bytes, call.tokens, call.step_tokens, seconds=seconds,
                        quadratic_working_bytes=quadratic["working"], quadratic_error=quadratic_error)  # fmt: skip
     if call.tokens < 4:  # the tiled runs' smallest chunks are a quarter of the tokens
         return probe
     if tile is not None:
         call.probe_tiled_mlp(probe, kept, tile)
+        measured("MLP tiled")
     if tile_layer is not None:
         call.probe_tiled_whole(probe, kept, tile_layer)
+        measured("tiled whole")
     return probe
 
 

@@ -188,11 +188,13 @@ class ProfiledSteps:
         self.measured.probes[self._kinds[index]] = probe
         # What a long first step's plan rests on, said where the step's own time would dwarf the probe's.
         at_step = probe.profile.scaled(probe.tokens, probe.step_tokens) if probe.tokens else probe.profile
-        logger.info("hf_offload: probed %s on %d of its call's %d tokens in %.2f s: at that call it saves %s "
+        logger.info("hf_offload: probed %s on %d of its call's %d tokens in %.2f s (%s): at that call it saves %s "
                     "(input %s), its backward works in %s more; forward %.1f ms, backward %.1f ms", self._names[index],
-                    probe.tokens, probe.step_tokens, time.perf_counter() - start, format_bytes(at_step.saved_bytes),
-                    format_bytes(at_step.input_bytes), format_bytes(probe.working_at_step()[0]),
-                    at_step.forward_s * 1e3, at_step.backward_s * 1e3)  # fmt: skip
+                    probe.tokens, probe.step_tokens, time.perf_counter() - start,
+                    ", ".join(f"{what} {s:.2f} s" for what, s in probe.seconds.items()),
+                    format_bytes(at_step.saved_bytes), format_bytes(at_step.input_bytes),
+                    format_bytes(probe.working_at_step()[0]), at_step.forward_s * 1e3,
+                    at_step.backward_s * 1e3)  # fmt: skip
         if probe.mlp_tiling_error is not None:
             logger.info("hf_offload: the planner cannot tile the MLPs: %s: %s", self._names[index],
                         probe.mlp_tiling_error)  # fmt: skip
