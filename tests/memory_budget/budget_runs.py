@@ -3,8 +3,10 @@ objects it owns (`test_controller.py`, `test_profiled_steps.py`, `test_plan_chec
 the ranks of `test_ranks.py` (`tests/ranks.py`): a tiny Llama and a few AdamW steps of it, with a context or
 without; runs at 16 tokens a sequence under a budget (the smallest any plan fits, the profile a roomy one measures,
 one that plain checkpointing with every input kept fits); runs of 128 tokens a step, whose MLPs and layers can be
-tiled; and micro-steps of gradient accumulation."""
+tiled; micro-steps of gradient accumulation; and what the log says of profiled steps predicted over the budget."""
 
+import logging
+import re
 from collections.abc import Callable
 
 import pytest
@@ -83,6 +85,12 @@ def planned_minimum() -> int:
     peak = error.value.lowest_plan.predicted.peak_bytes
     assert f"({peak} bytes" in str(error.value)
     return peak
+
+
+def profiled_steps_over_the_budget(records: list[logging.LogRecord]) -> list[str]:
+    """What the log says of profiled steps that run a plan predicted to peak over the budget."""
+    said = [record.getMessage() for record in records]
+    return [message for message in said if re.search("the profiled steps run plan .*over (it|the budget)", message)]
 
 
 def tiled_forwards(model) -> list[bool]:

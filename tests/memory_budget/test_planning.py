@@ -21,6 +21,7 @@ from budget_runs import (
     long_run,
     planned,
     planned_minimum,
+    profiled_steps_over_the_budget,
     tiled_forwards,
     tiled_whole,
     tiny_llama,
@@ -33,7 +34,7 @@ from hf_offload.host_memory import HostMemory
 from hf_offload.memory_budget import controller as controller_module
 from hf_offload.memory_budget import measurements, probes
 from hf_offload.memory_budget import profiled_steps as profiled_steps_module
-from hf_offload.memory_budget.search import plan_of, safe_code
+from hf_offload.memory_budget.search import plan_of, prediction_margin_bytes, safe_code
 from hf_offload.memory_budget.simulate import simulate
 from hf_offload.units import format_bytes
 
@@ -86,6 +87,27 @@ def test_a_budget_below_every_plan_is_a_clear_error_before_the_planned_step(capl
     with pytest.raises(InfeasibleBudgetError) as error, context:
         model(input_ids=ids, labels=ids)
     assert str(error.value).startswith("the memory budget of 1.00 KiB (1024 bytes) is below the smallest peak")
+
+
+def test_the_smallest_budget_a_refusal_names_fits_a_fresh_run_from_its_first_step(baseline, caplog):
+    """The refusal is made from the profiled steps' measurements; a run started at the budget it names plans its own
+    profiled steps from the probes alone, which predict more (every gradient counted as backward reaches the first
+    layer, the embeddings' too). At the measured minimum (here 1.7% below), those steps ran a plan the library
+    predicted to peak over the budget. The budget named is one at which a fresh run is predicted to fit from its
+    first step, and no smaller: one byte less and the profiled steps are predicted over it again."""
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        planned(1)
+    minimum = refused.value.minimum_bytes
+    assert minimum > refused.value.lowest_plan.predicted.peak_bytes and f"({minimum} bytes)" in str(refused.value)
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        results, context = planned(minimum)
+    assert profiled_steps_over_the_budget(caplog.records) == []
+    assert context.memory_plan.fits(prediction_margin_bytes(minimum))
+    assert_bitwise_equal(results, baseline)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        planned(minimum - 1)
+    assert len(profiled_steps_over_the_budget(caplog.records)) == 2
 
 
 def test_a_later_longer_step_that_no_plan_fits_runs_on_the_lowest_plan_with_one_warning(caplog):
