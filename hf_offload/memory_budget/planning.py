@@ -324,9 +324,10 @@ class Planner:
         if need <= error.minimum_bytes:
             return error
         return InfeasibleBudgetError(
-            f"{error} A run started at {format_bytes(error.minimum_bytes)} plans its first two steps from the probes, "
-            f"before anything is measured, and they predict more: the smallest budget under which a run fits from its "
-            f"first step is {format_bytes(need)} ({need} bytes).", error.budget_bytes, need, error.lowest_plan,
+            f"{error} That is for the steps measured: a run started at {format_bytes(error.minimum_bytes)} plans its "
+            f"first two steps from the probes, before anything is measured, which predict more; from its first step, "
+            f"the smallest budget that works is {format_bytes(need)} ({need} bytes).", error.budget_bytes, need,
+            error.lowest_plan,
         )  # fmt: skip
 
     def plan_for(self, tokens: int, forwards: int, shorter_plans: bool = True) -> None:

@@ -616,8 +616,8 @@ def test_a_first_step_the_safe_plan_does_not_fit_runs_a_plan_made_for_it_before_
     stats = context.get_stats()
     assert stats["tensors_kept_over_host_cap"] == 0 and stats["pinned_bytes"] > default_cap
     probed = [record.getMessage() for record in caplog.records if record.getMessage().startswith("hf_offload: probed")]
-    probe_said = (r"hf_offload: probed model\.layers\.0 on \d+ of its call's 512 tokens in ([\d.]+) s \((.*)\): at that "
-                  rf"call it saves [\d.]+ [KM]iB \(input {HOST_INPUT_BYTES // 1024}\.00 KiB\)")  # fmt: skip
+    probe_said = (r"hf_offload: probed model\.layers\.0 on \d+ of its call's 512 tokens in ([\d.]+) s \((.*)\): at "
+                  rf"that call it saves [\d.]+ [KM]iB \(input {HOST_INPUT_BYTES // 1024}\.00 KiB\)")  # fmt: skip
     assert len(probed) == 1 and (said := re.match(probe_said, probed[0]))
     # Where the probe's time went, measurement by measurement, in the order they ran.
     phases = dict(re.fullmatch(r"(.+) ([\d.]+) s", part).groups() for part in said.group(2).split(", "))
