@@ -25,6 +25,8 @@ Where a new test goes: next to the module it tests, in the file named after it.
 - The scripts of the repository's `benchmarks/`, their own logic on CPU: `benchmarks/test_long_context_bench.py`,
   `test_zoo_bench.py`, `test_dynamic_padding_bench.py`, `test_compile_native_bench.py` (compile_native_offload.py)
   and `test_soak_script.py` (soak_1b.py); each puts that folder on the path to import its script.
+- The repository's `scripts/families_sweep.py` (every causal-LM family of the installed transformers):
+  `test_families_sweep.py`, on three families and on made-up defects.
 - GPU-only behaviour: `tests/gpu/test_gpu_<topic>.py`, run by `bash tests/gpu/run_all.sh` on a GPU machine.
 Shared helpers live in one place per use: `helpers.py` (the tiny model and its data, Trainer runs), `compile_runs.py`,
 `qlora_models.py`, `ranks.py`, `in_place_rope.py` (a stand-in for Liger's in-place rotary embedding),
