@@ -118,6 +118,23 @@ def test_a_gradient_that_differs_without_an_exception_fails_the_family(tmp_path,
     assert "not bitwise at step 1, which tiled no layer" in result["cases"]["roomy"]["error"]
 
 
+def test_offloading_that_moves_nothing_fails_the_family(tmp_path, monkeypatch):
+    """Equal, trivially, and nothing saved: as for NanoChat in transformers 5.25, whose final norm, which it also runs
+    before its first layer, starts the tail that stays on the device at the step's start."""
+    original = families_sweep.get_act_offloading_ctx_manager
+
+    def nothing_moves(model, **options):
+        return original(model, **options, **({} if "memory_budget" in options else {"min_offload_size": 2**40}))
+
+    monkeypatch.setattr(families_sweep, "get_act_offloading_ctx_manager", nothing_moves)
+    status, results = _sweep(tmp_path, "llama")
+    assert status == 1
+    bitwise = results["llama"]["bitwise"]
+    assert bitwise["ok"] is False and bitwise["bytes_offloaded"] == 0
+    assert bitwise["error"].startswith("offloading moved no bytes; the last step kept too_small ")
+    assert results["llama"]["failures"] == [f"bitwise: {bitwise['error']}"]
+
+
 def test_a_hang_or_a_crash_fails_its_family_and_the_sweep_goes_on(tmp_path, monkeypatch):
     def defect(context, model):
         if type(model).__name__ == "LlamaForCausalLM":
