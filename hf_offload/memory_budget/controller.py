@@ -149,7 +149,11 @@ class MemoryBudgetController:
         for index, layer in enumerate(self._layers):
             hook = functools.partial(self._layer_starts, index)
             engine.track_hook(layer.register_forward_pre_hook(hook, with_kwargs=True))
-        for _, module in find_output_head(model)[-1:]:  # the final norm (or the head): where the head's phase begins
+        # The final norm (or the head): where the head's phase begins. A model whose head the search does not find
+        # (BioGPT's `output_projection`) begins it where its last layer ends (`_last_layer_ends`).
+        tail = find_output_head(model)[-1:]
+        self._head_hooked = bool(tail)
+        for _, module in tail:
             engine.track_hook(module.register_forward_pre_hook(self._head_starts))
         engine.warn_once("budget", f"hf_offload: memory_budget={memory_budget} ({format_bytes(budget())}) "
                          "is set, so hf-offload decides per "
@@ -382,6 +386,8 @@ class MemoryBudgetController:
             return
         if tensor is None or not tensor.requires_grad:
             return
+        if profiled and not self._head_hooked:  # no head found: its phase is whatever follows the last layer
+            self.profiled_steps.head_starts()
 
         def head_done(grad: torch.Tensor) -> None:  # backward reaches the last layer: the head's part is over
             if profiled:

@@ -301,9 +301,11 @@ class ProfiledSteps:
         self.measured.head_start = self._meter.mark()
 
     def head_done(self) -> None:
-        """Backward reaches the last layer in the measured step: the head's part is over."""
+        """Backward reaches the last layer in the measured step: the head's part is over. Where its start was not
+        marked (a head the search found that the forward did not call), its time is not known and counts 0."""
         measured = self.measured
-        measured.head_s = self._meter.seconds(measured.head_start, self._meter.mark())
+        if measured.head_start is not None:
+            measured.head_s = self._meter.seconds(measured.head_start, self._meter.mark())
         peak = self._meter.peak()
         # Over the memory held between steps and the tail the engine kept, not over what was allocated as the head
         # began: the forward leaves more than the plan's layers hold (the last hidden states, about two layer inputs
