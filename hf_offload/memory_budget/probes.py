@@ -662,18 +662,27 @@ def is_cache(value: Any) -> bool:
 def _without_the_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A layer call's arguments with the step's cache left out and `use_cache` off, by name or by position: the
     step's KV cache (transformers makes one even in training) must not grow by the probes' keys and values, and a
-    model may pass them positionally (RecurrentGemma: `layer(hidden, position_ids, mask, use_cache, cache)`)."""
+    model may pass them positionally (RecurrentGemma: `layer(hidden, position_ids, mask, use_cache, cache)`).
+
+    `use_cache` is added only where the layer's forward takes it, by name or through `**kwargs`: xLSTM's block
+    (`forward(x, state=None)`) has no cache argument, and the probe's call raised a TypeError. A forward whose
+    signature inspect cannot read gets it only where the step's call passed it."""
     args = tuple(None if is_cache(value) else value for value in args)
     kwargs = {name: None if name in _CACHE_ARGUMENTS or is_cache(value) else value for name, value in kwargs.items()}
     try:
-        parameters = inspect.signature(layer.forward).parameters.values()
+        parameters = list(inspect.signature(layer.forward).parameters.values())
     except (TypeError, ValueError):  # a forward without a signature inspect reads: by name only
         parameters = []
     positional = [p.name for p in itertools.takewhile(lambda p: p.kind in _POSITIONAL, parameters)]
     if "use_cache" in positional[: len(args)]:
         position = positional.index("use_cache")
         return args[:position] + (False,) + args[position + 1 :], kwargs
-    return args, {**kwargs, "use_cache": False}
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if "use_cache" in kwargs or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD or (p.name == "use_cache" and p.kind in by_name) for p in parameters
+    ):
+        return args, {**kwargs, "use_cache": False}
+    return args, kwargs
 
 
 def first_tokens(args: tuple, kwargs: dict, max_tokens: int, first_dim_only: bool = False) -> tuple[tuple, dict]:

@@ -318,6 +318,16 @@ def _biogpt():
     return transformers.BioGptForCausalLM(config)
 
 
+def _xlstm():
+    """xLSTM: its blocks' forward is `forward(x, state=None)`, with no `use_cache` and no `**kwargs`."""
+    if not hasattr(transformers, "xLSTMForCausalLM"):
+        pytest.skip("this transformers has no xLSTM")
+    config = transformers.xLSTMConfig(vocab_size=SIZE["vocab"], hidden_size=64, embedding_dim=64,
+                                      num_hidden_layers=SIZE["layers"], num_blocks=SIZE["layers"], num_heads=4,
+                                      chunk_size=8, mode="train")  # fmt: skip
+    return transformers.xLSTMForCausalLM(config)
+
+
 class _UnnamedHead(torch.nn.Module):
     """A causal LM whose head (`to_vocabulary`) and final norm (`body.norm`) have names the head search does not know,
     whatever names it learns."""
@@ -337,11 +347,12 @@ class _UnnamedHead(torch.nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:hf_offload. no output head found")
-@pytest.mark.parametrize("build", [_UnnamedHead, _biogpt], ids=["unnamed-head", "biogpt"])
+@pytest.mark.parametrize("build", [_UnnamedHead, _biogpt, _xlstm], ids=["unnamed-head", "biogpt", "xlstm"])
 def test_a_model_the_searches_do_not_fit_trains_under_a_budget_exactly(build):
     """A model whose output head the search does not find (the head's phase is timed from where its last layer ends;
-    BioGPT's `output_projection` crashed the second step's backward) trains under a roomy budget and under one the
-    plan must act for, bitwise equal to no library."""
+    BioGPT's `output_projection` crashed the second step's backward), and one whose layers take no `use_cache`
+    (xLSTM: the probes called them with it), train under a roomy budget and under one the plan must act for, bitwise
+    equal to no library."""
 
     def run(budget=None):
         torch.manual_seed(0)

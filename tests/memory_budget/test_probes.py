@@ -18,6 +18,7 @@ from _gpu_models import build_model, make_batch, make_ctx  # noqa: E402
 from hf_offload.memory_budget.probes import (  # noqa: E402
     Meter,
     _CountSavedBytes,
+    _without_the_cache,
     call_argument_storages,
     first_tokens,
     is_cache,
@@ -123,6 +124,32 @@ def test_a_probe_turns_the_cache_off_where_the_model_passes_use_cache_by_positio
 
     (plain, plain_grads), (probed, probed_grads) = first_step(), first_step(ROOMY)
     assert torch.equal(probed, plain) and all(map(torch.equal, probed_grads, plain_grads))
+
+
+def test_a_probe_passes_use_cache_only_to_a_layer_that_takes_it():
+    """xLSTM's blocks are `forward(x, state=None)`: a probe that added `use_cache=False` to every layer's call raised
+    a TypeError in the first step, under any budget. It is added where the forward takes it by name or through
+    `**kwargs`, replaced where the step's call passed it, and otherwise the call is left as it was."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self, forward):
+            super().__init__()
+            self.forward = forward
+
+    hidden = torch.zeros(1, 4, 8)
+    cases = [
+        (lambda x, state=None: x, {"state": None}, {"state": None}),
+        (lambda x, *, use_cache=True: x, {}, {"use_cache": False}),
+        (lambda x, use_cache=True: x, {}, {"use_cache": False}),
+        (lambda x, **kwargs: x, {"mask": None}, {"mask": None, "use_cache": False}),
+        (lambda x, **kwargs: x, {"use_cache": True}, {"use_cache": False}),
+    ]
+    for forward, kwargs, expected in cases:
+        args, kwargs = _without_the_cache(Layer(forward), (hidden,), kwargs)
+        assert len(args) == 1 and args[0] is hidden and kwargs == expected
+    # By position, as RecurrentGemma passes it, it is replaced in place.
+    args, kwargs = _without_the_cache(Layer(lambda x, use_cache=True: x), (hidden, True), {})
+    assert len(args) == 2 and args[0] is hidden and args[1] is False and kwargs == {}
 
 
 def test_a_probe_keeps_the_fastest_of_its_runs_after_the_first():
