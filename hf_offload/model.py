@@ -156,6 +156,8 @@ HEAD_PATHS: tuple[str, ...] = (
     "score",  # Llama/Qwen/GPT-2 sequence classification, reward models
     "qa_outputs",  # extractive question answering
     "cls",  # BertForMaskedLM / BertForPreTraining (`cls.predictions.decoder`)
+    "output_projection",  # BioGPT, TrOCR (a layer's own `output_projection` is never at the top: NeoMME's attention)
+    "generator_lm_head",  # ELECTRA and ConvBERT generators
 )
 
 # Final norms: the last module of a decoder stack, run right before the head.
@@ -238,7 +240,8 @@ def find_output_head(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Return the tail of the forward to keep on the device: the output head, then the final norm.
 
     The head is the first of `lm_head`, `output` / `output.linear`, `decoder.lm_head` / `decoder.output`,
-    `head`, `classifier`, `score`, `qa_outputs`, `cls` found on the unwrapped model. The final norm
+    `head`, `classifier`, `score`, `qa_outputs`, `cls`, `output_projection`, `generator_lm_head` found on the
+    unwrapped model. The final norm
     (`final_layer_norm`, `final_layernorm`, `final_norm`, `ln_f`, `norm_f`, `norm`, `layernorm`;
     `layer_norm` in a decoder) is searched on the model and down its trunk (`base_model_prefix`, `model`,
     `transformer`, `language_model`, `decoder`, `backbone`) but never in an encoder: T5's

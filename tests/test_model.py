@@ -86,6 +86,25 @@ def tiny_bert_classifier() -> nn.Module:
     return transformers.BertForSequenceClassification(config)
 
 
+def tiny_biogpt() -> nn.Module:
+    config = transformers.BioGptConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    return transformers.BioGptForCausalLM(config)
+
+
+def tiny_trocr() -> nn.Module:
+    config = transformers.TrOCRConfig(vocab_size=VOCAB, d_model=32, decoder_ffn_dim=64, decoder_layers=2,
+                                      decoder_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    return transformers.TrOCRForCausalLM(config)
+
+
+def tiny_electra() -> nn.Module:
+    config = transformers.ElectraConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                        is_decoder=True)  # fmt: skip
+    return transformers.ElectraForCausalLM(config)
+
+
 def tiny_llama_base() -> nn.Module:
     """A LlamaModel: a trunk with a final norm and no head."""
     return tiny_llama().model
@@ -235,6 +254,11 @@ def test_unwrap_nested_wrappers_until_fixed_point(process_group):
         (tiny_bart, ["lm_head"]),  # BART's decoder is post-norm: no final norm
         (tiny_mbart, ["lm_head", "model.decoder.layer_norm"]),
         (tiny_bert_classifier, ["classifier"]),
+        # Heads of other names; their final norms are not at the end of a trunk the search follows (BioGPT's
+        # `biogpt.layer_norm` is in no decoder, ELECTRA's generator norm runs before its head).
+        (tiny_biogpt, ["output_projection"]),
+        (tiny_trocr, ["output_projection"]),
+        (tiny_electra, ["generator_lm_head"]),
         (tiny_llama_base, ["norm"]),  # a trunk without a head: only its final norm
     ],
 )

@@ -309,8 +309,8 @@ def test_the_smallest_budget_a_refusal_names_is_accepted(arch, caplog):
 
 
 def _biogpt():
-    """BioGPT: its head is `output_projection`, and its final norm (`biogpt.layer_norm`) sits in no decoder, so the
-    head search finds neither."""
+    """BioGPT: its head is `output_projection`, a name the head search learned after the budget crashed on it, and
+    its final norm (`biogpt.layer_norm`) sits in no decoder, so the head's phase begins at the head."""
     config = transformers.BioGptConfig(vocab_size=SIZE["vocab"], hidden_size=SIZE["hidden"], intermediate_size=64,
                                        num_hidden_layers=SIZE["layers"], num_attention_heads=4,
                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
