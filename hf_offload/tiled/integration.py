@@ -540,7 +540,7 @@ class _TiledLayerForward:
         if hidden.shape[1] <= self._positions(hidden):  # one chunk: the layer as it is, bitwise
             return False
         # Generation: the cache is the point.
-        return not _caches(kwargs) or (self.layer.training and torch.is_grad_enabled())
+        return not _caches(args, kwargs) or (self.layer.training and torch.is_grad_enabled())
 
     def _positions(self, hidden: torch.Tensor) -> int:
         """The positions of every sequence in one chunk."""
@@ -551,12 +551,14 @@ class _TiledLayerForward:
             return self.previous(*args, **kwargs)
         hidden = args[0] if args else kwargs["hidden_states"]
         positions = self._positions(hidden)
-        caches = _caches(kwargs)
+        caches = _caches(args, kwargs)
         if caches:
             # Training makes a cache nobody reads (transformers 5.x, use_cache defaulting to True); chunks would fill
-            # it piece by piece, once per run. Dropped, as transformers' own checkpointing does.
+            # it piece by piece, once per run, and a later chunk's keys would hold the earlier ones too. Dropped, as
+            # transformers' own checkpointing does; by position too (GPT-2 passes it as the second argument).
             warnings.warn(f"{type(self.layer).__name__}: a tiled layer does not fill a KV cache; setting "
                           f"{', '.join(caches)} to None", stacklevel=2)  # fmt: skip
+            args = tuple(None if isinstance(value, Cache) else value for value in args)
             kwargs = {name: None if name in caches else value for name, value in kwargs.items()}
             if "use_cache" in kwargs:
                 kwargs["use_cache"] = False
@@ -575,10 +577,12 @@ class _TiledLayerForward:
         return _TiledLayerFunction.apply(call, hidden, *params)
 
 
-def _caches(kwargs: dict[str, Any]) -> list[str]:
-    """The names of a call's KV cache arguments that hold one."""
-    return [name for name, value in kwargs.items()
-            if value is not None and (name in _CACHE_ARGUMENTS or isinstance(value, Cache))]  # fmt: skip
+def _caches(args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    """The names of a call's KV cache arguments that hold one (`argument N` for one passed by position)."""
+    return [f"argument {i}" for i, value in enumerate(args) if isinstance(value, Cache)] + [
+        name for name, value in kwargs.items()
+        if value is not None and (name in _CACHE_ARGUMENTS or isinstance(value, Cache))
+    ]  # fmt: skip
 
 
 def tiled_forward(layer: nn.Module) -> Callable[..., Any] | None:

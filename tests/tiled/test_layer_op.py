@@ -361,6 +361,22 @@ def test_training_drops_the_cache_and_generation_keeps_it_untiled():
     assert [n for _, n, _, _ in log.o_proj] == [BATCH * SEQ] * LAYERS
 
 
+def test_a_cache_passed_by_position_is_dropped_too():
+    """GPT-2 passes its cache to each block as the second argument, by position: a tiled layer drops it as it drops
+    one passed by name, or each chunk's keys would hold the earlier chunks' too (the step raised on their shapes)."""
+    dropout_off = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # tiling draws dropout masks per chunk
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128,
+                                     attn_implementation="sdpa", **dropout_off)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    embeds, labels = batch(model)
+    ref = step(model, embeds, labels)
+    with apply_tiled_layer(model, TOKENS_PER_CHUNK):
+        with pytest.warns(UserWarning, match="a tiled layer does not fill a KV cache; setting argument 1 to None"):
+            got = step(model, embeds, labels, use_cache=True)
+    assert max_difference(got, ref)[0] <= TOLERANCE[torch.float32]
+
+
 def test_no_grad_forward_is_tiled_and_close():
     model = tiny("phi3", attn="sdpa")
     embeds, labels = batch(model)
