@@ -236,6 +236,12 @@ def _find_final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+def is_cache(value: Any) -> bool:
+    """Whether `value` is a transformers KV cache (a class named `Cache` among its bases), known without importing
+    transformers."""
+    return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
+
+
 def find_output_head(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Return the tail of the forward to keep on the device: the output head, then the final norm.
 

@@ -58,7 +58,7 @@ from torch.utils.checkpoint import (
 )
 
 from ..engine import OffloadActivations
-from ..model import find_decoder_layers, find_liger_functions
+from ..model import find_decoder_layers, find_liger_functions, is_cache
 from ..random_state import RandomState, random_state, set_random_state
 from ..tiled.apply import ForwardsReplaced, apply_tiled_layer, apply_tiled_mlp
 from ..tiled.integration import tiled_forward
@@ -108,9 +108,21 @@ def _selective_contexts() -> Any:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
+def recomputed(function: Callable[..., Any], *args: Any, **checkpoint_options: Any) -> Any:
+    """torch's non-reentrant checkpoint of a layer's call, without the step's KV cache among its arguments.
+
+    The recomputation in backward would write the layer's keys and values into the cache a second time, and a later
+    layer's attention would read both. transformers' checkpointing leaves out a cache passed by name, and models
+    leave theirs out under model-wide checkpointing; a plan checkpoints layer by layer, and RemBERT passes its cache by
+    position: its backward raised on the doubled keys' shapes. Training reads no cache.
+    """
+    args = tuple(None if is_cache(value) else value for value in args)
+    return checkpoint(function, *args, use_reentrant=False, **checkpoint_options)
+
+
 def selective_checkpoint_function() -> Callable[..., Any]:
     """A `_gradient_checkpointing_func` that checkpoints selectively (its input saved wherever hooks put it)."""
-    return functools.partial(checkpoint, use_reentrant=False, context_fn=_selective_contexts)
+    return functools.partial(recomputed, context_fn=_selective_contexts)
 
 
 def _run_as_is(function: Callable[..., Any], *args: Any) -> Any:
@@ -124,9 +136,8 @@ def _layer_function(action: str, offload_input: bool, engine: OffloadActivations
         return _SelectiveOffload(engine, offload_input)
     # The MLP's tiling is set on the MLP itself, the layer's on the layer's `forward`: a checkpoint for what it runs
     # untiled.
-    full = functools.partial(checkpoint, use_reentrant=False)
-    function = {KEEP: _run_as_is, SELECTIVE: selective_checkpoint_function(), FULL: full, FULL_TILED: full,
-                TILED_LAYER: full}[action]  # fmt: skip
+    function = {KEEP: _run_as_is, SELECTIVE: selective_checkpoint_function(), FULL: recomputed, FULL_TILED: recomputed,
+                TILED_LAYER: recomputed}[action]  # fmt: skip
     return _InKeepingRegion(function, engine) if action == KEEP or not offload_input else function
 
 
@@ -385,14 +396,14 @@ class _SelectiveOffload:
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         engine = self._engine()
         if engine is None or not engine.is_innermost() or torch.compiler.is_compiling():
-            return checkpoint(function, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
+            return recomputed(function, *args, context_fn=_selective_contexts, **kwargs)
         context_fn = functools.partial(_stash_contexts, engine.pack_hook, engine.unpack_hook)
         early_stop = {"early_stop": False} if _EARLY_STOP_KEYWORD else {}
         # The checkpoint saves its input through the hooks in place when it is called; its modes go to the engine
         # directly, so a keeping region for the input changes nothing else.
         keep_input = engine.exempt(reason="planned") if not self.offload_input else contextlib.nullcontext()
         with keep_input, _without_early_stop():
-            return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **early_stop, **kwargs)
+            return recomputed(function, *args, context_fn=context_fn, **early_stop, **kwargs)
 
 
 _ABSENT = object()

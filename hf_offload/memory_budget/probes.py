@@ -33,7 +33,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..model import first_tensor
+from ..model import first_tensor, is_cache
 from ..policy import is_parameter_or_view, parameter_storages
 from ..tiled.integration import layer_bytes_per_token
 from .layer_actions import checkpointing_as, saved_by_selective_checkpoint, selective_checkpoint_function
@@ -48,7 +48,6 @@ __all__ = [
     "probe_layer",
     "layer_kind",
     "first_tokens",
-    "is_cache",
     "call_argument_storages",
     "measure_link_bandwidth",
 ]
@@ -652,11 +651,6 @@ def call_argument_storages(args: tuple, kwargs: dict) -> dict[int, tuple[int, bo
         quadratic = sequence > 1 and sum(size == sequence for size in value.shape) >= 2
         storages[storage.data_ptr()] = (storage.nbytes(), quadratic)
     return storages
-
-
-def is_cache(value: Any) -> bool:
-    """Whether `value` is a transformers cache (a class named `Cache` among its bases), which a probe must not grow."""
-    return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
 
 
 def _without_the_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

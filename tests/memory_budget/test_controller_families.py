@@ -328,6 +328,18 @@ def _xlstm():
     return transformers.xLSTMForCausalLM(config)
 
 
+def _rembert():
+    """RemBERT as a decoder: it makes a KV cache in training and passes it to each layer by position, where
+    transformers' checkpointing, which leaves out one passed by name, does not see it; the plan's recomputation then
+    wrote the keys a second time and the backward raised on their shapes."""
+    config = transformers.RemBertConfig(vocab_size=SIZE["vocab"], hidden_size=SIZE["hidden"], intermediate_size=64,
+                                        num_hidden_layers=SIZE["layers"], num_attention_heads=4,
+                                        input_embedding_size=SIZE["hidden"], output_embedding_size=SIZE["hidden"],
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                        is_decoder=True)  # fmt: skip
+    return transformers.RemBertForCausalLM(config)
+
+
 class _UnnamedHead(torch.nn.Module):
     """A causal LM whose head (`to_vocabulary`) and final norm (`body.norm`) have names the head search does not know,
     whatever names it learns."""
@@ -347,12 +359,13 @@ class _UnnamedHead(torch.nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:hf_offload. no output head found")
-@pytest.mark.parametrize("build", [_UnnamedHead, _biogpt, _xlstm], ids=["unnamed-head", "biogpt", "xlstm"])
+@pytest.mark.parametrize("build", [_UnnamedHead, _biogpt, _xlstm, _rembert],
+                         ids=["unnamed-head", "biogpt", "xlstm", "rembert"])  # fmt: skip
 def test_a_model_the_searches_do_not_fit_trains_under_a_budget_exactly(build):
     """A model whose output head the search does not find (the head's phase is timed from where its last layer ends;
     BioGPT's `output_projection` crashed the second step's backward), and one whose layers take no `use_cache`
-    (xLSTM: the probes called them with it), train under a roomy budget and under one the plan must act for, bitwise
-    equal to no library."""
+    (xLSTM: the probes called them with it), and one that passes its layers a KV cache by position (RemBERT) train
+    under a roomy budget and under one the plan must act for, bitwise equal to no library."""
 
     def run(budget=None):
         torch.manual_seed(0)

@@ -21,10 +21,10 @@ from hf_offload.memory_budget.probes import (  # noqa: E402
     _without_the_cache,
     call_argument_storages,
     first_tokens,
-    is_cache,
     link_probe_bytes,
     measure_link_bandwidth,
 )
+from hf_offload.model import is_cache  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
