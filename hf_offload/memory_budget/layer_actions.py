@@ -72,6 +72,7 @@ __all__ = [
     "saved_by_selective_checkpoint",
     "selective_checkpoint_function",
     "whole_call_layer",
+    "written_arguments",
 ]
 
 # The actions' names (`actions.ACTIONS`, where each is also offered with its input kept or offloaded).
@@ -229,7 +230,7 @@ def _stashed(op: Any) -> bool:
 
 
 @functools.cache
-def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
+def written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
     """(position, name) of each argument `op` writes into (in-place and `out=` variants)."""
     schema = getattr(op, "_schema", None)  # higher-order operators have none
     arguments = schema.arguments if schema is not None else ()
@@ -297,7 +298,7 @@ class _StashingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self._storages and _written_arguments(func):
+        if self._storages and written_arguments(func):
             self._refuse_writes(func, args, kwargs)
         out = func(*args, **kwargs)
         if _stashed(func):
@@ -317,7 +318,7 @@ class _StashingMode(TorchDispatchMode):
         return _Packed(self._pack(value.detach()))
 
     def _refuse_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
-        for position, name in _written_arguments(func):
+        for position, name in written_arguments(func):
             value = args[position] if position < len(args) else kwargs.get(name)
             for tensor in value if isinstance(value, (list, tuple)) else (value,):
                 if type(tensor) is not torch.Tensor:

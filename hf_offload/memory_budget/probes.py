@@ -36,7 +36,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..model import first_tensor, is_cache
 from ..policy import is_parameter_or_view, parameter_storages
 from ..tiled.integration import layer_bytes_per_token
-from .layer_actions import checkpointing_as, saved_by_selective_checkpoint, selective_checkpoint_function
+from .layer_actions import (
+    checkpointing_as,
+    saved_by_selective_checkpoint,
+    selective_checkpoint_function,
+    written_arguments,
+)
 from .profile import LayerProfile, in_proportion, in_square, with_square
 from .sharding import gathered_for_probe
 
@@ -124,13 +129,16 @@ class _CountSavedBytes(saved_tensors_hooks):
     and the same step's plan changed from one process to the next. At the end the storages alive have distinct
     addresses, and they are what the layer holds for its backward."""
 
-    def __init__(self, parameter_pointers: set[int]) -> None:
+    def __init__(self, parameter_pointers: set[int],
+                 on_save: Callable[[torch.Tensor], None] | None = None) -> None:  # fmt: skip
         self.nbytes = 0
         self.tensors = 0
         self._parameter_pointers = parameter_pointers
         self._saved: list[weakref.ref[torch.Tensor]] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if on_save is not None:
+                on_save(tensor)
             if not is_parameter_or_view(tensor):
                 self._saved.append(weakref.ref(tensor))
             return tensor
@@ -188,17 +196,78 @@ class _TimeAttention(TorchDispatchMode):
 
 
 class _CountSelectiveOutputs(TorchDispatchMode):
-    """Counts the bytes of the outputs a selective checkpoint would save (matmuls, attention)."""
+    """Counts the bytes of the outputs a selective checkpoint would save (matmuls, attention), and finds where the
+    layer's code would make such a checkpoint's gradients differ (`written`: the op that does it, None where none).
+
+    A selective checkpoint hands its recomputation the saved outputs as they are at backward: an op that writes into
+    one in place is applied a second time when it is recomputed, and whatever is computed from the result differs.
+    torch's own check of its cache (the tensor's version counter) misses the write where the output is reached
+    through an alias that autograd does not track: `matmul` and `linear` over more than two dimensions return an
+    `_unsafe_view` of their `mm`/`bmm` output, with a version counter of its own (Gemma 3n's AltUp adds its input to
+    such a product in place, `predictions += hidden_states`, then normalizes the sum).
+    The write matters only if a tensor that autograd saves is computed from the written storage after the write (or
+    is that storage): Falcon adds attention's output into its MLP's product in place, and only a dropout and an add,
+    which save no values, follow, so its gradients are exact and the layer may still be checkpointed selectively.
+    So the written storages are followed through the ops that read them (`saved` is the pack hook's check). Storages
+    are compared, so views of any kind are seen; a weak reference to each tells a storage freed and reused (under the
+    checkpoint the cache keeps the saved outputs alive, so no write could reach them through a new tensor).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.nbytes = 0
+        self.written: str | None = None
+        self._outputs: dict[int, weakref.ref] = {}  # the storages a selective checkpoint would keep
+        self._tainted: dict[int, weakref.ref] = {}  # those written into, and what was computed from them since
+        self._writer: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        written = _written_tensors(func, args, kwargs)
+        into_output = any(_among(tensor, self._outputs) for tensor in written)
+        reads_tainted = bool(self._tainted) and any(
+            _among(t, self._tainted) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        )
+        out = func(*args, **kwargs)
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if into_output and self._writer is None:
+            self._writer = str(func)
+        if into_output or reads_tainted:
+            for tensor in (*written, *tensors):
+                _add(tensor, self._tainted)
         if saved_by_selective_checkpoint(func):
-            self.nbytes += sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            self.nbytes += sum(t.nbytes for t in tensors)
+            for tensor in tensors:
+                _add(tensor, self._outputs)
         return out
+
+    def saved(self, tensor: torch.Tensor) -> None:
+        """Autograd saves `tensor` (for the probe's pack hook)."""
+        if self.written is None and self._tainted and _among(tensor, self._tainted):
+            self.written = self._writer
+
+
+def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The plain tensors `func` writes into in place (in-place and `out=` variants)."""
+    tensors = []
+    for position, name in written_arguments(func):
+        value = args[position] if position < len(args) else kwargs.get(name)
+        tensors.extend(t for t in (value if isinstance(value, (list, tuple)) else (value,)) if type(t) is torch.Tensor)
+    return tensors
+
+
+def _among(tensor: torch.Tensor, storages: dict[int, weakref.ref]) -> bool:
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:  # a sparse tensor has no one storage
+        return False
+    storage = tensor.untyped_storage()
+    known = storages.get(storage.data_ptr())
+    return known is not None and known() is storage
+
+
+def _add(tensor: torch.Tensor, storages: dict[int, weakref.ref]) -> None:
+    if type(tensor) is torch.Tensor and tensor.layout == torch.strided and tensor.untyped_storage().nbytes():
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = weakref.ref(storage)
 
 
 @dataclasses.dataclass
@@ -212,6 +281,7 @@ class _Kept:
     backward_s: float
     working_bytes: int  # the backward's peak over what was allocated when it began
     forward_working_bytes: int | None  # the forward's peak over what was allocated when it began; None uncounted
+    selective_written_by: str | None = None  # the op that writes into an output a selective checkpoint saves
 
 
 @dataclasses.dataclass
@@ -245,6 +315,9 @@ class LayerProbe:
     # The wall-clock seconds of each of the probe's measurements, in the order they ran (`_probe_outside_the_step`):
     # what a long first step's probe cost goes to, its first calls of the layer's kernels included (the first).
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Why this layer must not be checkpointed selectively (its gradients would differ), or None: its forward writes in
+    # place into the output of a matrix product or attention, which the checkpoint keeps for its recomputation.
+    selective_error: str | None = None
 
     def at_step(self, nbytes: int) -> int:
         """`nbytes` measured by this probe, grown to the call it was cut from."""
@@ -274,7 +347,8 @@ def _gradients(out: torch.Tensor, x: torch.Tensor, parameters: list[nn.Parameter
 def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], pointers: set[int],
               meter: Meter) -> _Kept:  # fmt: skip
     """Runs the layer once without a checkpoint and measures it."""
-    counter, selective = _CountSavedBytes(pointers), _CountSelectiveOutputs()
+    selective = _CountSelectiveOutputs()
+    counter = _CountSavedBytes(pointers, on_save=selective.saved)
     with checkpointing_as(layer, None):
         before_forward = meter.allocated()
         meter.reset_peak()
@@ -296,7 +370,8 @@ def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], po
     return _Kept(saved_bytes=counter.nbytes, saved_tensors=counter.tensors, selective_bytes=selective.nbytes,
                  forward_s=meter.seconds(start, forward_end), backward_s=meter.seconds(backward_start, backward_end),
                  working_bytes=working,
-                 forward_working_bytes=None if forward_peak is None else forward_peak - before_forward)  # fmt: skip
+                 forward_working_bytes=None if forward_peak is None else forward_peak - before_forward,
+                 selective_written_by=selective.written)  # fmt: skip
 
 
 def _time_attention(layer: nn.Module, forward: Any, parameters: list[nn.Parameter],
@@ -389,6 +464,10 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
     )
     probe = LayerProbe(profile, kept.working_bytes, call.tokens, call.step_tokens, seconds=seconds,
                        quadratic_working_bytes=quadratic["working"], quadratic_error=quadratic_error)  # fmt: skip
+    if kept.selective_written_by is not None:
+        probe.selective_error = (f"{kept.selective_written_by} writes in place into the output of a matrix product or "
+                                 "attention, which a selective checkpoint keeps for its recomputation: the write "
+                                 "would be applied twice and the gradients would differ")  # fmt: skip
     if call.tokens < 4:  # the tiled runs' smallest chunks are a quarter of the tokens
         return probe
     if tile is not None:

@@ -215,7 +215,8 @@ class StepProfile:
             controller from the peaks it measured exactly (at least what a plan that ran peaked below that point).
         selective_checkpoint: whether a layer may be checkpointed selectively (`S`, `s`, `X`): not where the model
             runs kernels that write into a matrix product's output in place, unseen by autograd, which a selective
-            checkpoint keeps for the recomputation (Liger's rotary embedding, `model.find_liger_functions`).
+            checkpoint keeps for the recomputation (Liger's rotary embedding, `model.find_liger_functions`), nor where a
+            layer's own code writes into one through an alias autograd does not track (`LayerProbe.selective_error`).
     """
 
     layers: tuple[LayerProfile, ...]

@@ -201,6 +201,10 @@ class ProfiledSteps:
             self._tile_tokens = 0
         if probe.layer_tiling_error is not None:
             self._no_layer_tiling(f"{self._names[index]}: {probe.layer_tiling_error}")
+        if probe.selective_error is not None and self._selective_checkpoint:
+            logger.info("hf_offload: the planner does not checkpoint layers selectively: %s: %s", self._names[index],
+                        probe.selective_error)  # fmt: skip
+            self._selective_checkpoint = False
         if probe.quadratic_error is not None:
             logger.info("hf_offload: %s was probed at one length only, so all its bytes are scaled in proportion to "
                         "the tokens (eager attention's grow with their square): %s", self._names[index],
@@ -490,7 +494,8 @@ def _tiled_fields(
 
 def _selective_checkpoint(model: nn.Module) -> bool:
     """Whether the planner may checkpoint layers selectively (`StepProfile.selective_checkpoint`): not where Liger's
-    in-place functions run in the model's code (`find_liger_functions`), and the log says so."""
+    in-place functions run in the model's code (`find_liger_functions`), and the log says so. The probes may rule it
+    out later too (`LayerProbe.selective_error`: a layer's own code writes into such outputs)."""
     in_place = find_liger_functions(model)
     if in_place:
         logger.info("hf_offload: the planner does not checkpoint layers selectively: Liger's functions in the model's "

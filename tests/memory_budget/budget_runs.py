@@ -28,6 +28,20 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).train()
 
 
+def tiny_gemma3n() -> transformers.PreTrainedModel:
+    """A tiny Gemma 3n text model (AltUp, Laurel, per-layer inputs, its last two layers sharing the others' keys and
+    values), without the cache its forward would make."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        hidden_size_per_layer_input=16, laurel_rank=8, num_kv_shared_layers=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2), activation_sparsity_pattern=[0.0] * LAYERS,
+        use_cache=False,
+    )  # fmt: skip
+    return transformers.Gemma3nForCausalLM(config).train()
+
+
 def train(model, context, steps: int = 5, lengths: tuple[int, ...] = (16,),
           after_step: Callable[[], None] | None = None,
           shard: tuple[int, int] | None = None) -> list[torch.Tensor]:  # fmt: skip

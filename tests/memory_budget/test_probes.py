@@ -14,6 +14,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from _gpu_models import build_model, make_batch, make_ctx  # noqa: E402
+from budget_runs import tiny_gemma3n  # noqa: E402
 
 from hf_offload.memory_budget.probes import (  # noqa: E402
     Meter,
@@ -378,3 +379,83 @@ def test_saved_bytes_are_the_storages_alive_when_the_forward_ends() -> None:
         also_kept = (x * 4).exp()  # may land where the dropped output was
     assert (counter.nbytes, counter.tensors) == (2 * x.nbytes, 2)
     assert kept.grad_fn is not None and also_kept.grad_fn is not None
+
+
+class _WritesIntoItsProduct(torch.nn.Module):
+    """A made-up layer that adds its input in place into the output of a linear map over 3-d hidden states (an
+    `_unsafe_view` of an `mm`, whose version counter is its own: torch's selective checkpoint cannot see the write),
+    then computes from the sum either what autograd saves (`then="saved"`: an RMS norm's input) or only an add,
+    which saves no values (`then="added"`, Falcon's case)."""
+
+    def __init__(self, then: str) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16, bias=False)
+        self.norm = torch.nn.RMSNorm(16) if then == "saved" else None
+        self.then = then
+
+    def forward(self, hidden: torch.Tensor, **kwargs) -> torch.Tensor:  # the probe passes use_cache=False
+        product = self.proj(hidden)
+        product += hidden
+        return self.norm(product) if self.then == "saved" else product + 1
+
+
+def _selectively_checkpointed_gradients_equal(layer: torch.nn.Module, hidden: torch.Tensor) -> bool:
+    from hf_offload.memory_budget.layer_actions import selective_checkpoint_function
+
+    def gradients(run):
+        x = hidden.detach().clone().requires_grad_(True)
+        out = run(x)
+        return torch.autograd.grad(out, [x, *layer.parameters()], torch.ones_like(out))
+
+    checkpointed = gradients(lambda x: selective_checkpoint_function()(layer, x))
+    return all(torch.equal(a, b) for a, b in zip(gradients(layer), checkpointed))
+
+
+@pytest.mark.parametrize("then", ["saved", "added"])
+def test_a_layer_that_writes_into_a_product_a_selective_checkpoint_keeps_is_refused_where_its_gradients_would_differ(
+    then,
+):
+    """The probe follows the write: where autograd saves something computed from the written product, the selective
+    checkpoint's recomputation (which is handed the product already written and writes it again) gives other
+    gradients, and the probe says the layer must not be checkpointed selectively; where nothing saved depends on it,
+    the gradients are exact and the probe says nothing."""
+    from hf_offload.memory_budget import probes
+
+    torch.manual_seed(0)
+    layer = _WritesIntoItsProduct(then)
+    hidden = torch.randn(2, 8, 16)
+    exact = _selectively_checkpointed_gradients_equal(layer, hidden)
+    probe = probes.probe_layer(layer, (hidden,), {}, probes.Meter("cpu"))
+    assert exact == (then == "added")
+    if then == "saved":
+        assert probe.selective_error.startswith("aten.add_.Tensor writes in place into the output of a matrix product")
+    else:
+        assert probe.selective_error is None
+
+
+def test_gemma3n_text_layers_are_refused_a_selective_checkpoint_by_the_probe():
+    """Gemma 3n's AltUp adds its input in place into a `matmul` over 4-d tensors (`predictions += hidden_states`),
+    then normalizes the sum: the probe finds it. Llama's layer writes into no such output."""
+    if not hasattr(transformers, "Gemma3nForCausalLM"):
+        pytest.skip("this transformers has no Gemma 3n")
+    from hf_offload.memory_budget import probes
+
+    model = tiny_gemma3n()
+    found = {}
+
+    def probe(layer, args, kwargs):
+        if layer not in found:
+            found[layer] = None  # the probe calls the layer too
+            found[layer] = probes.probe_layer(layer, args, kwargs, probes.Meter("cpu")).selective_error
+        return None
+
+    handle = model.model.layers[0].register_forward_pre_hook(probe, with_kwargs=True)
+    ids = torch.randint(128, (1, 16))
+    model(input_ids=ids)
+    handle.remove()
+    assert "aten.add_.Tensor writes in place" in found[model.model.layers[0]]
+    layer = build_model("llama", dtype="fp32", device="cpu", attn="sdpa", **SIZE).model.layers[0]
+    hidden = torch.randn(1, SEQ, SIZE["hidden"])
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(layer.self_attn.config)
+    kwargs = {"position_embeddings": rotary(hidden, torch.arange(SEQ)[None])}
+    assert probes.probe_layer(layer, (hidden,), kwargs, probes.Meter("cpu")).selective_error is None

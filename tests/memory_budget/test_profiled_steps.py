@@ -4,6 +4,7 @@ as its backward ends, the peak counter's reads, the head's bytes, what the step 
 come after every layer), and the profile made from them at a step's tokens (the mask and rotary tables, the head
 scaled from the profiled step, gradients held under accumulation, what the head's peak hides of its reloads)."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -14,17 +15,20 @@ from budget_runs import (
     VOCAB,
     Unchanged,
     accumulate,
+    assert_bitwise_equal,
     budget_for_the_trial,
     long_run,
     planned,
+    tiny_gemma3n,
     tiny_llama,
     train,
 )
 from in_place_rope import patch_in_place_rope
 
-from hf_offload import get_act_offloading_ctx_manager
+from hf_offload import InfeasibleBudgetError, get_act_offloading_ctx_manager
 from hf_offload.memory_budget import probes
 from hf_offload.memory_budget.closed_loop import Sample
+from hf_offload.memory_budget.search import choose_plan, plan_of, prediction_margin_bytes
 
 
 def test_the_profile_counts_the_mask_and_rotary_tables_the_model_gives_its_layers():
@@ -236,3 +240,43 @@ def test_what_the_step_needs_after_backward_is_measured_when_the_counter_rose_af
     train(model, context, steps=3)
     gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     assert controller.profile.optimizer_bytes == 5 * 2**20 - gradients
+
+
+def test_a_layer_that_writes_into_a_product_a_selective_checkpoint_keeps_rules_out_selective_checkpoints(
+    monkeypatch, caplog
+):
+    """Gemma 3n's AltUp adds its input in place into a matrix product's output, through an alias autograd does not
+    track, then normalizes the sum: a selective checkpoint's recomputation would add it twice. Under a budget whose
+    plan, were selective checkpoints offered, would checkpoint layers selectively (`S` or `s`; their recomputation
+    measured free, so that the choice does not hang on the CPU's timings), the probe rules them out, the log says
+    why, and the run trains bitwise as the model does without the library (without the refusal, its plan's selective
+    layers made the gradients differ)."""
+    if not hasattr(transformers, "Gemma3nForCausalLM"):
+        pytest.skip("this transformers has no Gemma 3n")
+    measured = probes._ProbedCall.kept_and_checkpointed
+
+    def recomputing_for_free(self):
+        kept, _ = measured(self)
+        return kept, kept.backward_s
+
+    monkeypatch.setattr(probes._ProbedCall, "kept_and_checkpointed", recomputing_for_free)
+    roomy = get_act_offloading_ctx_manager(model := tiny_gemma3n(), device_type="cpu", memory_budget=10 * 2**30)
+    train(model, roomy, steps=3)
+    offered = dataclasses.replace(roomy.budget_controller.profile, selective_checkpoint=True)
+    low, high = (plan_of(offered, letter * LAYERS, 10 * 2**30).predicted.peak_bytes for letter in "SK")
+
+    def chosen(budget: int) -> str:
+        try:
+            return choose_plan(offered, budget, prediction_margin_bytes(budget)).code
+        except InfeasibleBudgetError:
+            return ""
+
+    selective = [b for b in range(low, high, max(1, (high - low) // 40)) if set(chosen(b)) & set("Ss")]
+    budget = selective[len(selective) // 2]  # away from the edges, where a run's own measurements may plan otherwise
+    with caplog.at_level(logging.INFO, logger="hf_offload"):
+        context = get_act_offloading_ctx_manager(model := tiny_gemma3n(), device_type="cpu", memory_budget=budget)
+        results = train(model, context, steps=8)  # past the trial of plain checkpointing
+    assert_bitwise_equal(results, train(tiny_gemma3n(), Unchanged(), steps=8))
+    assert not set(context.budget_controller.plan.code) & set("Ss")
+    assert not context.budget_controller.profile.selective_checkpoint
+    assert "does not checkpoint layers selectively: model.layers.0: aten.add_.Tensor writes in place" in caplog.text
