@@ -329,7 +329,8 @@ class _StashingMode(TorchDispatchMode):
                     raise RuntimeError(
                         f"{func} writes in place into the output of a matrix product or attention that a "
                         f"'{SELECTIVE_OFFLOAD}' checkpoint has handed to the offloading engine: its copy would not "
-                        "see the write (a selective checkpoint refuses this too). Give this layer another action."
+                        "see the write (and a selective checkpoint's recomputation would apply it twice). Give this "
+                        "layer another action."
                     )
 
 
