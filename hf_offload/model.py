@@ -236,6 +236,11 @@ def _find_final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+# The names transformers has given a layer's cache argument (5.24 renamed `past_key_values` to `cache`; Mamba's is
+# `cache_params`); a value that is a transformers `Cache` (`is_cache`) is one under any name.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
+
+
 def is_cache(value: Any) -> bool:
     """Whether `value` is a transformers KV cache (a class named `Cache` among its bases), known without importing
     transformers."""

@@ -33,7 +33,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..model import first_tensor, is_cache
+from ..model import CACHE_ARGUMENTS, first_tensor, is_cache
 from ..policy import is_parameter_or_view, parameter_storages
 from ..tiled.integration import layer_bytes_per_token
 from .layer_actions import (
@@ -74,9 +74,6 @@ SEQUENCE_PHASE_CHUNKS = 64
 # The link probe times 64 MiB each way, in copies of a buffer from 1 MiB to 64 MiB (`link_probe_bytes`).
 _BANDWIDTH_PROBE_BYTES = 64 * 2**20
 _BANDWIDTH_PROBE_MIN_BYTES = 2**20
-# The names transformers has given a layer's cache argument (5.24 renamed `past_key_values` to `cache`); a value
-# that is a transformers `Cache` is dropped under any name.
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
@@ -741,7 +738,7 @@ def _without_the_cache(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     (`forward(x, state=None)`) has no cache argument, and the probe's call raised a TypeError. A forward whose
     signature inspect cannot read gets it only where the step's call passed it."""
     args = tuple(None if is_cache(value) else value for value in args)
-    kwargs = {name: None if name in _CACHE_ARGUMENTS or is_cache(value) else value for name, value in kwargs.items()}
+    kwargs = {name: None if name in CACHE_ARGUMENTS or is_cache(value) else value for name, value in kwargs.items()}
     try:
         parameters = list(inspect.signature(layer.forward).parameters.values())
     except (TypeError, ValueError):  # a forward without a signature inspect reads: by name only

@@ -42,11 +42,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 from transformers.modeling_utils import AttentionInterface
 from transformers.utils.output_capturing import _active_collector
 
-from ..model import find_decoder_layers, unwrap_model
+from ..model import CACHE_ARGUMENTS, find_decoder_layers, is_cache, unwrap_model
 from .chunks import chunk_bounds
 from .layer_op import (
     _AttentionCall,
@@ -225,8 +224,6 @@ def mlps_to_tile(model: nn.Module, layers: Iterable[int] | None) -> list[tuple[s
 _PER_TOKEN: dict[str, int] = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
 # Passed whole to every chunk, and to the attention function: the attention module hands it on unchanged.
 _MASK = "attention_mask"
-# The names transformers has given a layer's cache argument (5.24 renamed `past_key_values` to `cache`).
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 # Output recorders that see the whole layer's call, not its chunks (hooks on the decoder layer itself).
 _WHOLE_LAYER_RECORDS = frozenset({"hidden_states", "_hidden_states_layers"})
 
@@ -558,7 +555,7 @@ class _TiledLayerForward:
             # transformers' own checkpointing does; by position too (GPT-2 passes it as the second argument).
             warnings.warn(f"{type(self.layer).__name__}: a tiled layer does not fill a KV cache; setting "
                           f"{', '.join(caches)} to None", stacklevel=2)  # fmt: skip
-            args = tuple(None if isinstance(value, Cache) else value for value in args)
+            args = tuple(None if is_cache(value) else value for value in args)
             kwargs = {name: None if name in caches else value for name, value in kwargs.items()}
             if "use_cache" in kwargs:
                 kwargs["use_cache"] = False
@@ -579,9 +576,9 @@ class _TiledLayerForward:
 
 def _caches(args: tuple, kwargs: dict[str, Any]) -> list[str]:
     """The names of a call's KV cache arguments that hold one (`argument N` for one passed by position)."""
-    return [f"argument {i}" for i, value in enumerate(args) if isinstance(value, Cache)] + [
+    return [f"argument {i}" for i, value in enumerate(args) if is_cache(value)] + [
         name for name, value in kwargs.items()
-        if value is not None and (name in _CACHE_ARGUMENTS or isinstance(value, Cache))
+        if value is not None and (name in CACHE_ARGUMENTS or is_cache(value))
     ]  # fmt: skip
 
 
