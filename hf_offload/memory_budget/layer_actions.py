@@ -72,7 +72,7 @@ __all__ = [
     "saved_by_selective_checkpoint",
     "selective_checkpoint_function",
     "whole_call_layer",
-    "written_arguments",
+    "written_tensors",
 ]
 
 # The actions' names (`actions.ACTIONS`, where each is also offered with its input kept or offloaded).
@@ -230,11 +230,20 @@ def _stashed(op: Any) -> bool:
 
 
 @functools.cache
-def written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
+def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
     """(position, name) of each argument `op` writes into (in-place and `out=` variants)."""
     schema = getattr(op, "_schema", None)  # higher-order operators have none
     arguments = schema.arguments if schema is not None else ()
     return tuple((i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def written_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The plain tensors a call of `op` with `args` and `kwargs` writes into (in-place and `out=` variants)."""
+    tensors = []
+    for position, name in _written_arguments(op):
+        value = args[position] if position < len(args) else kwargs.get(name)
+        tensors.extend(t for t in (value if isinstance(value, (list, tuple)) else (value,)) if type(t) is torch.Tensor)
+    return tensors
 
 
 class _Packed:
@@ -298,7 +307,7 @@ class _StashingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self._storages and written_arguments(func):
+        if self._storages:
             self._refuse_writes(func, args, kwargs)
         out = func(*args, **kwargs)
         if _stashed(func):
@@ -318,20 +327,16 @@ class _StashingMode(TorchDispatchMode):
         return _Packed(self._pack(value.detach()))
 
     def _refuse_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
-        for position, name in written_arguments(func):
-            value = args[position] if position < len(args) else kwargs.get(name)
-            for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                if type(tensor) is not torch.Tensor:
-                    continue
-                storage = tensor.untyped_storage()
-                stashed = self._storages.get(storage.data_ptr())
-                if stashed is not None and stashed() is storage:
-                    raise RuntimeError(
-                        f"{func} writes in place into the output of a matrix product or attention that a "
-                        f"'{SELECTIVE_OFFLOAD}' checkpoint has handed to the offloading engine: its copy would not "
-                        "see the write (and a selective checkpoint's recomputation would apply it twice). Give this "
-                        "layer another action."
-                    )
+        for tensor in written_tensors(func, args, kwargs):
+            storage = tensor.untyped_storage()
+            stashed = self._storages.get(storage.data_ptr())
+            if stashed is not None and stashed() is storage:
+                raise RuntimeError(
+                    f"{func} writes in place into the output of a matrix product or attention that a "
+                    f"'{SELECTIVE_OFFLOAD}' checkpoint has handed to the offloading engine: its copy would not "
+                    "see the write (and a selective checkpoint's recomputation would apply it twice). Give this "
+                    "layer another action."
+                )
 
 
 class _UnstashingMode(TorchDispatchMode):

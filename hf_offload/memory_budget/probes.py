@@ -40,7 +40,7 @@ from .layer_actions import (
     checkpointing_as,
     saved_by_selective_checkpoint,
     selective_checkpoint_function,
-    written_arguments,
+    written_tensors,
 )
 from .profile import LayerProfile, in_proportion, in_square, with_square
 from .sharding import gathered_for_probe
@@ -220,7 +220,7 @@ class _CountSelectiveOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        written = _written_tensors(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         into_output = any(_among(tensor, self._outputs) for tensor in written)
         reads_tainted = bool(self._tainted) and any(
             _among(t, self._tainted) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
@@ -242,15 +242,6 @@ class _CountSelectiveOutputs(TorchDispatchMode):
         """Autograd saves `tensor` (for the probe's pack hook)."""
         if self.written is None and self._tainted and _among(tensor, self._tainted):
             self.written = self._writer
-
-
-def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The plain tensors `func` writes into in place (in-place and `out=` variants)."""
-    tensors = []
-    for position, name in written_arguments(func):
-        value = args[position] if position < len(args) else kwargs.get(name)
-        tensors.extend(t for t in (value if isinstance(value, (list, tuple)) else (value,)) if type(t) is torch.Tensor)
-    return tensors
 
 
 def _among(tensor: torch.Tensor, storages: dict[int, weakref.ref]) -> bool:
