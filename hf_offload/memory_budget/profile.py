@@ -170,8 +170,9 @@ class StepProfile:
         h2d_bytes_per_s: host-to-device bandwidth.
         host_cap_bytes: pinned host bytes the pool may hold.
         disk_cap_bytes: what the disk tier (`disk_offload_dir`) may take of a step's offloaded bytes once the pinned
-            pool is full: the disk's free space less its reserve; 0 without a tier. The bytes a plan offloads past
-            `host_cap_bytes` go there, in forward order, as the engine spills what the pool refuses.
+            pool is full: the disk's free space less its reserve; 0 without a tier. What a layer offloads that the pool
+            has no room for goes there, in forward order, as the engine spills what the pool refuses
+            (`simulate.offload_places`).
         disk_write_bytes_per_s, disk_read_bytes_per_s: the disk tier's measured bandwidths
             (`disk_tier.measure_disk_bandwidth`): a spilled copy goes out at the slower of the link and the disk's
             writes, and comes back at the slower of the link and its reads. 0 without a tier.
@@ -279,11 +280,6 @@ class StepProfile:
             check_seconds("StepProfile", name, getattr(self, name), positive=bool(self.disk_cap_bytes))
         if not is_int(self.tokens) or self.tokens <= 0:
             raise ValueError(f"StepProfile.tokens must be an int > 0, got {self.tokens!r}")
-
-    @property
-    def offload_room_bytes(self) -> int:
-        """What a step may offload in all: the pinned pool's cap, and the disk tier's room past it."""
-        return self.host_cap_bytes + self.disk_cap_bytes
 
     def scaled(self, tokens: int) -> StepProfile:
         """The same step at another number of tokens.

@@ -22,15 +22,16 @@ from .simulate import (
     MeasuredStep,
     Plan,
     SimulatedStep,
+    all_placed,
     check_code,
     chunk_sizes,
     describe_peak,
-    fitting_in_order,
     gathered_parameters,
     gradients_at_backward,
     late_gradients_bytes,
     layer_options,
     memory_order,
+    offload_places,
     prediction_of,
     simulate_step,
 )
@@ -114,8 +115,8 @@ def _greedy_plans(
 
     Each layer's changes follow the lower convex hull of its (bytes held, seconds added) options among `planned`,
     e.g. keep -> selective -> full; all layers' changes are merged by bytes freed per second added, earlier layers
-    first on ties (they free memory for more of the step). A change that would overflow the host cap becomes the
-    layer's best change that fits in what the host has left.
+    first on ties (they free memory for more of the step). A change whose offloaded bytes the host (and the disk
+    tier) would have no room for (`all_placed`) becomes the layer's best change that has room.
     """
     held = [{letter: option.held for letter, option in layer.items()} for layer in options]
     offloaded = [{letter: option.offloaded for letter, option in layer.items()} for layer in options]
@@ -129,18 +130,27 @@ def _greedy_plans(
             current = target
     changes.sort(key=lambda change: (-change[0], change[1]))  # stable: a layer's own changes stay in hull order
 
-    letters, host_bytes, plans = ["K"] * len(options), 0, []
+    letters, plans = ["K"] * len(options), []
+    sizes = [0] * len(options)  # what each layer offloads under `letters`
+
+    def placed(i: int, letter: str) -> bool:
+        """Whether the host (and the disk tier) would have room for every layer's offloaded bytes with layer `i`
+        under `letter`."""
+        sizes[i], current = offloaded[i][letter], sizes[i]
+        fits = all_placed(profile, sizes)
+        sizes[i] = current
+        return fits
+
     for _, i, target in changes:
         current = letters[i]
         if held[i][target] >= held[i][current]:
             continue  # a fallback for the host cap already went past it
-        room = profile.offload_room_bytes - host_bytes + offloaded[i][current]
-        if offloaded[i][target] > room:
-            fitting = [letter for letter in planned if offloaded[i][letter] <= room]
+        if not placed(i, target):
+            fitting = [letter for letter in planned if placed(i, letter)]
             target = _next_option(current, fitting, held[i], seconds[i])
             if target is None:
                 continue
-        host_bytes += offloaded[i][target] - offloaded[i][current]
+        sizes[i] = offloaded[i][target]
         letters[i] = target
         plans.append(letters.copy())
     return plans
@@ -168,11 +178,12 @@ def _offload_prefix_limit(profile: StepProfile, options: list[dict[str, LayerOpt
 def safe_code(profile: StepProfile, letters_of: str = "Cc") -> str:
     """The safe plan: every layer fully checkpointed (`Cc`; its MLP tiled, `Tt`; or tiled whole, `Ll`), inputs
     offloaded from the first layer on while the host (with a disk tier, the disk too) has room
-    (`profile.offload_room_bytes`), kept on the device after: what the engine does with a full pinned pool, which a
+    (`offload_places`), kept on the device after: what the engine does with a full pinned pool, which a
     plan that offloads every input would not predict."""
     offloaded, kept = letters_of
     inputs = [layer.input_bytes for layer in profile.layers]
-    return "".join(offloaded if fit else kept for fit in fitting_in_order(inputs, profile.offload_room_bytes))
+    places = offload_places(inputs, profile.host_cap_bytes, profile.disk_cap_bytes)
+    return "".join(kept if place is None else offloaded for place in places)
 
 
 def _simplicity(code: Sequence[str]) -> tuple[int, int, int]:
@@ -338,7 +349,7 @@ class _Search:
     def fits(self, run: SimulatedStep) -> bool:
         """Whether the model fits the plan: its predicted peak within the budget less the margin, what it offloads
         within the host cap (and the disk tier's room)."""
-        return run.peak_bytes <= self.limit and run.host_bytes <= self.profile.offload_room_bytes
+        return run.peak_bytes <= self.limit and not run.unplaced_bytes
 
     def as_plan(self, letters: Sequence[str], run: SimulatedStep) -> Plan:
         code = "".join(letters)
@@ -357,7 +368,7 @@ class _Search:
         """Whether the plan fits by its measured peak where it ran (`Plan.fits`), else by the model, and the host has
         room for what it offloads."""
         letters, run = candidate
-        return self.as_plan(letters, run).fits(self.margin_bytes) and run.host_bytes <= self.profile.offload_room_bytes
+        return self.as_plan(letters, run).fits(self.margin_bytes) and not run.unplaced_bytes
 
     def fastest(self, candidates: list[_Candidate]) -> Plan:
         """The fastest plan, or where a measured one is within `STEP_TIME_NOISE` of it, the simplest of those."""

@@ -81,8 +81,9 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     the model gives its layers, held from before the first layer until the layers' backward.
   * Correction. Every point above is raised by `peak_correction_bytes`: the most a plan that ran peaked above this
     model's prediction of it, which the closed loop measures.
-  * Host. Every offloaded byte of a step is on the host when the forward ends: the sum must fit `host_cap_bytes`,
-    or with a disk tier `offload_room_bytes`: a layer whose offloaded bytes the pinned pool has no room for goes to
+  * Host. Every offloaded byte of a step is on the host when the forward ends: each layer's must have a place
+    (`offload_places`: the pinned pool's `host_cap_bytes`, or with a disk tier its `disk_cap_bytes`, each whole in
+    one, as the engine places copies). A layer whose offloaded bytes the pinned pool has no room for goes to
     the disk (forward order, as the engine spills what the pool refuses), its copy out at the slower of the link and
     the disk's writes (`disk_write_bytes_per_s`: the engine waits for a staging buffer), its reload at the slower of
     the link and the disk's reads. Without a tier, or with room on the host, nothing goes there and nothing changes.
@@ -263,6 +264,7 @@ class SimulatedStep(NamedTuple):
     head_reload_bytes: int  # the reloads the head starts, before `StepProfile.head_reload_hidden_bytes`
     tail_bytes: int  # the engine's tail the head counts (in `head_base_bytes`)
     disk_bytes: int = 0  # of `host_bytes`, those on the disk tier
+    unplaced_bytes: int = 0  # of `host_bytes`, those neither the pinned pool nor the disk tier has room for
 
 
 def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerOption]:
@@ -320,10 +322,12 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
     """
     static = profile.static_bytes + profile.peak_correction_bytes + profile.call_argument_bytes
     gathered_in_forward, gathered_in_backward = gathered_parameters(profile)
-    spilled = _spilled(profile, options)
+    offloaded = [option.offloaded for option in options]
+    places = offload_places(offloaded, profile.host_cap_bytes, profile.disk_cap_bytes)
+    spilled = [place == ON_DISK for place in places] if profile.disk_cap_bytes else None
     forward = _forward(profile, options, static, gathered_in_forward, spilled)
-    reloads_bytes = sum(option.offloaded for option in options)
-    narrowest = max(option.offloaded for option in options)
+    reloads_bytes = sum(offloaded)
+    narrowest = max(offloaded)
     head = _head(profile, forward, static, reloads_bytes, narrowest)
     points: list[_Point] = [  # after the forward, in time order
         (head.base_bytes, max(0, head.reload_bytes - profile.head_reload_hidden_bytes), "head", -1),
@@ -351,28 +355,39 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         head_base_bytes=head.base_bytes,
         head_reload_bytes=head.reload_bytes,
         tail_bytes=head.tail_bytes,
-        disk_bytes=sum(option.offloaded for option, disk in zip(options, spilled) if disk) if spilled else 0,
+        disk_bytes=sum(size for size, place in zip(offloaded, places) if place == ON_DISK),
+        unplaced_bytes=sum(size for size, place in zip(offloaded, places) if place is None),
     )
 
 
-def fitting_in_order(sizes: Sequence[int], room: int) -> list[bool]:
-    """Whether each of `sizes`, in order, fits in what those before it that fitted left of `room`: how the engine's
-    pinned pool (or the pool and the disk tier) takes copies, first come first served, refusing what it has no room
-    for and taking a later one that fits."""
-    fits, used = [], 0
+ON_HOST, ON_DISK = "host", "disk"
+
+
+def offload_places(sizes: Sequence[int], host_room: int, disk_room: int = 0) -> list[str | None]:
+    """Where each of `sizes` (what each layer offloads, in forward order) goes, as the engine places its copies:
+    first come first served, each whole in one place, the pinned pool (`ON_HOST`) where it fits what those before it
+    left of `host_room`, else the disk tier (`ON_DISK`) where it fits what they left of `disk_room`, else nowhere
+    (None: it stays on the device). Each tier's room counts apart: with 4 GiB inputs, a pool of 61.97 GiB holds 15 and
+    a disk tier's 38.70 GiB 9, where their sum would have room for 25."""
+    places: list[str | None] = []
+    on_host = on_disk = 0
     for size in sizes:
-        fit = used + size <= room
-        used += size if fit else 0
-        fits.append(fit)
-    return fits
+        if on_host + size <= host_room:
+            on_host += size
+            places.append(ON_HOST)
+        elif on_disk + size <= disk_room:
+            on_disk += size
+            places.append(ON_DISK)
+        else:
+            places.append(None)
+    return places
 
 
-def _spilled(profile: StepProfile, options: Sequence[LayerOption]) -> list[bool] | None:
-    """Per layer, whether what it offloads goes to the disk tier: the pinned pool has no room left for it (forward
-    order, as the engine spills what the pool refuses). None without a tier, where nothing can."""
-    if not profile.disk_cap_bytes:
-        return None
-    return [not fit for fit in fitting_in_order([option.offloaded for option in options], profile.host_cap_bytes)]
+def all_placed(profile: StepProfile, sizes: Sequence[int]) -> bool:
+    """Whether the pinned pool and the disk tier have room for every one of `sizes` (`offload_places`)."""
+    if sum(sizes) <= profile.host_cap_bytes:
+        return True  # under the pool's cap, first come first served refuses none
+    return None not in offload_places(sizes, profile.host_cap_bytes, profile.disk_cap_bytes)
 
 
 # A point of the step after the forward, where the peak may be: (memory without the reloads, the reloads still to come
@@ -801,9 +816,10 @@ class Plan:
         room past it) is full: their input would have fit the budget's plan offloaded, but not the host."""
         kept = [i for i, layer in enumerate(self.layers) if layer.code in "sctl"]
         smallest = min((self.layers[i].held_bytes for i in kept), default=0)
-        room = self.host_cap_bytes + self.disk_cap_bytes
-        full = self.host_cap_bytes and self.predicted.host_bytes + smallest > room
-        return kept if full else []
+        pinned = self.predicted.host_bytes - self.predicted.disk_bytes
+        pool_full = smallest > self.host_cap_bytes - pinned
+        disk_full = smallest > self.disk_cap_bytes - self.predicted.disk_bytes
+        return kept if self.host_cap_bytes and pool_full and disk_full else []
 
     def format_table(self) -> str:
         """The plan as a table for the log: a header line (and what limits it), then one line per layer."""

@@ -534,6 +534,24 @@ def test_past_a_full_pinned_pool_the_plan_offloads_to_the_disk_at_its_pace() -> 
     assert "the host's pinned cap of 40.00 GiB and the disk tier's room of 8.00 GiB is full" in small.format_table()
 
 
+def test_the_pool_and_the_disk_tier_each_take_whole_tensors() -> None:
+    # What an H100 run of 524,288 tokens met: a pool cap of 61.97 GiB holds 15 inputs of 4 GiB, the disk's 38.70 GiB
+    # 9; their sum has room for 25, and the plan that offloaded 25 kept the last one on the GPU, unplanned.
+    assert step_model.offload_places([4 * GIB] * 25, int(61.97 * GIB), int(38.70 * GIB)) == ["host"] * 15 + ["disk"] * 9 + [None]
+    # The engine takes a later tensor that fits where an earlier one did not.
+    assert step_model.offload_places([3, 2, 1], 4, 0) == ["host", None, "host"]
+    # 2 GiB inputs: the pool holds 20 of them (1 GiB left), the disk 11 (1 GiB left): 31, where 64 GiB is 32 inputs.
+    profile = long_profile(host_cap_bytes=41 * GIB, disk_cap_bytes=23 * GIB, disk_write_bytes_per_s=2e9,
+                           disk_read_bytes_per_s=4e9)  # fmt: skip
+    assert search.safe_code(profile) == "C" * 31 + "c"
+    every_input_offloaded = [layer_options(profile, layer)["T"] for layer in profile.layers]
+    assert step_model.simulate_step(profile, every_input_offloaded).unplaced_bytes == 2 * GIB
+    result = choose_plan(profile, 70 * GIB)
+    assert result.code == "T" * 31 + "t" and result.predicted.disk_bytes == 22 * GIB
+    assert result.inputs_kept_for_host == [31]
+    assert "the host's pinned cap of 41.00 GiB and the disk tier's room of 23.00 GiB is full" in result.format_table()
+
+
 def test_a_disk_tier_needs_its_bandwidths() -> None:
     with pytest.raises(ValueError, match="disk_write_bytes_per_s must be a finite number > 0"):
         long_profile(disk_cap_bytes=GIB)
