@@ -537,7 +537,8 @@ def test_past_a_full_pinned_pool_the_plan_offloads_to_the_disk_at_its_pace() -> 
 def test_the_pool_and_the_disk_tier_each_take_whole_tensors() -> None:
     # What an H100 run of 524,288 tokens met: a pool cap of 61.97 GiB holds 15 inputs of 4 GiB, the disk's 38.70 GiB
     # 9; their sum has room for 25, and the plan that offloaded 25 kept the last one on the GPU, unplanned.
-    assert step_model.offload_places([4 * GIB] * 25, int(61.97 * GIB), int(38.70 * GIB)) == ["host"] * 15 + ["disk"] * 9 + [None]
+    places = step_model.offload_places([4 * GIB] * 25, int(61.97 * GIB), int(38.70 * GIB))
+    assert places == ["host"] * 15 + ["disk"] * 9 + [None]
     # The engine takes a later tensor that fits where an earlier one did not.
     assert step_model.offload_places([3, 2, 1], 4, 0) == ["host", None, "host"]
     # 2 GiB inputs: the pool holds 20 of them (1 GiB left), the disk 11 (1 GiB left): 31, where 64 GiB is 32 inputs.
