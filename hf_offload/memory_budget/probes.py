@@ -303,6 +303,8 @@ class LayerProbe:
     # The wall-clock seconds of each of the probe's measurements, in the order they ran (`_probe_outside_the_step`):
     # what a long first step's probe cost goes to, its first calls of the layer's kernels included (the first).
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Why the probe ran on the call's whole length (its arguments cut to fewer tokens do not run), or None.
+    uncut_error: str | None = None
     # Why this layer must not be checkpointed selectively (its gradients would differ), or None: its forward writes in
     # place into the output of a matrix product or attention, which the checkpoint keeps for its recomputation.
     selective_error: str | None = None
@@ -451,7 +453,8 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         quadratic_forward_peak_bytes=quadratic["forward_working"],
     )
     probe = LayerProbe(profile, kept.working_bytes, call.tokens, call.step_tokens, seconds=seconds,
-                       quadratic_working_bytes=quadratic["working"], quadratic_error=quadratic_error)  # fmt: skip
+                       quadratic_working_bytes=quadratic["working"], quadratic_error=quadratic_error,
+                       uncut_error=call.uncut_error)  # fmt: skip
     if kept.selective_written_by is not None:
         probe.selective_error = (f"{kept.selective_written_by} writes in place into the output of a matrix product or "
                                  "attention, which a selective checkpoint keeps for its recomputation: the write "
@@ -476,12 +479,14 @@ class _ProbedCall:
         self.step_tokens = args[0].shape[:-1].numel()
         self._step_call = _without_the_cache(layer, args, kwargs)
         self.first_dim_only = False  # how the arguments are cut (`first_tokens`)
+        self.uncut_error: str | None = None  # why the probe runs on the call's whole length, where it must
         self.parameters = [p for p in layer.parameters() if p.requires_grad]
         self.pointers = parameter_storages(layer.parameters())
         self._cut()
 
     def _cut(self) -> None:
-        self.args, self.kwargs = first_tokens(*self._step_call, PROBE_MAX_TOKENS, first_dim_only=self.first_dim_only)
+        max_tokens = self.step_tokens if self.uncut_error else PROBE_MAX_TOKENS
+        self.args, self.kwargs = first_tokens(*self._step_call, max_tokens, first_dim_only=self.first_dim_only)
         self.hidden = self.args[0]
         self.tokens = self.hidden.shape[:-1].numel()
         self.forward = self.forward_on(self.args, self.kwargs)
@@ -489,17 +494,35 @@ class _ProbedCall:
     def first_run(self) -> _Kept:
         """The first run of the layer kept. Where its arguments, cut to the probe's tokens, do not fit together (a
         dimension other than the sequence's as long as it, such as a rotary table's head size, was cut too), they
-        are cut again along the first such dimension of each argument only (`first_tokens`), and it runs on those."""
+        are cut again along the first such dimension of each argument only (`first_tokens`). Where those do not run
+        either, the layer's hidden states hold more than (batch, sequence, hidden), so that the cut takes the wrong
+        dimension (DeepSeek-V4's hyper-connection streams after the sequence, ProphetNet's n-gram streams stacked
+        along it), or the layer reads state of the step's length from elsewhere: it runs on the call's own
+        arguments, uncut (`uncut_error` says why), as the step would run it kept. A device too small for that raises
+        an out-of-memory error that says so, in the first step, before any plan was applied."""
+        for first_dim_only in (False, True):
+            if first_dim_only:
+                self.first_dim_only = True
+                self._cut()
+            try:
+                return self.run_kept(self.forward)
+            except torch.OutOfMemoryError:
+                raise
+            except (RuntimeError, ValueError) as error:
+                if self.tokens == self.step_tokens:  # not cut: the layer's own error
+                    raise
+                failed = error
+        self.uncut_error = f"its arguments cut to fewer tokens do not run ({str(failed).splitlines()[0][:160]})"
+        self._cut()
         try:
             return self.run_kept(self.forward)
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, ValueError):
-            if self.tokens == self.step_tokens or self.first_dim_only:  # not cut, or cut so already
-                raise
-        self.first_dim_only = True
-        self._cut()
-        return self.run_kept(self.forward)
+        except torch.OutOfMemoryError as error:
+            raise torch.OutOfMemoryError(
+                f"hf_offload: memory_budget probes {type(self.layer).__name__} on its call's {self.step_tokens} "
+                f"tokens, as {self.uncut_error}, and that does not fit on the device: no plan can be made for a "
+                "first step this long. Start with shorter steps (the probes then run on those), or offload without "
+                f"memory_budget. {error}"
+            ) from error
 
     def forward_on(self, args: tuple, kwargs: dict) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """The layer's forward on these arguments, from a fresh leaf copy of their hidden states: that leaf, and the

@@ -195,6 +195,9 @@ class ProfiledSteps:
                     format_bytes(at_step.saved_bytes), format_bytes(at_step.input_bytes),
                     format_bytes(probe.working_at_step()[0]), at_step.forward_s * 1e3,
                     at_step.backward_s * 1e3)  # fmt: skip
+        if probe.uncut_error is not None:
+            logger.info("hf_offload: %s was probed on its call's whole length: %s", self._names[index],
+                        probe.uncut_error)  # fmt: skip
         if probe.mlp_tiling_error is not None:
             logger.info("hf_offload: the planner cannot tile the MLPs: %s: %s", self._names[index],
                         probe.mlp_tiling_error)  # fmt: skip

@@ -95,6 +95,47 @@ def test_the_probes_leave_no_trace_in_the_first_step(arch):
     assert torch.equal(probed.loss, plain.loss) and torch.equal(probed.aux_loss, plain.aux_loss)
 
 
+class _StreamsAfterTheSequence(torch.nn.Module):
+    """A layer whose hidden states are (batch, sequence, streams, hidden), as DeepSeek-V4's hyper-connections: it
+    mixes its streams with weights made from all of them, so the probe's cut along the second-to-last dimension (the
+    streams) does not run; `too_large_uncut` raises an out-of-memory error on the call as it came."""
+
+    def __init__(self, streams: int = 4, hidden: int = 8, too_large_uncut: bool = False) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(streams * hidden, streams)
+        self.streams, self.too_large_uncut = streams, too_large_uncut
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.too_large_uncut and hidden.shape[-2] == self.streams:
+            raise torch.OutOfMemoryError("CUDA out of memory (made up)")
+        weights = self.mix(hidden.flatten(-2)).softmax(-1)  # (batch, sequence, streams)
+        return hidden * weights[..., None] + position_ids[..., None, None]
+
+
+def test_a_layer_whose_arguments_cannot_be_cut_is_probed_on_its_whole_call(monkeypatch):
+    """Cut to fewer tokens, such a layer's arguments do not fit together (a crash in the first step, before): it is
+    probed on its call as it came, and says why; where that does not fit on the device, the out-of-memory error
+    says what to do."""
+    from hf_offload.memory_budget import probes
+
+    monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", 16)
+    hidden, positions = torch.randn(2, 24, 4, 8), torch.arange(24.0).expand(2, 24)
+    probe = probes.probe_layer(_StreamsAfterTheSequence(), (hidden, positions), {}, probes.Meter("cpu"))
+    assert probe.tokens == probe.step_tokens == 2 * 24 * 4
+    assert probe.uncut_error.startswith("its arguments cut to fewer tokens do not run (")
+    assert probe.profile.saved_bytes > 0
+    with pytest.raises(torch.OutOfMemoryError, match=r"no plan can be made for a first step this long\. Start with "
+                       r"shorter steps .* CUDA out of memory \(made up\)"):  # fmt: skip
+        probes.probe_layer(_StreamsAfterTheSequence(too_large_uncut=True), (hidden, positions), {}, probes.Meter("cpu"))
+    # A call the probe cuts is not marked.
+    layer = build_model("llama", dtype="fp32", device="cpu", attn="sdpa", **SIZE).model.layers[0]
+    long = torch.randn(1, SEQ, SIZE["hidden"])
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(layer.self_attn.config)
+    probe = probes.probe_layer(layer, (long,), {"position_embeddings": rotary(long, torch.arange(SEQ)[None])},
+                               probes.Meter("cpu"))  # fmt: skip
+    assert (probe.tokens, probe.step_tokens, probe.uncut_error) == (16, SEQ, None)
+
+
 def test_a_probe_drops_the_cache_under_any_name():
     # transformers 5.24 renamed the layers' `past_key_values` to `cache`: a probe that passed the step's cache on grew
     # it by its own keys, and the step's attention then saw twice its keys (a size mismatch in every budget test).
