@@ -67,6 +67,7 @@ from .actions import ACTIONS, FULL, FULL_TILED, KEEP, OFFLOAD, SELECTIVE, SELECT
 __all__ = [
     "LayerActionLike",
     "AppliedActions",
+    "StorageSet",
     "apply_layer_actions",
     "checkpointing_as",
     "saved_by_selective_checkpoint",
@@ -246,6 +247,34 @@ def written_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return tensors
 
 
+class StorageSet:
+    """Tensors' storages, each held by a weak reference: a storage freed and its address reused by a new one is not
+    taken for it. Views of any kind share their base's storage, so a write through one is seen."""
+
+    def __init__(self) -> None:
+        self._storages: dict[int, weakref.ref] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        if _has_one_storage(tensor) and tensor.untyped_storage().nbytes():
+            storage = tensor.untyped_storage()
+            self._storages[storage.data_ptr()] = weakref.ref(storage)
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        if not _has_one_storage(tensor):
+            return False
+        storage = tensor.untyped_storage()
+        known = self._storages.get(storage.data_ptr())
+        return known is not None and known() is storage
+
+    def __bool__(self) -> bool:
+        return bool(self._storages)
+
+
+def _has_one_storage(tensor: torch.Tensor) -> bool:
+    """A plain strided tensor: a sparse one, or a tensor subclass, has no one storage to compare."""
+    return type(tensor) is torch.Tensor and tensor.layout == torch.strided
+
+
 class _Packed:
     """A tensor output, as the engine's pack hook returned it (the handle of its host copy, or the tensor kept)."""
 
@@ -303,7 +332,7 @@ class _StashingMode(TorchDispatchMode):
         self._pack = pack
         # The storages of the stashed outputs, to refuse an in-place write into one: its copy may still be reading
         # it on the side stream, and backward would be handed the value from before the write.
-        self._storages: dict[int, weakref.ref] = {}
+        self._storages = StorageSet()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -321,16 +350,12 @@ class _StashingMode(TorchDispatchMode):
     def _packed(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        if type(value) is torch.Tensor and value.untyped_storage().nbytes():
-            storage = value.untyped_storage()
-            self._storages[storage.data_ptr()] = weakref.ref(storage)
+        self._storages.add(value)
         return _Packed(self._pack(value.detach()))
 
     def _refuse_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
         for tensor in written_tensors(func, args, kwargs):
-            storage = tensor.untyped_storage()
-            stashed = self._storages.get(storage.data_ptr())
-            if stashed is not None and stashed() is storage:
+            if tensor in self._storages:
                 raise RuntimeError(
                     f"{func} writes in place into the output of a matrix product or attention that a "
                     f"'{SELECTIVE_OFFLOAD}' checkpoint has handed to the offloading engine: its copy would not "

@@ -37,6 +37,7 @@ from ..model import CACHE_ARGUMENTS, first_tensor, is_cache
 from ..policy import is_parameter_or_view, parameter_storages
 from ..tiled.integration import layer_bytes_per_token
 from .layer_actions import (
+    StorageSet,
     checkpointing_as,
     saved_by_selective_checkpoint,
     selective_checkpoint_function,
@@ -214,16 +215,16 @@ class _CountSelectiveOutputs(TorchDispatchMode):
         super().__init__()
         self.nbytes = 0
         self.written: str | None = None
-        self._outputs: dict[int, weakref.ref] = {}  # the storages a selective checkpoint would keep
-        self._tainted: dict[int, weakref.ref] = {}  # those written into, and what was computed from them since
+        self._outputs = StorageSet()  # the storages a selective checkpoint would keep
+        self._tainted = StorageSet()  # those written into, and what was computed from them since
         self._writer: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         written = written_tensors(func, args, kwargs)
-        into_output = any(_among(tensor, self._outputs) for tensor in written)
+        into_output = any(tensor in self._outputs for tensor in written)
         reads_tainted = bool(self._tainted) and any(
-            _among(t, self._tainted) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+            t in self._tainted for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
         )
         out = func(*args, **kwargs)
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -231,31 +232,17 @@ class _CountSelectiveOutputs(TorchDispatchMode):
             self._writer = str(func)
         if into_output or reads_tainted:
             for tensor in (*written, *tensors):
-                _add(tensor, self._tainted)
+                self._tainted.add(tensor)
         if saved_by_selective_checkpoint(func):
             self.nbytes += sum(t.nbytes for t in tensors)
             for tensor in tensors:
-                _add(tensor, self._outputs)
+                self._outputs.add(tensor)
         return out
 
     def saved(self, tensor: torch.Tensor) -> None:
         """Autograd saves `tensor` (for the probe's pack hook)."""
-        if self.written is None and self._tainted and _among(tensor, self._tainted):
+        if self.written is None and tensor in self._tainted:
             self.written = self._writer
-
-
-def _among(tensor: torch.Tensor, storages: dict[int, weakref.ref]) -> bool:
-    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:  # a sparse tensor has no one storage
-        return False
-    storage = tensor.untyped_storage()
-    known = storages.get(storage.data_ptr())
-    return known is not None and known() is storage
-
-
-def _add(tensor: torch.Tensor, storages: dict[int, weakref.ref]) -> None:
-    if type(tensor) is torch.Tensor and tensor.layout == torch.strided and tensor.untyped_storage().nbytes():
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = weakref.ref(storage)
 
 
 @dataclasses.dataclass
