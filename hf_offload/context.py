@@ -28,6 +28,7 @@ from .model import (
     find_attention_modules,
     find_decoder_layers,
     find_head,
+    find_input_embeddings,
     find_liger_modules,
     find_output_head,
     outermost,
@@ -166,7 +167,7 @@ def get_act_offloading_ctx_manager(
     if warn_if_no_head and head is None:  # a final norm alone does not spare the head
         _warn_no_head_once(unwrapped)
 
-    install_tail_hooks(engine, unwrapped, [module for _, module in tail])
+    install_tail_hooks(engine, unwrapped, [module for _, module in tail], find_input_embeddings(unwrapped))
     exempt = outermost(find_liger_modules(unwrapped))
     for _, module in exempt:
         install_exempt_hooks(engine, module)

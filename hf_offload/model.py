@@ -32,6 +32,7 @@ __all__ = [
     "unwrap_model",
     "find_head",
     "find_output_head",
+    "find_input_embeddings",
     "find_liger_modules",
     "find_liger_functions",
     "find_attention_modules",
@@ -277,6 +278,19 @@ def find_output_head(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if match is not None and all(match[1] is not module for _, module in found):
             found.append(match)
     return found
+
+
+def find_input_embeddings(model: nn.Module) -> nn.Module | None:
+    """The unwrapped model's token embeddings (transformers' `get_input_embeddings`), or None where it has none or
+    does not say."""
+    getter = getattr(unwrap_model(model), "get_input_embeddings", None)
+    if getter is None:
+        return None
+    try:
+        embeddings = getter()
+    except (NotImplementedError, AttributeError):  # transformers' default for a model without token embeddings
+        return None
+    return embeddings if isinstance(embeddings, nn.Module) else None
 
 
 def _is_liger(name: str, module: nn.Module) -> bool:

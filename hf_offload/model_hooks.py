@@ -2,7 +2,8 @@
 
 The engine knows nothing about models. `get_act_offloading_ctx_manager` (in `context`) installs these hooks, found with
 `model`'s lookups: on the tail of the forward (final norm, head, loss) and on every Liger module, a pair of forward
-hooks that suspend offloading while the module runs; on the head and on every block's attention, a hook that times the
+hooks that suspend offloading while the module runs (and on the token embeddings one that tells the tail a final norm
+run before the layers, `_TailHooks`); on the head and on every block's attention, a hook that times the
 reloads of backward (`_PrefetchPoints`). Every hook is `eager_only`: inside code that torch.compile traces it does
 nothing (see `compile_guard`).
 """
@@ -92,7 +93,20 @@ class _TailHooks(_ExemptHooks):
     calls `lm_head.forward`, but the final norm still runs first. All of it is needed first by backward, so
     the region stays open until the model's forward returns. A tail module called outside the model's forward
     gets an ordinary per-module region.
+
+    A tail module called on the token embeddings' output opens nothing: NanoChat normalizes its embeddings with its
+    final norm before the layers, and a region opened there would keep every layer's tensors. The embeddings' own
+    forward hook tells (`embeddings_exit`), not the layers': under regional compilation theirs are traced.
     """
+
+    @eager_only
+    def embeddings_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        embeddings = first_tensor(output)
+        self._local.embeddings = weakref.ref(embeddings) if embeddings is not None else None
+
+    def _is_the_embeddings(self, args: Any) -> bool:
+        embeddings = getattr(self._local, "embeddings", None)
+        return bool(args) and embeddings is not None and args[0] is embeddings()
 
     def _depth(self) -> int:
         return getattr(self._local, "depth", 0)
@@ -113,6 +127,8 @@ class _TailHooks(_ExemptHooks):
         stack = self._stack()
         if stack and stack[-1][1] == self._depth() and self._depth() > 0:
             return  # the region opened by an earlier tail module of this forward is still open
+        if self._depth() > 0 and self._is_the_embeddings(args):
+            return  # before the layers: not the tail
         region = engine.exempt(ends_forward=True) if engine.is_innermost() else None
         if region is not None:
             region.__enter__()
@@ -136,10 +152,13 @@ class _TailHooks(_ExemptHooks):
                 region.__exit__(None, None, None)
 
 
-def install_tail_hooks(engine: OffloadActivations, model: nn.Module, tail: list[nn.Module]) -> None:
+def install_tail_hooks(engine: OffloadActivations, model: nn.Module, tail: list[nn.Module],
+                       embeddings: nn.Module | None = None) -> None:  # fmt: skip
     hooks = _TailHooks(engine)
     engine.track_hook(model.register_forward_pre_hook(hooks.root_enter))
     engine.track_hook(model.register_forward_hook(hooks.root_exit, always_call=True))
+    if embeddings is not None:
+        engine.track_hook(embeddings.register_forward_hook(hooks.embeddings_exit))
     for module in tail:
         engine.track_hook(module.register_forward_pre_hook(hooks.enter))
         engine.track_hook(module.register_forward_hook(hooks.exit, always_call=True))

@@ -324,9 +324,10 @@ def test_peft_model_and_its_base_share_one_installation():
     get_act_offloading_ctx_manager(peft_model, device_type="cpu")
     engine = get_act_offloading_ctx_manager(peft_model.get_base_model(), device_type="cpu")
     assert hook_counts(model.lm_head) == (1, 2)
-    # model, head and final norm: one pre + one post each; prefetch points: one pre on the model, one post on the
-    # head and on each of the two layers' attention
-    assert len(our_hooks(peft_model)) == 10
+    # model, head and final norm: one pre + one post each; one post on the token embeddings (a final norm run on
+    # them opens no tail); prefetch points: one pre on the model, one post on the head and on each of the two layers'
+    # attention
+    assert len(our_hooks(peft_model)) == 11
     engine.remove_hooks()
     assert our_hooks(peft_model) == []
 
@@ -638,6 +639,44 @@ def test_tail_region_closes_after_an_exception_and_outside_the_model_forward():
         model.lm_head(torch.randn(2, 8, requires_grad=True))  # the head alone, outside the model's forward
         assert _hook_stack_top()[0] == engine.pack_hook
     assert _hook_stack_top() is None
+
+
+class NormsItsEmbeddingsFirst(nn.Module):
+    """NanoChat's order: the final norm runs on the token embeddings before the layers, and again after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+        self.norm = nn.LayerNorm(16)
+        self.lm_head = nn.Linear(16, 32)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.norm(self.embed_tokens(ids))
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.lm_head(self.norm(hidden)).logsumexp(-1).sum()
+
+
+def test_a_final_norm_run_on_the_embeddings_does_not_open_the_tail():
+    """Opened at that first call, the tail region kept every layer's tensors, and offloading moved nothing."""
+    torch.manual_seed(0)
+    model = NormsItsEmbeddingsFirst()
+    ids = torch.randint(32, (2, 8))
+    model(ids).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    engine = get_act_offloading_ctx_manager(model, device_type="cpu", min_offload_size=0)
+    with engine:
+        model(ids).backward()
+    stats = engine.get_stats()
+    # Each layer's Linear input and GELU input, and the first norm's input, went to the host.
+    assert stats["tensors_offloaded"] >= 5
+    assert stats["tensors_kept_exempt"] >= 3  # the tail still kept: the final norm's input, the head's, the loss's
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want))
 
 
 # ------------------------------------------------------------------------------------------------ prefetch points
