@@ -864,7 +864,7 @@ class Plan:
             lines.append(f"{len(self.inputs_kept_for_host)} checkpointed layers keep their input on the GPU: the "
                          f"host's pinned cap of {format_bytes(self.host_cap_bytes)}{disk} is full "
                          "(max_pinned_memory_fraction, max_pinned_mib, host_memory_reserve_mib"
-                         f"{', disk_offload_dir' if not disk else ''})")  # fmt: skip
+                         f"{', disk_offload_dir' if not disk else ', disk_reserve_mib'})")  # fmt: skip
         # One unit for both byte columns, the one their largest figure reads in (KiB for a tiny model, not 0.00 GiB).
         unit, scale = byte_unit(max((max(layer.held_bytes, layer.offloaded_bytes) for layer in predicted.layers),
                                     default=0))  # fmt: skip

@@ -550,7 +550,9 @@ def test_the_pool_and_the_disk_tier_each_take_whole_tensors() -> None:
     result = choose_plan(profile, 70 * GIB)
     assert result.code == "T" * 31 + "t" and result.predicted.disk_bytes == 22 * GIB
     assert result.inputs_kept_for_host == [31]
-    assert "the host's pinned cap of 41.00 GiB and the disk tier's room of 23.00 GiB is full" in result.format_table()
+    assert ("the host's pinned cap of 41.00 GiB and the disk tier's room of 23.00 GiB is full "
+            "(max_pinned_memory_fraction, max_pinned_mib, host_memory_reserve_mib, disk_reserve_mib)"
+            in result.format_table())  # fmt: skip
 
 
 def test_a_disk_tier_needs_its_bandwidths() -> None:
