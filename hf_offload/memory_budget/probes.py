@@ -24,6 +24,7 @@ import inspect
 import itertools
 import time
 import weakref
+from collections import UserDict
 from collections.abc import Callable
 from typing import Any
 
@@ -761,9 +762,10 @@ def first_tokens(args: tuple, kwargs: dict, max_tokens: int, first_dim_only: boo
 
     The first tokens of a causal sequence are a sequence of their own: the hidden states are cut along their
     sequence dimension, every other tensor argument along each dimension as long as the sequence (position ids and
-    embeddings, cache positions, both sequence dimensions of a 4-d attention mask). Short calls are returned
-    unchanged, and so are packed ones (a vision tower's 2-d hidden states, whose sequences' bounds other arguments
-    such as `cu_seqlens` give: cutting would break them).
+    embeddings, cache positions, both sequence dimensions of a 4-d attention mask, the keys and values that Gemma 3n's
+    layers share in a `UserDict`, which is copied, so that a layer storing its own there leaves the step's alone).
+    Short calls are returned unchanged, and so are packed ones (a vision tower's 2-d hidden states, whose sequences'
+    bounds other arguments such as `cu_seqlens` give: cutting would break them).
 
     With `first_dim_only`, an argument of fewer than 4 dimensions is cut along the first dimension as long as the
     sequence only: where another is as long (rotary tables of 32 values a head at a length of 32 tokens), cutting
@@ -776,6 +778,8 @@ def first_tokens(args: tuple, kwargs: dict, max_tokens: int, first_dim_only: boo
     keep = max(1, max_tokens // batch)
 
     def cut(value: Any) -> Any:
+        if isinstance(value, UserDict):  # a pytree leaf, unlike a dict
+            return type(value)({key: tree_map(cut, item) for key, item in value.items()})
         if not isinstance(value, torch.Tensor):
             return value
         dims = [dim for dim, size in enumerate(value.shape) if size == length]

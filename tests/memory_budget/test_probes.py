@@ -500,3 +500,33 @@ def test_gemma3n_text_layers_are_refused_a_selective_checkpoint_by_the_probe():
     rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(layer.self_attn.config)
     kwargs = {"position_embeddings": rotary(hidden, torch.arange(SEQ)[None])}
     assert probes.probe_layer(layer, (hidden,), kwargs, probes.Meter("cpu")).selective_error is None
+
+
+def test_gemma3n_layers_sharing_keys_and_values_are_probed_on_their_first_tokens(monkeypatch):
+    """Gemma 3n's last layers read the keys and values of earlier ones from a `KVSharingDict` (a `UserDict`, which
+    pytrees do not enter), as long as the sequence: cut with the other arguments, every layer runs on the probe's
+    tokens (on the whole call, before: the cut call did not run), and the step's own dictionary is left as it was."""
+    if not hasattr(transformers, "Gemma3nForCausalLM"):
+        pytest.skip("this transformers has no Gemma 3n")
+    from hf_offload.memory_budget import probes
+
+    monkeypatch.setattr(probes, "PROBE_MAX_TOKENS", 16)
+    model = tiny_gemma3n()
+    probed = {}
+
+    def probe(layer, args, kwargs):
+        if layer in probed:
+            return None  # the probe's own calls of the layer
+        shared = kwargs["shared_kv_states"]
+        before = {key: tuple(map(id, value)) for key, value in shared.items()}
+        probed[layer] = None
+        probed[layer] = probes.probe_layer(layer, args, kwargs, probes.Meter("cpu"))
+        assert {key: tuple(map(id, value)) for key, value in shared.items()} == before
+        return None
+
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(probe, with_kwargs=True)
+    model(input_ids=torch.randint(128, (1, 24)))
+    assert len(probed) == len(model.model.layers) and any(layer.self_attn.is_kv_shared_layer for layer in probed)
+    for layer, found in probed.items():
+        assert found.uncut_error is None and found.tokens < found.step_tokens, type(layer).__name__
