@@ -40,6 +40,9 @@ reads these. `--varied-lengths` gives the ranks padding-free packed batches (`Da
 different lengths in each step, sometimes longer on rank 0, sometimes on rank 1, and the profiled first step is not
 the longest (`VARIED_EIGHTHS`).
 
+`--cp-size N` trains under accelerate's context parallelism (FSDP2, sdpa run as torch's ring attention): each rank
+trains on its shard of every sequence (README.md, "Context parallelism").
+
 `--device-type cpu` runs the engine in its CPU test mode (for `accelerate launch --cpu`, gloo), so that the
 bookkeeping, the audit and the comparison can be checked without a GPU (no peaks there: the host has no counter).
 """
@@ -106,7 +109,17 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sample (--varied-lengths: the most)")
     parser.add_argument("--batch", type=int, default=2, help="samples per rank per step")
+    parser.add_argument(
+        "--cp-size",
+        type=int,
+        default=1,
+        help="accelerate's context parallelism over this many ranks (ParallelismConfig(cp_size=...), FSDP2, sdpa "
+        "attention run as torch's ring attention): each rank trains on its shard of every sequence; 1: none",
+    )
     cli = parser.parse_args(argv)
+    if cli.cp_size > 1 and cli.varied_lengths:
+        parser.error("--cp-size shards sequences of one length (a multiple of twice the cp size); leave out "
+                     "--varied-lengths")  # fmt: skip
     if cli.memory_budget is not None and not cli.offload:
         parser.error("--memory-budget needs --offload (it is an option of hf-offload's)")
     return cli
@@ -120,7 +133,7 @@ def rank_file(out: str, rank: int) -> Path:
 # ---------------------------------------------------------------------------------------------------- model and data
 
 
-def build_model(lora: bool, hidden: int, layers: int, seq_len: int) -> torch.nn.Module:
+def build_model(lora: bool, hidden: int, layers: int, seq_len: int, attention: str = "eager") -> torch.nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=hidden,
@@ -129,8 +142,9 @@ def build_model(lora: bool, hidden: int, layers: int, seq_len: int) -> torch.nn.
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         max_position_embeddings=seq_len,
-        # Eager attention: plain matmuls and softmax, deterministic under torch.use_deterministic_algorithms.
-        attn_implementation="eager",
+        # Eager attention: plain matmuls and softmax, deterministic under torch.use_deterministic_algorithms; under
+        # context parallelism sdpa, which torch's ring attention replaces.
+        attn_implementation=attention,
     )
     model = transformers.LlamaForCausalLM(config)
     if lora:
@@ -384,7 +398,7 @@ def run_record(trainer: transformers.Trainer, memory: StepMemory, memory_budget:
 def main(argv=None) -> int:
     cli = parse_args(argv)
     transformers.set_seed(cli.seed)
-    model = build_model(cli.lora, cli.hidden, cli.layers, cli.seq_len)
+    model = build_model(cli.lora, cli.hidden, cli.layers, cli.seq_len, "sdpa" if cli.cp_size > 1 else "eager")
 
     # transformers renamed gradient_checkpointing to activation_checkpointing (the old name is a deprecated alias);
     # use whichever this version has.
@@ -397,6 +411,11 @@ def main(argv=None) -> int:
         # No tiling: the plan's other actions change no arithmetic, so the run stays bitwise comparable.
         extra.update(activation_offloading_memory_budget=cli.memory_budget, activation_offloading_tile_mlp=False,
                      activation_offloading_tile_layer=False)  # fmt: skip
+    if cli.cp_size > 1:
+        from accelerate import ParallelismConfig
+
+        extra.update(parallelism_config=ParallelismConfig(cp_size=cli.cp_size), fsdp="full_shard",
+                     fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})  # fmt: skip
     args = TrainingArguments(
         output_dir=str(Path(cli.out).with_suffix("")) + "_trainer",
         activation_offloading=cli.offload,
@@ -462,6 +481,7 @@ def main(argv=None) -> int:
         "device_type": cli.device_type,
         "steps": cli.steps,
         "model": {"hidden": cli.hidden, "layers": cli.layers, "seq_len": cli.seq_len, "batch": cli.batch},
+        "cp_size": cli.cp_size,
         "varied_lengths": cli.varied_lengths,
         "optimizer": optimizer,
         "zero_stage": zero_stage,

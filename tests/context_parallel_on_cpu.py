@@ -1,0 +1,92 @@
+"""What each rank runs in the CPU tests of context parallelism (`test_distributed_examples.py`):
+`examples/distributed/train_distributed.py` with its arguments, after giving torch and accelerate, for this process
+only, what they lack to run accelerate's context parallelism on CPU processes over gloo:
+
+* torch's ring attention (`torch.distributed.tensor.experimental.context_parallel`) handles the CUDA kernels of
+  `scaled_dot_product_attention` only; on CPU tensors sdpa runs `_scaled_dot_product_flash_attention_for_cpu`, for
+  which it has no handler. `install_cpu_ring_attention` registers one, forward and backward, through torch's own ring
+  (`_templated_ring_attention`, private: a torch that moves it fails these tests at once, with an ImportError).
+* accelerate accepts a `ParallelismConfig` only for FSDP2 on accelerators (`DistributedType.MULTI_GPU` and the
+  like); CPU processes are `MULTI_CPU`. `run_as_multi_device` relabels the process's state once the Trainer's
+  arguments have set it up on the CPU (gloo, `use_cpu=True`), so that the Trainer builds FSDP2 and the device mesh on
+  the CPU.
+
+Neither changes what a rank computes: the ring is torch's, run on the CPU kernel (its results match one process's
+within float rounding, which the tests do not need: they compare runs that both use the ring).
+"""
+
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.experimental._context_parallel import _attention
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "distributed" / "train_distributed.py"
+aten = torch.ops.aten
+SEQUENCE_DIM = 2  # sdpa's (batch, heads, sequence, head size)
+
+
+def _local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _sharded(tensor, mesh):
+    return DTensor.from_local(tensor, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+
+
+def _forward(op_call, args, kwargs):
+    query, key, value = args[:3]
+    dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+    is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+    if kwargs.get("attn_mask") is not None:
+        raise NotImplementedError("ring attention on CPU: only is_causal, no attn_mask")
+    mesh = query.device_mesh
+    out, logsumexp, *_ = _attention._templated_ring_attention(
+        mesh.get_group(), SEQUENCE_DIM, aten._scaled_dot_product_flash_attention_for_cpu,
+        query=_local(query), key=_local(key), value=_local(value), is_causal=is_causal, dropout_p=dropout_p,
+        scale=kwargs.get("scale"),
+    )  # fmt: skip
+    return _sharded(out, mesh), _sharded(logsumexp, mesh)
+
+
+def _backward(op_call, args, kwargs):
+    grad_out, query, key, value, out, logsumexp, dropout_p, is_causal = args[:8]
+    if kwargs.get("attn_mask") is not None:
+        raise NotImplementedError("ring attention on CPU: only is_causal, no attn_mask")
+    mesh = query.device_mesh
+    grads = _attention._templated_ring_attention_backward(
+        mesh.get_group(), SEQUENCE_DIM, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        grad_out=_local(grad_out), grad_out_name="grad_out", query=_local(query), key=_local(key),
+        value=_local(value), out=_local(out), logsumexp=_local(logsumexp), is_causal=is_causal, dropout_p=dropout_p,
+        scale=kwargs.get("scale"),
+    )  # fmt: skip
+    return tuple(_sharded(grad, mesh) for grad in grads[:3])
+
+
+def install_cpu_ring_attention() -> None:
+    # `context_parallel` merges this module-level table into DTensor's handlers as it enters.
+    _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = _forward
+    _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _backward
+
+
+def run_as_multi_device() -> None:
+    original = transformers.Trainer.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs["args"].device  # noqa: B018 (sets the process group up on the CPU)
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        original(self, *args, **kwargs)
+
+    transformers.Trainer.__init__ = __init__
+
+
+if __name__ == "__main__":
+    install_cpu_ring_attention()
+    run_as_multi_device()
+    sys.argv = [str(SCRIPT), *sys.argv[1:]]
+    runpy.run_path(str(SCRIPT), run_name="__main__")
