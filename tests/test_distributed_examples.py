@@ -19,6 +19,8 @@ from pathlib import Path
 import psutil
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "distributed" / "train_distributed.py"
+# The same script, with what torch and accelerate lack for context parallelism on CPU processes.
+CP_SCRIPT = Path(__file__).resolve().parent / "context_parallel_on_cpu.py"
 # Small enough for about 10-20 s a run on two CPU cores; 6 steps: 2 profiled, then the plan, made at step 2 for the
 # longest step of the ranks so far (that step's on rank 0, the longest of VARIED_EIGHTHS).
 MODEL = ["--hidden", "64", "--layers", "4", "--seq-len", "128", "--batch", "2", "--steps", "6"]
@@ -30,10 +32,16 @@ BUDGET = "6MiB"
 RUN_TIMEOUT_S = 90  # a run takes 10-20 s on two cores
 
 
-def launch(out: Path, *args: str) -> subprocess.Popen:
+# Context parallelism: each step's 2 sequences of 256 tokens, split over the two ranks. At 3.2 MiB the plan
+# checkpoints every layer and offloads inputs (`CCCc`), 3.6 MiB keeps the inputs (`cccc`).
+CP_MODEL = ["--hidden", "64", "--layers", "4", "--seq-len", "256", "--batch", "2", "--steps", "6", "--cp-size", "2"]
+CP_BUDGET = "3.2MiB"
+
+
+def launch(out: Path, *args: str, script: Path = SCRIPT, model: list[str] = MODEL) -> subprocess.Popen:
     """`torchrun --standalone --nproc_per_node 2 train_distributed.py` (what `accelerate launch` runs)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-               "--device-type", "cpu", "--out", str(out), *MODEL, *args]  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               "--device-type", "cpu", "--out", str(out), *model, *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
@@ -96,3 +104,35 @@ def test_memory_budget_with_varied_lengths_runs_one_plan_on_both_ranks_and_chang
         assert record_on["losses_hex"] == record_off["losses_hex"], f"rank {record_on['rank']}"
         assert record_on["weights_sha256"] == record_off["weights_sha256"]
         assert record_on["problems"] == [] and record_on["param_audit"]["violations"] == 0
+
+
+def test_under_context_parallelism_offloading_and_a_budget_change_no_loss_and_plan_for_a_ranks_shard(tmp_path):
+    """accelerate's context parallelism (`ParallelismConfig(cp_size=2)`, FSDP2, sdpa run as torch's ring attention)
+    through the Trainer: each rank trains on its half of every sequence. Offloading, and a memory budget whose plan
+    checkpoints and offloads, give every rank its losses and weights of the same run without offloading, bitwise; the
+    ranks agree on one plan, made for a rank's shard (256 of each step's 512 tokens). Ring attention saves DTensors,
+    which offloading keeps in place (it moves plain tensors): the plans never count them as moved (no `O`, no `X`)."""
+    started = time.monotonic()
+    runs = {name: launch(tmp_path / f"{name}.json", *args, script=CP_SCRIPT, model=CP_MODEL)
+            for name, args in (("off", ["--no-offload"]), ("on", ["--offload"]),
+                               ("budget", ["--offload", "--memory-budget", CP_BUDGET]))}  # fmt: skip
+    for name, process in runs.items():
+        status, output = finish(process, started)
+        assert status == 0, f"the run {name!r} {outcome(status)}:\n{output[-3000:]}"
+    off, on, budget = (ranks(tmp_path / f"{name}.json") for name in runs)
+
+    for rank in (0, 1):
+        assert off[rank]["mode"] == "FSDP2" and off[rank]["cp_size"] == 2
+        for record in (on[rank], budget[rank]):
+            assert record["losses_hex"] == off[rank]["losses_hex"], f"rank {rank}"
+            assert record["weights_sha256"] == off[rank]["weights_sha256"], f"rank {rank}"
+            assert record["problems"] == [] and record["param_audit"]["violations"] == 0
+    assert off[0]["losses_hex"] != off[1]["losses_hex"]  # each rank's loss is its own shard's
+    stats = on[0]["offload_stats"]
+    assert stats["tensors_offloaded"] > 0 and stats["tensors_kept_unsupported_type"] > 0, stats
+
+    plans = [record["plans"] for record in budget]
+    assert plans[0] == plans[1] and plans[0][:2] == [None, None], plans
+    assert all(plans[0][2:]) and not set("".join(plans[0][2:])) & set("KOX"), plans[0]
+    assert budget[0]["offload_stats"]["tensors_offloaded"] > 0
+    assert [record["plan_tokens"][2:] for record in budget] == [[256] * 4] * 2

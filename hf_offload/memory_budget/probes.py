@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..model import CACHE_ARGUMENTS, first_tensor, is_cache
-from ..policy import is_parameter_or_view, parameter_storages
+from ..policy import is_parameter_or_view, local_shard, parameter_storages
 from ..tiled.integration import layer_bytes_per_token
 from .layer_actions import (
     StorageSet,
@@ -132,6 +132,7 @@ class _CountSavedBytes(saved_tensors_hooks):
                  on_save: Callable[[torch.Tensor], None] | None = None) -> None:  # fmt: skip
         self.nbytes = 0
         self.tensors = 0
+        self.kept_type: str | None = None  # a tensor subclass saved, which the engine keeps in place (`kept_reason`)
         self._parameter_pointers = parameter_pointers
         self._saved: list[weakref.ref[torch.Tensor]] = []
 
@@ -140,6 +141,8 @@ class _CountSavedBytes(saved_tensors_hooks):
                 on_save(tensor)
             if not is_parameter_or_view(tensor):
                 self._saved.append(weakref.ref(tensor))
+                if type(tensor) is not torch.Tensor and self.kept_type is None:
+                    self.kept_type = type(tensor).__name__
             return tensor
 
         super().__init__(pack, lambda tensor: tensor)
@@ -150,7 +153,7 @@ class _CountSavedBytes(saved_tensors_hooks):
         for ref in self._saved:
             tensor = ref()
             if tensor is not None:
-                storage = tensor.untyped_storage()
+                storage = local_shard(tensor).untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
         for pointer in self._parameter_pointers:
             storages.pop(pointer, None)
@@ -258,6 +261,7 @@ class _Kept:
     working_bytes: int  # the backward's peak over what was allocated when it began
     forward_working_bytes: int | None  # the forward's peak over what was allocated when it began; None uncounted
     selective_written_by: str | None = None  # the op that writes into an output a selective checkpoint saves
+    kept_type: str | None = None  # a tensor subclass the layer saves, which the engine does not offload
 
 
 @dataclasses.dataclass
@@ -296,6 +300,9 @@ class LayerProbe:
     # Why this layer must not be checkpointed selectively (its gradients would differ), or None: its forward writes in
     # place into the output of a matrix product or attention, which the checkpoint keeps for its recomputation.
     selective_error: str | None = None
+    # Why this layer's saved tensors must not be offloaded beyond its input (`O`, `X`), or None: it saves a tensor
+    # subclass, which the engine keeps in place (torch's ring attention saves DTensors under context parallelism).
+    offload_error: str | None = None
 
     def at_step(self, nbytes: int) -> int:
         """`nbytes` measured by this probe, grown to the call it was cut from."""
@@ -349,7 +356,7 @@ def _run_kept(layer: nn.Module, forward: Any, parameters: list[nn.Parameter], po
                  forward_s=meter.seconds(start, forward_end), backward_s=meter.seconds(backward_start, backward_end),
                  working_bytes=working,
                  forward_working_bytes=None if forward_peak is None else forward_peak - before_forward,
-                 selective_written_by=selective.written)  # fmt: skip
+                 selective_written_by=selective.written, kept_type=counter.kept_type)  # fmt: skip
 
 
 def _time_attention(layer: nn.Module, forward: Any, parameters: list[nn.Parameter],
@@ -447,6 +454,9 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         probe.selective_error = (f"{kept.selective_written_by} writes in place into the output of a matrix product or "
                                  "attention, which a selective checkpoint keeps for its recomputation: the write "
                                  "would be applied twice and the gradients would differ")  # fmt: skip
+    if kept.kept_type is not None:
+        probe.offload_error = (f"it saves {kept.kept_type}s, which offloading keeps on the device (it moves plain "
+                               "tensors only)")  # fmt: skip
     if call.tokens < 4:  # the tiled runs' smallest chunks are a quarter of the tokens
         return probe
     if tile is not None:

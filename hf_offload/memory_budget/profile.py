@@ -218,6 +218,9 @@ class StepProfile:
             runs kernels that write into a matrix product's output in place, unseen by autograd, which a selective
             checkpoint keeps for the recomputation (Liger's rotary embedding, `model.find_liger_functions`), nor where a
             layer's own code writes into one through an alias autograd does not track (`LayerProbe.selective_error`).
+        offload_saved: whether a layer's saved tensors may be offloaded beyond its input (`O`, `X`): not where a layer
+            saves tensors the engine keeps in place, tensor subclasses (`LayerProbe.offload_error`: torch's ring
+            attention saves DTensors under context parallelism), which such a plan would count as moved.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -253,6 +256,7 @@ class StepProfile:
     disk_write_bytes_per_s: float = 0.0
     disk_read_bytes_per_s: float = 0.0
     selective_checkpoint: bool = True
+    offload_saved: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -132,6 +132,7 @@ class ProfiledSteps:
         self._tile_tokens = _tile_tokens(model, options.tile_mlp, apply_tiled_mlp, "the MLPs")
         self._layer_tile_tokens = _tile_tokens(model, options.tile_layer, apply_tiled_layer, "whole layers")
         self._selective_checkpoint = _selective_checkpoint(model)
+        self._offload_saved = True  # `StepProfile.offload_saved`
 
     # ------------------------------------------------------------------ the first step
 
@@ -208,6 +209,10 @@ class ProfiledSteps:
             logger.info("hf_offload: the planner does not checkpoint layers selectively: %s: %s", self._names[index],
                         probe.selective_error)  # fmt: skip
             self._selective_checkpoint = False
+        if probe.offload_error is not None and self._offload_saved:
+            logger.info("hf_offload: the planner offloads no layer's saved tensors beyond its input: %s: %s",
+                        self._names[index], probe.offload_error)  # fmt: skip
+            self._offload_saved = False
         if probe.quadratic_error is not None:
             logger.info("hf_offload: %s was probed at one length only, so all its bytes are scaled in proportion to "
                         "the tokens (eager attention's grow with their square): %s", self._names[index],
@@ -436,6 +441,7 @@ class ProfiledSteps:
             input_offload_s=_INPUT_OFFLOAD_HOST_S,
             saved_offload_s=_SAVED_OFFLOAD_HOST_S,
             selective_checkpoint=self._selective_checkpoint,
+            offload_saved=self._offload_saved,
         )  # fmt: skip
         if measured.step_s is not None:  # the rest of the step: what the model of the safe step does not explain
             # Of the plan that step ran: on a 7B shape whose profiled steps tiled every layer whole, the tiling's time

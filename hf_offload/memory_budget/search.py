@@ -394,10 +394,11 @@ class _Search:
         greedy = self.first_fitting(_greedy_plans(self.profile, self.options, self.seconds, self.planned))
         if greedy is not None:
             others.append(self.polish(*greedy))
-        in_place = _greedy_plans(self.profile, self.options, self.seconds, planned=self.planned.replace("O", ""))
-        offloaded_first = self.fastest_offload_prefix(in_place, _offload_prefix_limit(self.profile, self.options))
-        if offloaded_first is not None:
-            others.append(self.polish(*offloaded_first))
+        if "O" in self.planned:
+            in_place = _greedy_plans(self.profile, self.options, self.seconds, planned=self.planned.replace("O", ""))
+            offloaded_first = self.fastest_offload_prefix(in_place, _offload_prefix_limit(self.profile, self.options))
+            if offloaded_first is not None:
+                others.append(self.polish(*offloaded_first))
         return self.fastest([self.polish(*lowest), *filter(self.admissible, others)])
 
     def fastest_tiled(self, lowest: _Candidate, measured_only: bool) -> tuple[Plan | None, _Candidate]:

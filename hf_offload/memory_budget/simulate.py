@@ -268,8 +268,9 @@ class SimulatedStep(NamedTuple):
 
 
 def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerOption]:
-    """The layer under each action code (the selective ones only when `StepProfile.selective_checkpoint`, the tiled
-    ones only when `tiling_available`, `layer_tiling_available`)."""
+    """The layer under each action code (the selective ones only when `StepProfile.selective_checkpoint`, those that
+    offload saved tensors beyond the input only when `StepProfile.offload_saved`, the tiled ones only when
+    `tiling_available`, `layer_tiling_available`)."""
     saved, selective, inputs = layer.saved_bytes, layer.selective_bytes, layer.input_bytes
     working = profile.backward_working_bytes
     # A recomputation holds the forward's peak while the output's gradient waits for it.
@@ -280,13 +281,15 @@ def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerO
     peak = {"forward_peak": layer.forward_peak_bytes}
     options = {
         "K": LayerOption(saved, 0, 0.0, *times, **peak),
-        "O": LayerOption(0, saved, 0.0, *times, sends_saved, **peak),
         "C": LayerOption(0, inputs, layer.forward_s, *recomputed, sends_input, **peak),
         "c": LayerOption(inputs, 0, layer.forward_s, *recomputed, **peak),
     }
+    if profile.offload_saved:
+        options["O"] = LayerOption(0, saved, 0.0, *times, sends_saved, **peak)
     if profile.selective_checkpoint:
         options["S"] = LayerOption(selective, inputs, layer.selective_recompute_s, *recomputed, sends_input, **peak)
         options["s"] = LayerOption(selective + inputs, 0, layer.selective_recompute_s, *recomputed, **peak)
+    if profile.selective_checkpoint and profile.offload_saved:
         options["X"] = LayerOption(0, selective + inputs, layer.selective_recompute_s, *recomputed, sends_saved, **peak)
     if tiling_available(profile):
         saved_tiled = layer.tiled_saved_bytes + profile.tile_chunk_bytes
@@ -568,6 +571,11 @@ def check_code(profile: StepProfile, code: str) -> None:
     if set(code) & set(SELECTIVE_LETTERS) and not profile.selective_checkpoint:
         raise ValueError(f"plan code {code!r} checkpoints selectively ({', '.join(SELECTIVE_LETTERS)}), which this "
                          "model's in-place kernels rule out (StepProfile.selective_checkpoint)")  # fmt: skip
+    offloads_saved = "".join(letter for letter in ACTIONS if ACTIONS[letter].offloads_saved)
+    if set(code) & set(offloads_saved) and not profile.offload_saved:
+        raise ValueError(f"plan code {code!r} offloads saved tensors beyond the input ({', '.join(offloads_saved)}), "
+                         "which this model's layers save as tensors offloading keeps in place "
+                         "(StepProfile.offload_saved)")  # fmt: skip
 
 
 def unavailable_tiling(profile: StepProfile, code: str) -> str:

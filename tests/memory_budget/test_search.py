@@ -658,6 +658,20 @@ def test_a_profile_that_rules_out_selective_checkpoints_gets_plans_without_them(
         plan_of(ruled_out, "SSSK", 16 * GIB)
 
 
+def test_a_profile_whose_layers_save_what_offloading_keeps_gets_plans_that_move_inputs_only() -> None:
+    """Over a fast link offloading a layer whole (`O`) beats checkpointing; where the layers save tensors the engine
+    keeps in place (ring attention's DTensors), `StepProfile.offload_saved` is off and no plan counts them as moved."""
+    fast = dataclasses.replace(docstring_profile(), d2h_bytes_per_s=500e9, h2d_bytes_per_s=500e9)
+    assert choose_plan(fast, 14 * GIB).code == "OOOK"
+    ruled_out = dataclasses.replace(fast, offload_saved=False)
+    for budget in (13 * GIB, 14 * GIB, 15 * GIB, 16 * GIB, 20 * GIB):
+        plan = choose_plan(ruled_out, budget)
+        assert not set(plan.code) & set("OX") and plan.fits(0), plan.code
+    assert set(layer_options(ruled_out, fast.layers[0])) == set("KSsCc")
+    with pytest.raises(ValueError, match="offloads saved tensors beyond the input"):
+        plan_of(ruled_out, "OOOK", 14 * GIB)
+
+
 # The pure modules themselves (spec, profile, simulate, search, calibrate, host)
 
 
