@@ -136,3 +136,24 @@ def test_under_context_parallelism_offloading_and_a_budget_change_no_loss_and_pl
     assert all(plans[0][2:]) and not set("".join(plans[0][2:])) & set("KOX"), plans[0]
     assert budget[0]["offload_stats"]["tensors_offloaded"] > 0
     assert [record["plan_tokens"][2:] for record in budget] == [[256] * 4] * 2
+
+
+def test_under_context_parallelism_a_budget_only_tiling_meets_tiles_mlps_on_every_rank(tmp_path):
+    """Under a budget below every exact plan (a larger model, whose layers outweigh the head) the planner tiles the
+    MLPs, on both ranks alike, and no whole layer (`L`, `l`: the probe leaves it out where ring attention saves
+    DTensors, `test_probes.py`); the losses agree with the run without offloading within rounding."""
+    model = [*CP_MODEL, "--hidden", "256", "--seq-len", "512"]  # the later of a repeated option wins
+    started = time.monotonic()
+    runs = {name: launch(tmp_path / f"{name}.json", *args, script=CP_SCRIPT, model=model)
+            for name, args in (("off", ["--no-offload"]),
+                               ("tiled", ["--offload", "--memory-budget", "21.5MiB", "--tiling"]))}  # fmt: skip
+    for name, process in runs.items():
+        status, output = finish(process, started)
+        assert status == 0, f"the run {name!r} {outcome(status)}:\n{output[-3000:]}"
+    off, tiled = (ranks(tmp_path / f"{name}.json") for name in runs)
+    plans = [record["plans"] for record in tiled]
+    assert plans[0] == plans[1] and all(plans[0][2:]), plans
+    assert set("".join(plans[0][2:])) <= set("CcTt") and set("".join(plans[0][2:])) & set("Tt"), plans[0]
+    for rank in (0, 1):
+        for a, b in zip(off[rank]["losses"], tiled[rank]["losses"]):
+            assert abs(a - b) <= 1e-4 * abs(a), (rank, off[rank]["losses"], tiled[rank]["losses"])

@@ -101,6 +101,12 @@ def parse_args(argv=None):
         help="activation_offloading_memory_budget (with --offload): bytes, '1.5GiB', '60%%'; tiling stays off",
     )
     parser.add_argument(
+        "--tiling",
+        action="store_true",
+        help="with --memory-budget: the planner may tile (its default), so that a budget below every exact plan "
+        "trains; losses then agree with the run without offloading within rounding, not bitwise",
+    )
+    parser.add_argument(
         "--varied-lengths",
         action="store_true",
         help="packed batches whose length differs between the ranks in each step (VARIED_EIGHTHS)",
@@ -122,6 +128,8 @@ def parse_args(argv=None):
                      "--varied-lengths")  # fmt: skip
     if cli.memory_budget is not None and not cli.offload:
         parser.error("--memory-budget needs --offload (it is an option of hf-offload's)")
+    if cli.tiling and cli.memory_budget is None:
+        parser.error("--tiling is the memory budget's: it needs --memory-budget")
     return cli
 
 
@@ -408,9 +416,10 @@ def main(argv=None) -> int:
     if cli.device_type == "cpu":  # the CPU test mode trains on the CPU too (gloo), even under a GPU launcher
         extra["use_cpu"] = True
     if cli.memory_budget is not None:
+        extra["activation_offloading_memory_budget"] = cli.memory_budget
+    if cli.memory_budget is not None and not cli.tiling:
         # No tiling: the plan's other actions change no arithmetic, so the run stays bitwise comparable.
-        extra.update(activation_offloading_memory_budget=cli.memory_budget, activation_offloading_tile_mlp=False,
-                     activation_offloading_tile_layer=False)  # fmt: skip
+        extra.update(activation_offloading_tile_mlp=False, activation_offloading_tile_layer=False)
     if cli.cp_size > 1:
         from accelerate import ParallelismConfig
 
@@ -483,6 +492,7 @@ def main(argv=None) -> int:
         "model": {"hidden": cli.hidden, "layers": cli.layers, "seq_len": cli.seq_len, "batch": cli.batch},
         "cp_size": cli.cp_size,
         "varied_lengths": cli.varied_lengths,
+        "tiling": cli.tiling,
         "optimizer": optimizer,
         "zero_stage": zero_stage,
         **run_record(trainer, memory, cli.memory_budget, args.device.type),

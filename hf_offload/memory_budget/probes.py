@@ -620,6 +620,14 @@ class _ProbedCall:
                 f"its calls' hidden states are {self.hidden.dim()}-d, not (batch, sequence, hidden)"
             )
             return
+        if kept.kept_type is not None:
+            # Decided from the kept run, which every rank ran alike, before a chunk runs: the ranks' layers may get
+            # different masks (a mask on one rank, none on another), so a tiled run refused on one rank only would
+            # leave the others waiting in the ring's exchange.
+            probe.layer_tiling_error = (f"it saves {kept.kept_type}s, as torch's ring attention does under context "
+                                        "parallelism, which a tiled layer's attention by head groups does not "
+                                        "run")  # fmt: skip
+            return
         try:
             half, quarter, per_token, probe.layer_tiled_sequence_bytes = self.run_tiled(tile_layer)
         except Exception as error:  # noqa: BLE001 - whatever the model's code raises on a chunk

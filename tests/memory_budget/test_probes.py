@@ -530,3 +530,38 @@ def test_gemma3n_layers_sharing_keys_and_values_are_probed_on_their_first_tokens
     assert len(probed) == len(model.model.layers) and any(layer.self_attn.is_kv_shared_layer for layer in probed)
     for layer, found in probed.items():
         assert found.uncut_error is None and found.tokens < found.step_tokens, type(layer).__name__
+
+
+class _SavesASubclass(torch.nn.Module):
+    """A layer whose forward saves a tensor subclass for its backward, as torch's ring attention saves DTensors under
+    context parallelism."""
+
+    class Marked(torch.Tensor):
+        pass
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        marked = self.proj(hidden).as_subclass(self.Marked)
+        return (marked * marked).as_subclass(torch.Tensor)
+
+
+def test_a_layer_saving_what_offloading_keeps_is_planned_without_offloading_it_and_is_never_tiled_whole():
+    """Offloading moves plain tensors only: a layer that saves a tensor subclass gets `offload_error` (no plan
+    counts those bytes as moved, `StepProfile.offload_saved`), its bytes counted all the same, and is not tiled
+    whole, decided before any chunk runs (under context parallelism the ranks' layers get different masks, so a
+    tiled run refused on one rank only would leave another in ring attention's exchange)."""
+    from hf_offload.memory_budget import probes
+
+    def tile_layer(tokens):
+        raise AssertionError("the layer was run tiled whole")
+
+    probe = probes.probe_layer(_SavesASubclass(), (torch.randn(2, 16, 8),), {}, probes.Meter("cpu"),
+                               tile_layer=tile_layer)  # fmt: skip
+    assert probe.offload_error.startswith("it saves Markeds, which offloading keeps on the device")
+    assert probe.layer_tiling_error.startswith("it saves Markeds, as torch's ring attention does")
+    assert probe.profile.saved_bytes >= 2 * 16 * 8 * 4
+    plain = probes.probe_layer(torch.nn.Linear(8, 8), (torch.randn(2, 16, 8),), {}, probes.Meter("cpu"))
+    assert plain.offload_error is None
