@@ -24,3 +24,14 @@ if [ "${HF_OFFLOAD_NEWEST:-0}" = 1 ]; then
 else
   python -m pip install -q -e ".[${HF_OFFLOAD_EXTRAS:-dev}]" -c constraints.txt
 fi
+# HF_OFFLOAD_DEEPSPEED=1 (CI sets it): DeepSpeed, for the tests of its Ulysses sequence parallelism on CPU processes,
+# into a folder of its own that only those tests' processes put on their path (its import changes what accelerate
+# and the Trainer do, which no other test should see). Built without its compiled operators, which nothing here uses;
+# without build isolation, which would install another torch to build it.
+if [ "${HF_OFFLOAD_DEEPSPEED:-0}" = 1 ] && [ ! -d "$venv/deepspeed-site/deepspeed" ]; then
+  wheels=$(mktemp -d)
+  DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w "$wheels"
+  python -m pip install -q --no-deps --target "$venv/deepspeed-site" "$wheels"/deepspeed-*.whl hjson==3.1.0 \
+    py-cpuinfo==9.0.0 msgpack==1.2.4 einops==0.8.2
+  rm -rf "$wheels"
+fi

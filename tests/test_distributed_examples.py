@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "distributed" / "train_distributed.py"
-# The same script, with what torch and accelerate lack for context parallelism on CPU processes.
-CP_SCRIPT = Path(__file__).resolve().parent / "context_parallel_on_cpu.py"
+# The same script, with what torch, accelerate and DeepSpeed lack to shard sequences over CPU processes.
+SHARDING_SCRIPT = Path(__file__).resolve().parent / "sequence_sharding_on_cpu.py"
 # Small enough for about 10-20 s a run on two CPU cores; 6 steps: 2 profiled, then the plan, made at step 2 for the
 # longest step of the ranks so far (that step's on rank 0, the longest of VARIED_EIGHTHS).
 MODEL = ["--hidden", "64", "--layers", "4", "--seq-len", "128", "--batch", "2", "--steps", "6"]
@@ -38,11 +39,23 @@ CP_MODEL = ["--hidden", "64", "--layers", "4", "--seq-len", "256", "--batch", "2
 CP_BUDGET = "3.2MiB"
 
 
-def launch(out: Path, *args: str, script: Path = SCRIPT, model: list[str] = MODEL) -> subprocess.Popen:
-    """`torchrun --standalone --nproc_per_node 2 train_distributed.py` (what `accelerate launch` runs)."""
+# DeepSpeed's Ulysses: the same model and steps, the sequences split by all-to-alls around attention. DeepSpeed lives in
+# a folder of its own, on the path of these launches only: `HF_OFFLOAD_DEEPSPEED=1 bash scripts/setup.sh` (CI does).
+# At 3.65 MiB every layer is checkpointed with its input offloaded (`CCCC`).
+SP_MODEL = [*CP_MODEL[:-2], "--sp-size", "2"]
+SP_BUDGET = "3.65MiB"
+DEEPSPEED_SITE = Path(sys.prefix) / "deepspeed-site"
+
+
+def launch(out: Path, *args: str, script: Path = SCRIPT, model: list[str] = MODEL,
+           path: Path | None = None) -> subprocess.Popen:  # fmt: skip
+    """`torchrun --standalone --nproc_per_node 2 train_distributed.py` (what `accelerate launch` runs), with `path`
+    first on the ranks' module path."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
                "--device-type", "cpu", "--out", str(out), *model, *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
@@ -113,7 +126,7 @@ def test_under_context_parallelism_offloading_and_a_budget_change_no_loss_and_pl
     ranks agree on one plan, made for a rank's shard (256 of each step's 512 tokens). Ring attention saves DTensors,
     which offloading keeps in place (it moves plain tensors): the plans never count them as moved (no `O`, no `X`)."""
     started = time.monotonic()
-    runs = {name: launch(tmp_path / f"{name}.json", *args, script=CP_SCRIPT, model=CP_MODEL)
+    runs = {name: launch(tmp_path / f"{name}.json", *args, script=SHARDING_SCRIPT, model=CP_MODEL)
             for name, args in (("off", ["--no-offload"]), ("on", ["--offload"]),
                                ("budget", ["--offload", "--memory-budget", CP_BUDGET]))}  # fmt: skip
     for name, process in runs.items():
@@ -144,7 +157,7 @@ def test_under_context_parallelism_a_budget_only_tiling_meets_tiles_mlps_on_ever
     DTensors, `test_probes.py`); the losses agree with the run without offloading within rounding."""
     model = [*CP_MODEL, "--hidden", "256", "--seq-len", "512"]  # the later of a repeated option wins
     started = time.monotonic()
-    runs = {name: launch(tmp_path / f"{name}.json", *args, script=CP_SCRIPT, model=model)
+    runs = {name: launch(tmp_path / f"{name}.json", *args, script=SHARDING_SCRIPT, model=model)
             for name, args in (("off", ["--no-offload"]),
                                ("tiled", ["--offload", "--memory-budget", "21.5MiB", "--tiling"]))}  # fmt: skip
     for name, process in runs.items():
@@ -157,3 +170,32 @@ def test_under_context_parallelism_a_budget_only_tiling_meets_tiles_mlps_on_ever
     for rank in (0, 1):
         for a, b in zip(off[rank]["losses"], tiled[rank]["losses"]):
             assert abs(a - b) <= 1e-4 * abs(a), (rank, off[rank]["losses"], tiled[rank]["losses"])
+
+
+@pytest.mark.skipif(not (DEEPSPEED_SITE / "deepspeed").is_dir(),
+                    reason="DeepSpeed is not installed for these tests: HF_OFFLOAD_DEEPSPEED=1 bash scripts/setup.sh "
+                    "(CI does)")  # fmt: skip
+def test_under_ulysses_offloading_and_a_budget_change_no_loss_and_plan_for_a_ranks_shard(tmp_path):
+    """DeepSpeed's Ulysses sequence parallelism through the Trainer (`ParallelismConfig(sp_size=2,
+    sp_backend="deepspeed")`, ZeRO-1): each rank trains on its half of every sequence, attention between all-to-alls.
+    Offloading, and a budget whose plan checkpoints every layer and offloads its input, give every rank its losses and
+    weights of the same run without offloading, bitwise; the ranks agree on one plan, made for a rank's shard."""
+    started = time.monotonic()
+    runs = {name: launch(tmp_path / f"{name}.json", *args, script=SHARDING_SCRIPT, model=SP_MODEL, path=DEEPSPEED_SITE)
+            for name, args in (("off", ["--no-offload"]), ("on", ["--offload"]),
+                               ("budget", ["--offload", "--memory-budget", SP_BUDGET]))}  # fmt: skip
+    for name, process in runs.items():
+        status, output = finish(process, started)
+        assert status == 0, f"the run {name!r} {outcome(status)}:\n{output[-3000:]}"
+    off, on, budget = (ranks(tmp_path / f"{name}.json") for name in runs)
+    for rank in (0, 1):
+        assert off[rank]["mode"] == "DEEPSPEED" and off[rank]["sp_size"] == 2 and off[rank]["zero_stage"] == 1
+        for record in (on[rank], budget[rank]):
+            assert record["losses_hex"] == off[rank]["losses_hex"], f"rank {rank}"
+            assert record["weights_sha256"] == off[rank]["weights_sha256"], f"rank {rank}"
+            assert record["problems"] == [] and record["param_audit"]["violations"] == 0
+    assert on[0]["offload_stats"]["tensors_offloaded"] > 0
+    plans = [record["plans"] for record in budget]
+    assert plans[0] == plans[1] and plans[0][:2] == [None, None] and all(plans[0][2:]), plans
+    assert set("".join(plans[0][2:])) & set("COSXT"), f"the budget offloaded nothing: {plans[0]}"
+    assert [record["plan_tokens"][2:] for record in budget] == [[256] * 4] * 2

@@ -322,7 +322,7 @@ done
 if [ "$DEVICE" != cpu ]; then
     compare_runs "cp budget" bcp_base bcp_on
     check_plan "cp budget" bcp_on
-else  # torch's ring attention has no CPU kernel: tests/context_parallel_on_cpu.py adds one, for the tests only
+else  # torch's ring attention has no CPU kernel: tests/sequence_sharding_on_cpu.py adds one, for the tests only
     result "cp budget losses" "SKIP DEVICE=cpu (tests/test_distributed_examples.py runs it on CPU processes)"
 fi
 if [ $HAVE_DS = 1 ]; then

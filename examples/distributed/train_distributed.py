@@ -122,7 +122,19 @@ def parse_args(argv=None):
         help="accelerate's context parallelism over this many ranks (ParallelismConfig(cp_size=...), FSDP2, sdpa "
         "attention run as torch's ring attention): each rank trains on its shard of every sequence; 1: none",
     )
+    parser.add_argument(
+        "--sp-size",
+        type=int,
+        default=1,
+        help="DeepSpeed's Ulysses sequence parallelism over this many ranks (ParallelismConfig(sp_size=..., "
+        "sp_backend='deepspeed'), ZeRO-1, sdpa attention between all-to-alls): each rank trains on its shard of "
+        "every sequence; 1: none",
+    )
     cli = parser.parse_args(argv)
+    if cli.cp_size > 1 and cli.sp_size > 1:
+        parser.error("--cp-size and --sp-size are two ways of sharding the sequence: give one")
+    if cli.sp_size > 1 and cli.varied_lengths:
+        parser.error("--sp-size shards sequences of one length; leave out --varied-lengths")
     if cli.cp_size > 1 and cli.varied_lengths:
         parser.error("--cp-size shards sequences of one length (a multiple of twice the cp size); leave out "
                      "--varied-lengths")  # fmt: skip
@@ -175,8 +187,10 @@ def _sequences(lengths: list[int], seed: int) -> list[torch.Tensor]:
 
 def synthetic_dataset(num_samples: int, seed: int, seq_len: int) -> list[dict[str, torch.Tensor]]:
     """`num_samples` sequences of `seq_len` tokens, generated from their own seeded generator, identically on every
-    rank; the distributed sampler splits them."""
-    return [{"input_ids": row, "labels": row.clone()} for row in _sequences([seq_len] * num_samples, seed)]
+    rank; the distributed sampler splits them. With their positions, which Ulysses' sharding asks for."""
+    positions = torch.arange(seq_len)
+    return [{"input_ids": row, "labels": row.clone(), "position_ids": positions}
+            for row in _sequences([seq_len] * num_samples, seed)]  # fmt: skip
 
 
 def varied_lengths(steps: int, batch: int, world_size: int, seq_len: int) -> list[int]:
@@ -406,7 +420,8 @@ def run_record(trainer: transformers.Trainer, memory: StepMemory, memory_budget:
 def main(argv=None) -> int:
     cli = parse_args(argv)
     transformers.set_seed(cli.seed)
-    model = build_model(cli.lora, cli.hidden, cli.layers, cli.seq_len, "sdpa" if cli.cp_size > 1 else "eager")
+    sharded = cli.cp_size > 1 or cli.sp_size > 1
+    model = build_model(cli.lora, cli.hidden, cli.layers, cli.seq_len, "sdpa" if sharded else "eager")
 
     # transformers renamed gradient_checkpointing to activation_checkpointing (the old name is a deprecated alias);
     # use whichever this version has.
@@ -425,6 +440,16 @@ def main(argv=None) -> int:
 
         extra.update(parallelism_config=ParallelismConfig(cp_size=cli.cp_size), fsdp="full_shard",
                      fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})  # fmt: skip
+    if cli.sp_size > 1:
+        from accelerate import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        ulysses = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
+        extra.update(parallelism_config=ParallelismConfig(sp_size=cli.sp_size, sp_backend="deepspeed",
+                                                          sp_handler=ulysses),
+                     deepspeed={"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": "auto",
+                                "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+                                "gradient_clipping": "auto"})  # fmt: skip
     args = TrainingArguments(
         output_dir=str(Path(cli.out).with_suffix("")) + "_trainer",
         activation_offloading=cli.offload,
@@ -491,6 +516,7 @@ def main(argv=None) -> int:
         "steps": cli.steps,
         "model": {"hidden": cli.hidden, "layers": cli.layers, "seq_len": cli.seq_len, "batch": cli.batch},
         "cp_size": cli.cp_size,
+        "sp_size": cli.sp_size,
         "varied_lengths": cli.varied_lengths,
         "tiling": cli.tiling,
         "optimizer": optimizer,

@@ -1,7 +1,8 @@
-"""What each rank runs in the CPU tests of context parallelism (`test_distributed_examples.py`):
-`examples/distributed/train_distributed.py` with its arguments, after giving torch and accelerate, for this process
-only, what they lack to run accelerate's context parallelism on CPU processes over gloo:
+"""What each rank runs in the CPU tests of sharded sequences (`test_distributed_examples.py`):
+`examples/distributed/train_distributed.py` with its arguments, after giving torch, accelerate and DeepSpeed, for this
+process only, what they lack to shard sequences over CPU processes (gloo).
 
+Context parallelism (`--cp-size`, accelerate's `ParallelismConfig(cp_size=...)`):
 * torch's ring attention (`torch.distributed.tensor.experimental.context_parallel`) handles the CUDA kernels of
   `scaled_dot_product_attention` only; on CPU tensors sdpa runs `_scaled_dot_product_flash_attention_for_cpu`, for
   which it has no handler. `install_cpu_ring_attention` registers one, forward and backward, through torch's own ring
@@ -11,8 +12,13 @@ only, what they lack to run accelerate's context parallelism on CPU processes ov
   arguments have set it up on the CPU (gloo, `use_cpu=True`), so that the Trainer builds FSDP2 and the device mesh on
   the CPU.
 
-Neither changes what a rank computes: the ring is torch's, run on the CPU kernel (its results match one process's
-within float rounding, which the tests do not need: they compare runs that both use the ring).
+DeepSpeed's Ulysses (`--sp-size`, `ParallelismConfig(sp_size=..., sp_backend="deepspeed")`):
+* accelerate starts torch.distributed on CPU processes itself, so DeepSpeed's communication layer, which Ulysses' groups
+  need, is never started: `start_deepspeed_comm` starts it over gloo once the Trainer's arguments have set up the
+  process group, without the shared-memory operator DeepSpeed would compile for CPU processes (a C++ build, which
+  nothing here uses).
+
+None of these changes what a rank computes: the tests compare runs that both shard the same way.
 """
 
 import runpy
@@ -85,8 +91,26 @@ def run_as_multi_device() -> None:
     transformers.Trainer.__init__ = __init__
 
 
+def start_deepspeed_comm() -> None:
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401 (the module; the package's attribute of that name is torch itself)
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    original = transformers.Trainer.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs["args"].device  # noqa: B018 (sets the process group up on the CPU)
+        deepspeed.init_distributed(dist_backend="gloo")
+        original(self, *args, **kwargs)
+
+    transformers.Trainer.__init__ = __init__
+
+
 if __name__ == "__main__":
-    install_cpu_ring_attention()
-    run_as_multi_device()
+    if "--sp-size" in sys.argv:
+        start_deepspeed_comm()
+    else:
+        install_cpu_ring_attention()
+        run_as_multi_device()
     sys.argv = [str(SCRIPT), *sys.argv[1:]]
     runpy.run_path(str(SCRIPT), run_name="__main__")
