@@ -15,7 +15,8 @@
 #     every step, every rank's peak under the budget at every step (check_budget.py check). Again with
 #     --varied-lengths (packed batches, different lengths on the two ranks in each step; the baseline too).
 #  4. TRL's SFTTrainer (sft_distributed.py, DDP): off vs on + budget, the same checks. Context parallelism
-#     (train_distributed.py --cp-size 2: accelerate's ParallelismConfig, FSDP2, ring attention): the same checks.
+#     (train_distributed.py --cp-size 2: accelerate's ParallelismConfig, FSDP2, ring attention) and DeepSpeed's
+#     Ulysses (--sp-size 2, ZeRO-1): the same checks.
 #  5. The two-device GPU tests (tests/gpu, -k "two_devices or multidevice or split").
 # Two waves: every run that needs no other run's result, then the budget runs (a budget run starts after its
 # baseline), up to PARALLEL launches at once (results are per process, and bitwise comparisons do not depend on
@@ -273,6 +274,7 @@ launch bfsdp_vbase fsdp2.yaml train_distributed.py --no-offload "${BIG[@]}" --va
 launch sft_off ddp.yaml sft_distributed.py --no-offload "${SFT_MODEL[@]}" --packing-strategy "$SFT_PACKING"
 # Context parallelism: FSDP2 and the device mesh come from the Trainer's arguments (--cp-size), so plain ddp.yaml.
 [ "$DEVICE" != cpu ] && launch bcp_base ddp.yaml train_distributed.py --no-offload "${BIG[@]}" --cp-size 2
+[ "$DEVICE" != cpu ] && [ $HAVE_DS = 1 ] && launch bsp_base ddp.yaml train_distributed.py --no-offload "${BIG[@]}" --sp-size 2
 if [ $HAVE_DS = 1 ]; then
     launch ds3_full_off deepspeed_zero3.yaml train_distributed.py --no-offload
     launch ds3_full_on deepspeed_zero3.yaml train_distributed.py --offload
@@ -301,6 +303,8 @@ if time_for_wave; then
     launch_budget bfsdp_von bfsdp_vbase fsdp2.yaml train_distributed.py --offload "${BIG[@]}" --varied-lengths
     launch_budget sft_on sft_off ddp.yaml sft_distributed.py --offload "${SFT_MODEL[@]}" --packing-strategy "$SFT_PACKING"
     [ "$DEVICE" != cpu ] && launch_budget bcp_on bcp_base ddp.yaml train_distributed.py --offload "${BIG[@]}" --cp-size 2
+    [ "$DEVICE" != cpu ] && [ $HAVE_DS = 1 ] &&
+        launch_budget bsp_on bsp_base ddp.yaml train_distributed.py --offload "${BIG[@]}" --sp-size 2
     # The ZeRO-3 budget's baseline is the full fine-tune's run without offloading (same arguments).
     [ $HAVE_DS = 1 ] && launch_budget ds3_budget ds3_full_off deepspeed_zero3.yaml train_distributed.py --offload
     wave
@@ -322,8 +326,13 @@ done
 if [ "$DEVICE" != cpu ]; then
     compare_runs "cp budget" bcp_base bcp_on
     check_plan "cp budget" bcp_on
-else  # torch's ring attention has no CPU kernel: tests/sequence_sharding_on_cpu.py adds one, for the tests only
+    if [ $HAVE_DS = 1 ]; then
+        compare_runs "ulysses budget" bsp_base bsp_on
+        check_plan "ulysses budget" bsp_on
+    fi
+else  # ring attention's CPU kernel and DeepSpeed's gloo start: tests/sequence_sharding_on_cpu.py, for the tests only
     result "cp budget losses" "SKIP DEVICE=cpu (tests/test_distributed_examples.py runs it on CPU processes)"
+    result "ulysses budget losses" "SKIP DEVICE=cpu (tests/test_distributed_examples.py runs it on CPU processes)"
 fi
 if [ $HAVE_DS = 1 ]; then
     compare_runs "deepspeed zero2" ds2_off ds2_on
