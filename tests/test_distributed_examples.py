@@ -76,6 +76,18 @@ def finish(process: subprocess.Popen, started: float) -> tuple[int | None, str]:
         return None, output
 
 
+def launched(tmp_path: Path, runs: dict[str, list[str]], model: list[str], path: Path | None = None) -> list:
+    """Each of `runs` (name: arguments) launched at once through `SHARDING_SCRIPT`, with `model`; once all have
+    ended, each one's rank records, in the order of `runs`. Fails on a run that did not exit with 0."""
+    started = time.monotonic()
+    processes = {name: launch(tmp_path / f"{name}.json", *args, script=SHARDING_SCRIPT, model=model, path=path)
+                 for name, args in runs.items()}  # fmt: skip
+    for name, process in processes.items():
+        status, output = finish(process, started)
+        assert status == 0, f"the run {name!r} {outcome(status)}:\n{output[-3000:]}"
+    return [ranks(tmp_path / f"{name}.json") for name in runs]
+
+
 def outcome(status: int | None) -> str:
     return f"did not finish in {RUN_TIMEOUT_S} s" if status is None else f"exited with {status}"
 
@@ -125,14 +137,8 @@ def test_under_context_parallelism_offloading_and_a_budget_change_no_loss_and_pl
     checkpoints and offloads, give every rank its losses and weights of the same run without offloading, bitwise; the
     ranks agree on one plan, made for a rank's shard (256 of each step's 512 tokens). Ring attention saves DTensors,
     which offloading keeps in place (it moves plain tensors): the plans never count them as moved (no `O`, no `X`)."""
-    started = time.monotonic()
-    runs = {name: launch(tmp_path / f"{name}.json", *args, script=SHARDING_SCRIPT, model=CP_MODEL)
-            for name, args in (("off", ["--no-offload"]), ("on", ["--offload"]),
-                               ("budget", ["--offload", "--memory-budget", CP_BUDGET]))}  # fmt: skip
-    for name, process in runs.items():
-        status, output = finish(process, started)
-        assert status == 0, f"the run {name!r} {outcome(status)}:\n{output[-3000:]}"
-    off, on, budget = (ranks(tmp_path / f"{name}.json") for name in runs)
+    runs = {"off": ["--no-offload"], "on": ["--offload"], "budget": ["--offload", "--memory-budget", CP_BUDGET]}
+    off, on, budget = launched(tmp_path, runs, CP_MODEL)
 
     for rank in (0, 1):
         assert off[rank]["mode"] == "FSDP2" and off[rank]["cp_size"] == 2
@@ -156,14 +162,8 @@ def test_under_context_parallelism_a_budget_only_tiling_meets_tiles_mlps_on_ever
     MLPs, on both ranks alike, and no whole layer (`L`, `l`: the probe leaves it out where ring attention saves
     DTensors, `test_probes.py`); the losses agree with the run without offloading within rounding."""
     model = [*CP_MODEL, "--hidden", "256", "--seq-len", "512"]  # the later of a repeated option wins
-    started = time.monotonic()
-    runs = {name: launch(tmp_path / f"{name}.json", *args, script=SHARDING_SCRIPT, model=model)
-            for name, args in (("off", ["--no-offload"]),
-                               ("tiled", ["--offload", "--memory-budget", "21.5MiB", "--tiling"]))}  # fmt: skip
-    for name, process in runs.items():
-        status, output = finish(process, started)
-        assert status == 0, f"the run {name!r} {outcome(status)}:\n{output[-3000:]}"
-    off, tiled = (ranks(tmp_path / f"{name}.json") for name in runs)
+    runs = {"off": ["--no-offload"], "tiled": ["--offload", "--memory-budget", "21.5MiB", "--tiling"]}
+    off, tiled = launched(tmp_path, runs, model)
     plans = [record["plans"] for record in tiled]
     assert plans[0] == plans[1] and all(plans[0][2:]), plans
     assert set("".join(plans[0][2:])) <= set("CcTt") and set("".join(plans[0][2:])) & set("Tt"), plans[0]
@@ -180,14 +180,8 @@ def test_under_ulysses_offloading_and_a_budget_change_no_loss_and_plan_for_a_ran
     sp_backend="deepspeed")`, ZeRO-1): each rank trains on its half of every sequence, attention between all-to-alls.
     Offloading, and a budget whose plan checkpoints every layer and offloads its input, give every rank its losses and
     weights of the same run without offloading, bitwise; the ranks agree on one plan, made for a rank's shard."""
-    started = time.monotonic()
-    runs = {name: launch(tmp_path / f"{name}.json", *args, script=SHARDING_SCRIPT, model=SP_MODEL, path=DEEPSPEED_SITE)
-            for name, args in (("off", ["--no-offload"]), ("on", ["--offload"]),
-                               ("budget", ["--offload", "--memory-budget", SP_BUDGET]))}  # fmt: skip
-    for name, process in runs.items():
-        status, output = finish(process, started)
-        assert status == 0, f"the run {name!r} {outcome(status)}:\n{output[-3000:]}"
-    off, on, budget = (ranks(tmp_path / f"{name}.json") for name in runs)
+    runs = {"off": ["--no-offload"], "on": ["--offload"], "budget": ["--offload", "--memory-budget", SP_BUDGET]}
+    off, on, budget = launched(tmp_path, runs, SP_MODEL, path=DEEPSPEED_SITE)
     for rank in (0, 1):
         assert off[rank]["mode"] == "DEEPSPEED" and off[rank]["sp_size"] == 2 and off[rank]["zero_stage"] == 1
         for record in (on[rank], budget[rank]):

@@ -23,6 +23,7 @@ __all__ = [
     "OFFLOAD",
     "SELECTIVE",
     "SELECTIVE_LETTERS",
+    "SAVED_OFFLOAD_LETTERS",
     "SELECTIVE_OFFLOAD",
     "TILED_LAYER",
     "TILED_LAYERS",
@@ -91,6 +92,9 @@ _BY_NAME = {(action.action, action.offload_input): action for action in ACTIONS.
 SELECTIVE_LETTERS = "".join(
     action.letter for action in ACTIONS.values() if action.action in (SELECTIVE, SELECTIVE_OFFLOAD)
 )
+# The letters of the actions that offload saved tensors beyond the input: a model whose layers save tensors the engine
+# keeps in place rules them out (`StepProfile.offload_saved`).
+SAVED_OFFLOAD_LETTERS = "".join(action.letter for action in ACTIONS.values() if action.offloads_saved)
 
 
 def action_named(action: str, offload_input: bool) -> LayerAction:

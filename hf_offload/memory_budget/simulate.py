@@ -105,7 +105,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..units import byte_unit, format_bytes
-from .actions import ACTIONS, FULL_TILED, SELECTIVE_LETTERS, TILED_LAYER, action_named
+from .actions import ACTIONS, FULL_TILED, SAVED_OFFLOAD_LETTERS, SELECTIVE_LETTERS, TILED_LAYER, action_named
 from .checks import check_bytes, check_seconds
 from .profile import LayerProfile, StepProfile, layer_tiling_available, tiling_available
 
@@ -571,11 +571,10 @@ def check_code(profile: StepProfile, code: str) -> None:
     if set(code) & set(SELECTIVE_LETTERS) and not profile.selective_checkpoint:
         raise ValueError(f"plan code {code!r} checkpoints selectively ({', '.join(SELECTIVE_LETTERS)}), which this "
                          "model's in-place kernels rule out (StepProfile.selective_checkpoint)")  # fmt: skip
-    offloads_saved = "".join(letter for letter in ACTIONS if ACTIONS[letter].offloads_saved)
-    if set(code) & set(offloads_saved) and not profile.offload_saved:
-        raise ValueError(f"plan code {code!r} offloads saved tensors beyond the input ({', '.join(offloads_saved)}), "
-                         "which this model's layers save as tensors offloading keeps in place "
-                         "(StepProfile.offload_saved)")  # fmt: skip
+    if set(code) & set(SAVED_OFFLOAD_LETTERS) and not profile.offload_saved:
+        raise ValueError(f"plan code {code!r} offloads saved tensors beyond the input "
+                         f"({', '.join(SAVED_OFFLOAD_LETTERS)}), which this model's layers save as tensors offloading "
+                         "keeps in place (StepProfile.offload_saved)")  # fmt: skip
 
 
 def unavailable_tiling(profile: StepProfile, code: str) -> str:
