@@ -14,7 +14,15 @@ try:  # DTensor parameters (FSDP2, tensor parallel) keep their local shard in `_
 except ImportError:  # torch built without distributed
     DTensor = None
 
-__all__ = ["kept_reason", "is_parameter_or_view", "storage_span", "local_shard", "parameter_storages", "TailPlanner"]
+__all__ = [
+    "kept_reason",
+    "is_movable_type",
+    "is_parameter_or_view",
+    "storage_span",
+    "local_shard",
+    "parameter_storages",
+    "TailPlanner",
+]
 
 
 def storage_span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -64,6 +72,12 @@ def is_parameter_or_view(tensor: torch.Tensor) -> bool:
     return type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter)
 
 
+def is_movable_type(tensor: torch.Tensor) -> bool:
+    """Whether offloading can move a tensor of this kind: a plain strided tensor. It keeps subclasses (a DTensor, which
+    torch's ring attention saves under context parallelism), sparse layouts and quantized tensors where they are."""
+    return type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.is_quantized
+
+
 def kept_reason(
     tensor: torch.Tensor,
     *,
@@ -79,9 +93,7 @@ def kept_reason(
     """
     if is_parameter_or_view(tensor):
         return "parameter"
-    if type(tensor) is not torch.Tensor:
-        return "unsupported_type"
-    if tensor.layout is not torch.strided or tensor.is_quantized:
+    if not is_movable_type(tensor):
         return "unsupported_type"
     if tensor.device.type != device_type:
         return "not_on_accelerator"

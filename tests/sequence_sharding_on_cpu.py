@@ -23,6 +23,7 @@ None of these changes what a rank computes: the tests compare runs that both sha
 
 import runpy
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -80,15 +81,20 @@ def install_cpu_ring_attention() -> None:
     _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _backward
 
 
-def run_as_multi_device() -> None:
+def _before_the_trainer(setup: Callable[[], None]) -> None:
+    """Runs `setup` as each Trainer is built, once its arguments have set the process group up on the CPU."""
     original = transformers.Trainer.__init__
 
     def __init__(self, *args, **kwargs):
         kwargs["args"].device  # noqa: B018 (sets the process group up on the CPU)
-        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        setup()
         original(self, *args, **kwargs)
 
     transformers.Trainer.__init__ = __init__
+
+
+def run_as_multi_device() -> None:
+    _before_the_trainer(lambda: PartialState._shared_state.update(distributed_type=DistributedType.MULTI_GPU))
 
 
 def start_deepspeed_comm() -> None:
@@ -96,14 +102,7 @@ def start_deepspeed_comm() -> None:
     import deepspeed.comm.torch  # noqa: F401 (the module; the package's attribute of that name is torch itself)
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    original = transformers.Trainer.__init__
-
-    def __init__(self, *args, **kwargs):
-        kwargs["args"].device  # noqa: B018 (sets the process group up on the CPU)
-        deepspeed.init_distributed(dist_backend="gloo")
-        original(self, *args, **kwargs)
-
-    transformers.Trainer.__init__ = __init__
+    _before_the_trainer(lambda: deepspeed.init_distributed(dist_backend="gloo"))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..model import CACHE_ARGUMENTS, first_tensor, is_cache
-from ..policy import is_parameter_or_view, local_shard, parameter_storages
+from ..policy import is_movable_type, is_parameter_or_view, local_shard, parameter_storages
 from ..tiled.integration import layer_bytes_per_token
 from .layer_actions import (
     StorageSet,
@@ -132,7 +132,7 @@ class _CountSavedBytes(saved_tensors_hooks):
                  on_save: Callable[[torch.Tensor], None] | None = None) -> None:  # fmt: skip
         self.nbytes = 0
         self.tensors = 0
-        self.kept_type: str | None = None  # a tensor subclass saved, which the engine keeps in place (`kept_reason`)
+        self.kept_type: str | None = None  # a type saved that offloading keeps in place (`is_movable_type`)
         self._parameter_pointers = parameter_pointers
         self._saved: list[weakref.ref[torch.Tensor]] = []
 
@@ -141,7 +141,7 @@ class _CountSavedBytes(saved_tensors_hooks):
                 on_save(tensor)
             if not is_parameter_or_view(tensor):
                 self._saved.append(weakref.ref(tensor))
-                if type(tensor) is not torch.Tensor and self.kept_type is None:
+                if not is_movable_type(tensor) and self.kept_type is None:
                     self.kept_type = type(tensor).__name__
             return tensor
 
