@@ -41,9 +41,14 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
   * Reloads. The offloaded layers come back one after another, from the last to the first, on one host-to-device
     stream (FIFO, at `h2d_bytes_per_s`), as far ahead as the prefetch window allows: a layer's reload is issued
     when the head starts or a layer's backward starts, if the reloads issued and not yet used fit the window with
-    it (or none are outstanding). The window is at least the largest layer's reload (one layer ahead); the planner
-    widens it as far as the budget allows, which hides long reloads behind several layers' backward. While the
-    head runs, the window stays at its narrowest: the loss's peak is then still close.
+    it (or none are outstanding). The window is at least the largest layer's reload (one layer ahead). Where some
+    layer offloads its saved tensors (`O`, `X`: many copies per layer, each needing its reload ahead), the planner
+    widens it as far as the budget allows, which hides long reloads behind several layers' backward. Where every
+    layer hands the engine its input at most, the engine reloads one layer ahead, from the middle of a layer's
+    backward (`model_hooks`' prefetch points; where it finds none, as far as the plan's window), and the window is
+    the narrowest: a wider one would count reloads that never come early (on an H100, a plan of four layers tiled
+    whole was predicted at its budget, 1.25 GB, and peaked at 1.03). While the head runs, the window stays at its
+    narrowest: the loss's peak is then still close.
   * Head. Memory = static + what every layer holds + `head_bytes` + the reloads outstanding, counted as
     min(narrowest window, every reload) less what of them the head's peak hides (`head_reload_hidden_bytes`,
     learned: the reloads start at the logits' gradient, after the loss's temporaries): the engine fills its window
@@ -205,6 +210,7 @@ class LayerOption(NamedTuple):
     working: int  # its backward's gradient buffers on top of `saved`, its own parameters' gradients included
     host_s: float = 0.0  # host time its offloading adds to the step (`StepProfile.input_offload_s`, `saved_offload_s`)
     forward_peak: int = 0  # its forward's bytes at their peak, where more than `saved`
+    offloads_saved: bool = False  # it sends the engine its saved tensors beyond its input (`O`, `X`)
 
 
 def gathered_parameters(profile: StepProfile) -> tuple[list[int], list[int]]:
@@ -285,12 +291,14 @@ def layer_options(profile: StepProfile, layer: LayerProfile) -> dict[str, LayerO
         "c": LayerOption(inputs, 0, layer.forward_s, *recomputed, **peak),
     }
     if profile.offload_saved:
-        options["O"] = LayerOption(0, saved, 0.0, *times, sends_saved, **peak)
+        options["O"] = LayerOption(0, saved, 0.0, *times, sends_saved, **peak, offloads_saved=True)
     if profile.selective_checkpoint:
         options["S"] = LayerOption(selective, inputs, layer.selective_recompute_s, *recomputed, sends_input, **peak)
         options["s"] = LayerOption(selective + inputs, 0, layer.selective_recompute_s, *recomputed, **peak)
     if profile.selective_checkpoint and profile.offload_saved:
-        options["X"] = LayerOption(0, selective + inputs, layer.selective_recompute_s, *recomputed, sends_saved, **peak)
+        options["X"] = LayerOption(
+            0, selective + inputs, layer.selective_recompute_s, *recomputed, sends_saved, **peak, offloads_saved=True
+        )
     if tiling_available(profile):
         saved_tiled = layer.tiled_saved_bytes + profile.tile_chunk_bytes
         tiled_working = _backward_working(saved_tiled, profile.tiled_backward_working_bytes,
@@ -319,9 +327,10 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
                   limit: int | None = None) -> SimulatedStep:  # fmt: skip
     """The model of the module docstring, walked through once in time order. The planner's hot loop.
 
-    The prefetch window is `window` (at least the largest reload), or with `limit` (a peak not to exceed) the widest
-    that keeps the peak within it, or else the narrowest: the peak's points are computed before the reloads are
-    timed, and each bounds the window by the room it leaves.
+    The prefetch window is the narrowest (the largest reload) where no layer offloads its saved tensors; else
+    `window` (at least the narrowest), or with `limit` (a peak not to exceed) the widest that keeps the peak within
+    it, or else the narrowest: the peak's points are computed before the reloads are timed, and each bounds the
+    window by the room it leaves.
     """
     static = profile.static_bytes + profile.peak_correction_bytes + profile.call_argument_bytes
     gathered_in_forward, gathered_in_backward = gathered_parameters(profile)
@@ -338,7 +347,8 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         (late_gradients_bytes(profile), 0, "embeddings", -1),
         (optimizer_step_bytes(profile), 0, "optimizer", -1),
     ]
-    window = _prefetch_window(points, narrowest, reloads_bytes, window, limit)
+    one_ahead = not any(option.offloads_saved for option in options)
+    window = narrowest if one_ahead else _prefetch_window(points, narrowest, reloads_bytes, window, limit)
     peak, peak_phase, peak_layer = forward.peak_bytes, "forward", forward.peak_layer
     for memory, to_come, phase, layer in points:
         memory += min(window, to_come)
@@ -422,7 +432,7 @@ def _forward(profile: StepProfile, options: Sequence[LayerOption], static: int, 
     copying_bytes = 0
     copies_done_at = 0.0
     forward_window = 0
-    for i, (held, offloaded, _, saved, forward_s, _, _, _, forward_peak) in enumerate(options):
+    for i, (held, offloaded, _, saved, forward_s, _, _, _, forward_peak, _) in enumerate(options):
         memory = static + held_before + copying_bytes + max(saved, forward_peak) + gathered[i]
         if memory > peak:
             peak, peak_layer = memory, i
@@ -480,7 +490,7 @@ def _backward_points(profile: StepProfile, options: Sequence[LayerOption], stati
     points = []
     held_before, below = held_bytes, reloads_bytes
     for i in range(len(options) - 1, -1, -1):
-        held, offloaded, _, saved, _, _, working, _, _ = options[i]
+        held, offloaded, _, saved, _, _, working, _, _, _ = options[i]
         held_before -= held
         below -= offloaded
         points.append((static + gradients[i] + held_before + saved + working + gathered[i], below, "backward", i))
@@ -540,7 +550,7 @@ def _backward(profile: StepProfile, options: Sequence[LayerOption], head_start: 
     host_total_s = 0.0
     previous_end = head_start + profile.head_s  # end of the backward after this layer's (the head's, first)
     for i in range(len(options) - 1, -1, -1):
-        _, offloaded, recompute_s, _, _, backward_s, _, host_s, _ = options[i]
+        _, offloaded, recompute_s, _, _, backward_s, _, host_s, _, _ = options[i]
         start = previous_end
         if offloaded:
             issue(start, window)  # a no-op unless every earlier reload is used: then this one goes now
@@ -599,7 +609,7 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
         profile: the measured step.
         code: one action letter per layer, in forward order (see `actions.ACTIONS`), e.g. "CCCCSSSSKKKK".
         prefetch_window_bytes: the reloads allowed ahead of need; None, or anything narrower than the largest
-            layer's reload, means that reload (one layer ahead).
+            layer's reload, means that reload (one layer ahead), as does a code without `O` or `X`.
 
     Returns:
         The prediction.

@@ -312,6 +312,24 @@ def test_plan_widens_the_window_as_far_as_the_budget_allows():
     assert step_model.simulate_step(profile, options, limit=budget - 1).prefetch_window_bytes < 200
 
 
+def test_a_plan_whose_layers_send_their_inputs_alone_reloads_one_layer_ahead_whatever_the_window():
+    # The engine reloads such a plan's inputs one layer ahead (model_hooks' prefetch points), so the model counts
+    # one reload outstanding at each layer's backward, whatever window or room it is offered; a plan with a layer
+    # offloading its saved tensors is still widened as far as the room allows.
+    layer = tiny_profile().layers[0]
+    profile = tiny_profile(layers=(layer,) * 4, h2d_bytes_per_s=40.0)
+    for code in ("CCCK", "CCSc"):
+        narrow = simulate(profile, code)
+        assert simulate(profile, code, prefetch_window_bytes=10**6) == narrow
+        assert narrow.prefetch_window_bytes == layer.input_bytes
+        options = [step_model.layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
+        assert step_model.simulate_step(profile, options, limit=10**12).prefetch_window_bytes == layer.input_bytes
+    code = "OCCK"
+    options = [step_model.layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
+    widened = step_model.simulate_step(profile, options, limit=10**12)
+    assert widened.prefetch_window_bytes == widened.host_bytes == layer.saved_bytes + 2 * layer.input_bytes
+
+
 # On S1
 
 
