@@ -425,7 +425,7 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         seconds[what], began = now - began, now
 
     call = _ProbedCall(layer, args, kwargs, meter)
-    kept, checkpointed_backward_s = call.kept_and_checkpointed()
+    kept, checkpointed_s = call.kept_and_checkpointed()
     measured("kept and selectively checkpointed")
     attention_forward_s, attention_backward_s = _time_attention(layer, call.forward, call.parameters, meter)
     measured("attention")
@@ -437,7 +437,7 @@ def _probe_outside_the_step(layer: nn.Module, args: tuple, kwargs: dict, meter: 
         input_bytes=call.hidden.numel() * call.hidden.element_size(),
         forward_s=kept.forward_s,
         backward_s=kept.backward_s,
-        selective_recompute_s=max(0.0, checkpointed_backward_s - kept.backward_s),
+        selective_recompute_s=0.0 if checkpointed_s is None else max(0.0, checkpointed_s - kept.backward_s),
         attention_forward_s=min(attention_forward_s, kept.forward_s),
         attention_backward_s=min(attention_backward_s, kept.backward_s),
         parameter_gradient_bytes=sum(p.numel() * p.element_size() for p in call.parameters),
@@ -537,19 +537,26 @@ class _ProbedCall:
     def run_kept(self, forward: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> _Kept:
         return _run_kept(self.layer, forward, self.parameters, self.pointers, self.meter)
 
-    def kept_and_checkpointed(self) -> tuple[_Kept, float]:
+    def kept_and_checkpointed(self) -> tuple[_Kept, float | None]:
         """The layer kept (`_run_kept`), and its backward's seconds selectively checkpointed, which recomputes: each
-        of the `_PROBE_RUNS`, the two interleaved, the fastest after the first."""
+        of the `_PROBE_RUNS`, the two interleaved, the fastest after the first.
+
+        Where the first kept run found an op writing into an output a selective checkpoint keeps
+        (`_Kept.selective_written_by`), the layer is never checkpointed selectively, and it is not run so either: its
+        recomputation may fail torch's own check of the checkpoint's cache (peft 0.22's LoRA on a mixture's experts
+        scales `B @ A` in place). Its seconds are then None."""
         kept_runs, checkpointed_s = [], []
         for run in range(_PROBE_RUNS):
             kept_runs.append(self.run_kept(self.forward) if run else self.first_run())
+            if kept_runs[0].selective_written_by is not None:
+                continue
             with checkpointing_as(self.layer, selective_checkpoint_function()):
                 x, out = self.forward()
             checkpointed_start = self.meter.mark()
             _gradients(out, x, self.parameters)
             checkpointed_s.append(self.meter.seconds(checkpointed_start, self.meter.mark()))
             del x, out
-        return _fastest(kept_runs), min(checkpointed_s[1:])
+        return _fastest(kept_runs), min(checkpointed_s[1:]) if checkpointed_s else None
 
     def quadratic_parts(self, kept: _Kept) -> tuple[dict[str, int], str | None]:
         """The parts of `kept`'s bytes that grow with the square of the tokens (`_quadratic_part`), by the name of

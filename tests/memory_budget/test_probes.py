@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from _gpu_models import build_model, make_batch, make_ctx  # noqa: E402
@@ -472,6 +473,40 @@ def test_a_layer_that_writes_into_a_product_a_selective_checkpoint_keeps_is_refu
         assert probe.selective_error.startswith("aten.add_.Tensor writes in place into the output of a matrix product")
     else:
         assert probe.selective_error is None
+
+
+class _ScalesItsProductInPlace(GradientCheckpointingLayer):
+    """A made-up decoder layer (checkpointed as transformers' are) whose weight is a base plus a product scaled in
+    place, as peft 0.22 computes a LoRA on a mixture's experts (`delta = B @ A; delta.mul_(scaling)`, then the base
+    weight plus `delta`): the write bumps the product's own version counter, which a selective checkpoint's cache
+    checks in its recomputation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 16))
+        self.a = torch.nn.Parameter(torch.randn(4, 16))
+        self.b = torch.nn.Parameter(torch.randn(16, 4))
+
+    def forward(self, hidden: torch.Tensor, **kwargs) -> torch.Tensor:  # the probe passes use_cache=False
+        delta = self.b @ self.a
+        delta.mul_(0.5)
+        return torch.nn.functional.linear(hidden, self.weight + delta).relu()
+
+
+def test_a_layer_whose_selective_checkpoint_would_fail_is_refused_one_without_running_it():
+    """torch's selective checkpoint raises in the recomputation of such a layer; the probe, having found the write
+    in the layer's kept run, neither runs the layer so nor lets a plan do it."""
+    from hf_offload.memory_budget import probes
+    from hf_offload.memory_budget.layer_actions import checkpointing_as, selective_checkpoint_function
+
+    torch.manual_seed(0)
+    layer, hidden = _ScalesItsProductInPlace(), torch.randn(2, 8, 16)
+    x = hidden.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="mutated"), checkpointing_as(layer, selective_checkpoint_function()):
+        torch.autograd.grad(layer(x), x, torch.ones_like(x))
+    probe = probes.probe_layer(layer, (hidden,), {}, probes.Meter("cpu"))
+    assert probe.selective_error.startswith("aten.mul_.Tensor writes in place into the output of a matrix product")
+    assert probe.profile.selective_recompute_s == 0.0
 
 
 def test_gemma3n_text_layers_are_refused_a_selective_checkpoint_by_the_probe():
