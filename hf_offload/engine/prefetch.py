@@ -167,6 +167,14 @@ class _Prefetch:
         """
         self._prefetch_on_unpack_rule = weakref.WeakMethod(rule)
 
+    @property
+    def reloads_one_block_ahead(self) -> bool:
+        """Whether the model's hooks time the reloads under checkpointing (`set_prefetch_on_unpack_rule`): where every
+        checkpointed layer hands the engine its input alone, one block's input is then reloaded ahead, from the
+        middle of the block's backward, whatever the prefetch window. Where the hooks found no attention to time them
+        at, unpacks reload as far ahead as the window."""
+        return self._prefetch_on_unpack_rule is not None
+
     def refresh_prefetch_on_unpack(self) -> None:
         """Decide `prefetch_on_unpack` again by the rule the model's hooks gave (none given: unchanged)."""
         rule = None if self._prefetch_on_unpack_rule is None else self._prefetch_on_unpack_rule()

@@ -221,6 +221,10 @@ class StepProfile:
         offload_saved: whether a layer's saved tensors may be offloaded beyond its input (`O`, `X`): not where a layer
             saves tensors the engine keeps in place, tensor subclasses (`LayerProbe.offload_error`: torch's ring
             attention saves DTensors under context parallelism), which such a plan would count as moved.
+        reloads_one_layer_ahead: whether the engine reloads one layer ahead in backward, whatever its prefetch window,
+            under a plan whose layers send it their inputs alone (`OffloadActivations.reloads_one_block_ahead`: its
+            prefetch points in the middle of each layer's backward); not where the model has no attention to place
+            them at, where reloads go as far ahead as the window.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -257,6 +261,7 @@ class StepProfile:
     disk_read_bytes_per_s: float = 0.0
     selective_checkpoint: bool = True
     offload_saved: bool = True
+    reloads_one_layer_ahead: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

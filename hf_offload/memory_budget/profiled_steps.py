@@ -442,6 +442,7 @@ class ProfiledSteps:
             saved_offload_s=_SAVED_OFFLOAD_HOST_S,
             selective_checkpoint=self._selective_checkpoint,
             offload_saved=self._offload_saved,
+            reloads_one_layer_ahead=engine is not None and engine.reloads_one_block_ahead,
         )  # fmt: skip
         if measured.step_s is not None:  # the rest of the step: what the model of the safe step does not explain
             # Of the plan that step ran: on a 7B shape whose profiled steps tiled every layer whole, the tiling's time

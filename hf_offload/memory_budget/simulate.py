@@ -45,10 +45,10 @@ The model, which the GPU measurements must confirm (bytes, seconds; layer i's nu
     layer offloads its saved tensors (`O`, `X`: many copies per layer, each needing its reload ahead), the planner
     widens it as far as the budget allows, which hides long reloads behind several layers' backward. Where every
     layer hands the engine its input at most, the engine reloads one layer ahead, from the middle of a layer's
-    backward (`model_hooks`' prefetch points; where it finds none, as far as the plan's window), and the window is
-    the narrowest: a wider one would count reloads that never come early (on an H100, a plan of four layers tiled
-    whole was predicted at its budget, 1.25 GB, and peaked at 1.03). While the head runs, the window stays at its
-    narrowest: the loss's peak is then still close.
+    backward (`model_hooks`' prefetch points, `StepProfile.reloads_one_layer_ahead`; a model without attention has
+    none, and is widened too), and the window is the narrowest: a wider one would count reloads that never come
+    early (on an H100, a plan of four layers tiled whole was predicted at its budget, 1.25 GB, and peaked at 1.03).
+    While the head runs, the window stays at its narrowest: the loss's peak is then still close.
   * Head. Memory = static + what every layer holds + `head_bytes` + the reloads outstanding, counted as
     min(narrowest window, every reload) less what of them the head's peak hides (`head_reload_hidden_bytes`,
     learned: the reloads start at the logits' gradient, after the loss's temporaries): the engine fills its window
@@ -327,7 +327,8 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
                   limit: int | None = None) -> SimulatedStep:  # fmt: skip
     """The model of the module docstring, walked through once in time order. The planner's hot loop.
 
-    The prefetch window is the narrowest (the largest reload) where no layer offloads its saved tensors; else
+    The prefetch window is the narrowest (the largest reload) where no layer offloads its saved tensors and the
+    engine reloads one layer ahead (`StepProfile.reloads_one_layer_ahead`); else
     `window` (at least the narrowest), or with `limit` (a peak not to exceed) the widest that keeps the peak within
     it, or else the narrowest: the peak's points are computed before the reloads are timed, and each bounds the
     window by the room it leaves.
@@ -347,7 +348,7 @@ def simulate_step(profile: StepProfile, options: Sequence[LayerOption], window: 
         (late_gradients_bytes(profile), 0, "embeddings", -1),
         (optimizer_step_bytes(profile), 0, "optimizer", -1),
     ]
-    one_ahead = not any(option.offloads_saved for option in options)
+    one_ahead = profile.reloads_one_layer_ahead and not any(option.offloads_saved for option in options)
     window = narrowest if one_ahead else _prefetch_window(points, narrowest, reloads_bytes, window, limit)
     peak, peak_phase, peak_layer = forward.peak_bytes, "forward", forward.peak_layer
     for memory, to_come, phase, layer in points:
@@ -609,7 +610,8 @@ def simulate(profile: StepProfile, code: str, prefetch_window_bytes: int | None 
         profile: the measured step.
         code: one action letter per layer, in forward order (see `actions.ACTIONS`), e.g. "CCCCSSSSKKKK".
         prefetch_window_bytes: the reloads allowed ahead of need; None, or anything narrower than the largest
-            layer's reload, means that reload (one layer ahead), as does a code without `O` or `X`.
+            layer's reload, means that reload (one layer ahead), as does a code without `O` or `X` where the engine
+            reloads one layer ahead.
 
     Returns:
         The prediction.

@@ -55,6 +55,18 @@ def test_liger_functions_in_the_models_code_rule_out_selective_checkpoints(monke
     assert len(results) == len(unchanged) and all(torch.equal(a, b) for a, b in zip(results, unchanged))
 
 
+def test_the_profile_says_whether_the_engine_reloads_one_layer_ahead():
+    """Llama's attention carries the engine's prefetch points, from which a checkpointed layer's input is reloaded one
+    layer ahead whatever the window; Mamba has no attention, and its unpacks reload as far ahead as the window."""
+    assert planned(10 * 2**30)[1].budget_controller.profile.reloads_one_layer_ahead
+    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8)
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(config)
+    context = get_act_offloading_ctx_manager(model, device_type="cpu", memory_budget=10 * 2**30)
+    train(model, context, steps=3)
+    assert not context.budget_controller.profile.reloads_one_layer_ahead
+
+
 def test_a_model_whose_layers_cannot_be_tiled_whole_is_planned_without_it(caplog):
     """Bloom computes its own (ALiBi) attention, without transformers' attention interface: a tiled layer has no call
     to cut it at. The planner says so in the log and plans without the action."""

@@ -328,6 +328,9 @@ def test_a_plan_whose_layers_send_their_inputs_alone_reloads_one_layer_ahead_wha
     options = [step_model.layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
     widened = step_model.simulate_step(profile, options, limit=10**12)
     assert widened.prefetch_window_bytes == widened.host_bytes == layer.saved_bytes + 2 * layer.input_bytes
+    # Without prefetch points (a model without attention), unpacks reload as far ahead as the window allows.
+    no_points = dataclasses.replace(profile, reloads_one_layer_ahead=False)
+    assert simulate(no_points, "CCCK", prefetch_window_bytes=30).prefetch_window_bytes == 30
 
 
 # On S1
