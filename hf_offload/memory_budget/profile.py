@@ -298,7 +298,8 @@ class StepProfile:
         nor does a tiled MLP's or layer's chunk (`tile_tokens`, `tile_chunk_bytes`, `layer_tile_tokens`,
         `layer_tile_chunk_bytes`), the tail's bound, the peak's corrections or the host's and the disk's room; times
         grow in proportion too, except the attention parts, which grow with the square, and the host's time per
-        offloading layer.
+        offloading layer. The backward's working bytes grow whole, the layer's own parameter gradients in them
+        included, which do not grow: a full fine-tune's longer steps are predicted high by them (docs/DESIGN.md).
 
         Args:
             tokens: the tokens per step to predict for.
