@@ -220,7 +220,7 @@ def long_steps_between(letters: str, steps: int = 5) -> SimpleNamespace:
 
     batch = make_batch("llama", batch=1, seq=LONG["seq"], vocab=LONG["vocab"])
     _, reference = step_peaks(long_model(), batch, None, steps)
-    profile = roomy_profile(long_model(), batch, 3, LONG["seq"])
+    profile = roomy_profile(long_model(), batch, 3)
     lowest = {letter: simulate(profile, letter * LONG["layers"]).peak_bytes for letter in letters}
     budget = (lowest[letters[0]] + lowest[letters[1]]) // 2
     model = long_model()
@@ -298,12 +298,14 @@ def test_a_budget_only_layers_tiled_whole_reach_is_kept_on_every_step(record, mo
     dispose(run.ctx)
 
 
-def roomy_profile(model, batch, steps: int, tokens: int):
-    """The profile a roomy budget measured over `steps` steps of `batch` (a function of the step), scaled to `tokens`;
-    the model and its context are freed, so that the run under test starts from an empty device."""
+def roomy_profile(model, batch, steps: int, tokens: int | None = None):
+    """The profile a roomy budget measured over `steps` steps of `batch` (a function of the step), scaled to `tokens`
+    where given; the model and its context are freed, so that the run under test starts from an empty device (a
+    context holds its model's decoder layers)."""
     roomy = make_ctx(model, memory_budget=10**12)
     step_peaks(model, batch, roomy, steps)
-    profile = roomy.budget_controller.profile.scaled(tokens)
+    profile = roomy.budget_controller.profile
+    profile = profile if tokens is None else profile.scaled(tokens)
     dispose(roomy)
     del model, roomy
     gc.collect()
@@ -382,14 +384,7 @@ def test_plain_checkpointing_is_tried_and_the_plan_chosen_after_it_is_no_slower(
     batch = make_batch("llama", batch=MEDIUM["batch"], seq=MEDIUM["seq"])
     steps = 10
     _, reference = step_peaks(medium_model(), batch, None, steps)
-    model = medium_model()
-    roomy = make_ctx(model, memory_budget=10**12)
-    step_peaks(model, batch, roomy, 3)
-    profile = roomy.budget_controller.profile
-    dispose(roomy)
-    del model, roomy
-    gc.collect()
-    torch.cuda.empty_cache()
+    profile = roomy_profile(medium_model(), batch, 3)
     layers = MEDIUM["layers"]
     kept_inputs, keep_all = (simulate(profile, letter * layers).peak_bytes for letter in "cK")
     budget = (kept_inputs + keep_all) // 2
