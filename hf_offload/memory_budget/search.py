@@ -25,6 +25,7 @@ from .simulate import (
     all_placed,
     check_code,
     chunk_sizes,
+    code_options,
     describe_peak,
     gathered_parameters,
     gradients_at_backward,
@@ -610,7 +611,7 @@ def plan_of(profile: StepProfile, code: str, budget_bytes: int, margin_bytes: in
     if not is_int(budget_bytes) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be an int > 0, got {budget_bytes!r}")
     check_code(profile, code)
-    options = [layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
+    options = code_options(profile, code)
     run = simulate_step(profile, options, limit=budget_bytes - margin_bytes)
     return Plan(budget_bytes=budget_bytes, tokens=profile.tokens, predicted=prediction_of(code, options, run),
                 host_cap_bytes=profile.host_cap_bytes, disk_cap_bytes=profile.disk_cap_bytes,

@@ -654,8 +654,13 @@ def _simulated(profile: StepProfile, code: str,
     check_code(profile, code)
     if prefetch_window_bytes is not None:
         check_bytes("simulate", "prefetch_window_bytes", prefetch_window_bytes)
-    options = [layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
+    options = code_options(profile, code)
     return options, simulate_step(profile, options, window=prefetch_window_bytes)
+
+
+def code_options(profile: StepProfile, code: str) -> list[LayerOption]:
+    """Each layer's `LayerOption` under its letter of `code`, which `check_code` has accepted."""
+    return [layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
 
 
 def chunk_sizes(profile: StepProfile, code: str) -> dict[str, int]:

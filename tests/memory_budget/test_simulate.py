@@ -302,17 +302,12 @@ def test_a_wider_prefetch_window_hides_reloads_behind_several_layers():
     assert simulate(profile, "OOOK", prefetch_window_bytes=50).prefetch_window_bytes == 100  # never below one layer
 
 
-def options_of(profile, code: str) -> list:
-    """The `LayerOption` of each layer's letter in `code`, as `simulate` builds them."""
-    return [step_model.layer_options(profile, layer)[letter] for layer, letter in zip(profile.layers, code)]
-
-
 def test_plan_widens_the_window_as_far_as_the_budget_allows():
     layer = tiny_profile().layers[0]
     profile = tiny_profile(layers=(layer,) * 4, h2d_bytes_per_s=40.0)
     code = "OOOK"
     budget = simulate(profile, code, prefetch_window_bytes=200).peak_bytes
-    options = options_of(profile, code)
+    options = step_model.code_options(profile, code)
     assert step_model.simulate_step(profile, options, limit=budget).prefetch_window_bytes == 200
     assert step_model.simulate_step(profile, options, limit=budget - 1).prefetch_window_bytes < 200
 
@@ -327,10 +322,10 @@ def test_a_plan_whose_layers_send_their_inputs_alone_reloads_one_layer_ahead_wha
         narrow = simulate(profile, code)
         assert simulate(profile, code, prefetch_window_bytes=10**6) == narrow
         assert narrow.prefetch_window_bytes == layer.input_bytes
-        options = options_of(profile, code)
+        options = step_model.code_options(profile, code)
         assert step_model.simulate_step(profile, options, limit=10**12).prefetch_window_bytes == layer.input_bytes
     code = "OCCK"
-    options = options_of(profile, code)
+    options = step_model.code_options(profile, code)
     widened = step_model.simulate_step(profile, options, limit=10**12)
     assert widened.prefetch_window_bytes == widened.host_bytes == layer.saved_bytes + 2 * layer.input_bytes
     # Without prefetch points (a model without attention), unpacks reload as far ahead as the window allows.
